@@ -1,0 +1,60 @@
+// ShardkitWork and the backend's worker thread.
+//
+// Every collective is validated on the calling thread, then queued; one worker thread runs the queue in
+// issue order (all ranks must issue collectives in the same order anyway), so the caller — DDP's autograd
+// thread, say — goes on while the shared-memory protocol runs. A Work completes its Future with the output
+// tensors (what DDP's comm hooks expect) or with the exception the collective threw.
+#pragma once
+
+#include <ATen/core/ivalue.h>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace shardkit::comm {
+
+class ShardkitWork : public c10d::Work {
+ public:
+  ShardkitWork(int rank, c10d::OpType type, const char* profiling_title, std::vector<at::Tensor> outputs);
+
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+  std::vector<at::Tensor> result() override { return outputs_; }
+
+  // Called by the worker thread exactly once.
+  void complete();
+  void fail(std::exception_ptr error);
+
+ private:
+  std::vector<at::Tensor> outputs_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+};
+
+class WorkQueue {
+ public:
+  WorkQueue();
+  ~WorkQueue();  // drains what is queued, then joins the worker
+
+  // Runs `body` on the worker thread after everything queued before it, then completes `work`
+  // (or fails it with whatever `body` threw).
+  void enqueue(c10::intrusive_ptr<ShardkitWork> work, std::function<void()> body);
+
+ private:
+  struct Item {
+    c10::intrusive_ptr<ShardkitWork> work;
+    std::function<void()> body;
+  };
+  void run();
+
+  std::mutex mutex_;
+  std::condition_variable ready_;
+  std::deque<Item> items_;
+  bool stopping_ = false;
+  std::thread worker_;
+};
+
+}  // namespace shardkit::comm

@@ -1,0 +1,22 @@
+// The one place where shardkit bridges differences between the torch versions it supports
+// (2.11, 2.13, 2.14). Adapters include this instead of testing TORCH_VERSION themselves.
+#pragma once
+
+#include <torch/csrc/distributed/c10d/Types.hpp>
+#include <torch/version.h>
+
+namespace shardkit::compat {
+
+#define SHARDKIT_TORCH_AT_LEAST(major, minor) \
+  (TORCH_VERSION_MAJOR > (major) || (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
+
+// The scale factor of a PREMUL_SUM reduce op (torch 2.x keeps it in a type-erased supplement).
+inline double premul_sum_factor(const c10d::ReduceOp& op) {
+  auto* supplement = dynamic_cast<c10d::PreMulSumSupplement*>(op.supplement_.get());
+  TORCH_CHECK(supplement != nullptr, "shardkit: PREMUL_SUM reduce op carries no scale factor");
+  TORCH_CHECK(!supplement->tensor_factor.defined(),
+              "shardkit: PREMUL_SUM with a tensor factor is not supported; pass a Python float");
+  return supplement->double_factor;
+}
+
+}  // namespace shardkit::compat

@@ -1,0 +1,228 @@
+// The collective algorithms of ShmGroup, each a sequence of rounds over the slot buffers (see
+// shm_group.h for the round/sync protocol). Every op is chunked by the slot size, so any size works.
+#include <algorithm>
+#include <cstring>
+#include <stdexcept>
+
+#include "core/reduce.h"
+#include "core/shm_group.h"
+
+namespace shardkit::core {
+
+namespace {
+
+// Up to this many bytes, allreduce/reduce use one round in which every rank reduces all slots (one sync,
+// N-fold reads). Above it, the two-step reduce-scatter + all-gather round reads each byte about once.
+constexpr size_t kSmallReduceBytes = 32 * 1024;
+// Sub-slices of the reduce-scatter step start on 64-byte boundaries (whole cache lines per rank).
+constexpr size_t kSliceAlignBytes = 64;
+
+struct Slice {
+  size_t begin;
+  size_t end;
+};
+
+// Rank r's share of n elements when n is split over `parts` ranks in aligned pieces.
+Slice share(size_t n, int parts, int r, size_t elem) {
+  const size_t align = std::max<size_t>(1, kSliceAlignBytes / elem);
+  size_t per = (n + parts - 1) / parts;
+  per = (per + align - 1) / align * align;
+  const size_t begin = std::min(n, per * r);
+  return {begin, std::min(n, begin + per)};
+}
+
+}  // namespace
+
+void ShmGroup::barrier() { sync(begin(OpKind::Barrier, 0, DType::U8, -1, ReduceOp::Sum)); }
+
+void ShmGroup::broadcast(void* data, size_t count, DType dtype, int root) {
+  const OpHeader header = begin(OpKind::Broadcast, count, dtype, root, ReduceOp::Sum);
+  const size_t elem = dtype_size(dtype);
+  const size_t chunk = slot_bytes_ / elem;
+  auto* bytes = static_cast<uint8_t*>(data);
+  size_t offset = 0;
+  do {  // at least one round, so that even empty ops check agreement
+    const size_t n = std::min(chunk, count - offset);
+    const uint64_t round = rounds_++;
+    if (rank_ == root) std::memcpy(slot(root, round), bytes + offset * elem, n * elem);
+    sync(header);
+    if (rank_ != root) std::memcpy(bytes + offset * elem, slot(root, round), n * elem);
+    offset += n;
+  } while (offset < count);
+}
+
+void ShmGroup::reduce_round(const OpHeader& header, const uint8_t* in, uint8_t* out, size_t count, size_t elem,
+                            bool copy_out) {
+  const uint64_t round = rounds_++;
+  std::memcpy(slot(rank_, round), in, count * elem);
+  sync(header);
+  std::vector<const void*> sources(size_);
+  if (count * elem <= kSmallReduceBytes) {
+    // Every rank reduces everything, in rank order: one sync, identical bits everywhere.
+    if (copy_out) {
+      for (int r = 0; r < size_; ++r) sources[r] = slot(r, round);
+      reduce_into(out, sources.data(), size_, count, header.dtype, header.reduce_op);
+    }
+    return;
+  }
+  // Reduce-scatter: this rank reduces its slice of all slots into its own slot (others read only their
+  // own slices, so the writes are disjoint from every concurrent read). Then everyone gathers the slices.
+  const Slice mine = share(count, size_, rank_, elem);
+  for (int r = 0; r < size_; ++r) sources[r] = slot(r, round) + mine.begin * elem;
+  reduce_into(slot(rank_, round) + mine.begin * elem, sources.data(), size_, mine.end - mine.begin, header.dtype,
+              header.reduce_op);
+  sync(header);
+  if (!copy_out) return;
+  for (int r = 0; r < size_; ++r) {
+    const Slice theirs = share(count, size_, r, elem);
+    std::memcpy(out + theirs.begin * elem, slot(r, round) + theirs.begin * elem, (theirs.end - theirs.begin) * elem);
+  }
+}
+
+void ShmGroup::allreduce(const void* in, void* out, size_t count, DType dtype, ReduceOp op) {
+  const OpHeader header = begin(OpKind::AllReduce, count, dtype, -1, op);
+  const size_t elem = dtype_size(dtype);
+  const size_t chunk = slot_bytes_ / elem;
+  size_t offset = 0;
+  do {
+    const size_t n = std::min(chunk, count - offset);
+    reduce_round(header, static_cast<const uint8_t*>(in) + offset * elem, static_cast<uint8_t*>(out) + offset * elem,
+                 n, elem, true);
+    offset += n;
+  } while (offset < count);
+}
+
+void ShmGroup::reduce(const void* in, void* out, size_t count, DType dtype, ReduceOp op, int root) {
+  const OpHeader header = begin(OpKind::Reduce, count, dtype, root, op);
+  const size_t elem = dtype_size(dtype);
+  const size_t chunk = slot_bytes_ / elem;
+  size_t offset = 0;
+  do {
+    const size_t n = std::min(chunk, count - offset);
+    reduce_round(header, static_cast<const uint8_t*>(in) + offset * elem,
+                 rank_ == root ? static_cast<uint8_t*>(out) + offset * elem : nullptr, n, elem, rank_ == root);
+    offset += n;
+  } while (offset < count);
+}
+
+void ShmGroup::allgather(const void* in, void* out, size_t count, DType dtype) {
+  const OpHeader header = begin(OpKind::AllGather, count, dtype, -1, ReduceOp::Sum);
+  const size_t elem = dtype_size(dtype);
+  const size_t chunk = slot_bytes_ / elem;
+  size_t offset = 0;
+  do {
+    const size_t n = std::min(chunk, count - offset);
+    const uint64_t round = rounds_++;
+    std::memcpy(slot(rank_, round), static_cast<const uint8_t*>(in) + offset * elem, n * elem);
+    sync(header);
+    for (int r = 0; r < size_; ++r) {
+      std::memcpy(static_cast<uint8_t*>(out) + (r * count + offset) * elem, slot(r, round), n * elem);
+    }
+    offset += n;
+  } while (offset < count);
+}
+
+void ShmGroup::gather(const void* in, void* out, size_t count, DType dtype, int root) {
+  const OpHeader header = begin(OpKind::Gather, count, dtype, root, ReduceOp::Sum);
+  const size_t elem = dtype_size(dtype);
+  const size_t chunk = slot_bytes_ / elem;
+  size_t offset = 0;
+  do {
+    const size_t n = std::min(chunk, count - offset);
+    const uint64_t round = rounds_++;
+    std::memcpy(slot(rank_, round), static_cast<const uint8_t*>(in) + offset * elem, n * elem);
+    sync(header);
+    if (rank_ == root) {
+      for (int r = 0; r < size_; ++r) {
+        std::memcpy(static_cast<uint8_t*>(out) + (r * count + offset) * elem, slot(r, round), n * elem);
+      }
+    }
+    offset += n;
+  } while (offset < count);
+}
+
+void ShmGroup::scatter(const void* in, void* out, size_t count, DType dtype, int root) {
+  const OpHeader header = begin(OpKind::Scatter, count, dtype, root, ReduceOp::Sum);
+  const size_t elem = dtype_size(dtype);
+  const size_t region = slot_bytes_ / size_ / elem;  // elements per destination per round
+  size_t offset = 0;
+  do {
+    const size_t n = std::min(region, count - offset);
+    const uint64_t round = rounds_++;
+    if (rank_ == root) {
+      for (int r = 0; r < size_; ++r) {
+        std::memcpy(slot(root, round) + r * region * elem, static_cast<const uint8_t*>(in) + (r * count + offset) * elem,
+                    n * elem);
+      }
+    }
+    sync(header);
+    std::memcpy(static_cast<uint8_t*>(out) + offset * elem, slot(root, round) + rank_ * region * elem, n * elem);
+    offset += n;
+  } while (offset < count);
+}
+
+void ShmGroup::reduce_scatter(const void* in, void* out, size_t count, DType dtype, ReduceOp op) {
+  const OpHeader header = begin(OpKind::ReduceScatter, count, dtype, -1, op);
+  const size_t elem = dtype_size(dtype);
+  const size_t region = slot_bytes_ / size_ / elem;
+  std::vector<const void*> sources(size_);
+  size_t offset = 0;
+  do {
+    const size_t n = std::min(region, count - offset);
+    const uint64_t round = rounds_++;
+    for (int r = 0; r < size_; ++r) {
+      std::memcpy(slot(rank_, round) + r * region * elem, static_cast<const uint8_t*>(in) + (r * count + offset) * elem,
+                  n * elem);
+    }
+    sync(header);
+    for (int r = 0; r < size_; ++r) sources[r] = slot(r, round) + rank_ * region * elem;
+    reduce_into(static_cast<uint8_t*>(out) + offset * elem, sources.data(), size_, n, dtype, op);
+    offset += n;
+  } while (offset < count);
+}
+
+void ShmGroup::alltoall(const void* in, const std::vector<size_t>& send_counts, const std::vector<size_t>& send_offsets,
+                        void* out, const std::vector<size_t>& recv_counts, const std::vector<size_t>& recv_offsets,
+                        DType dtype) {
+  const OpHeader header = begin(OpKind::AllToAll, 0, dtype, -1, ReduceOp::Sum);
+  const size_t n_ranks = static_cast<size_t>(size_);
+  if (send_counts.size() != n_ranks || send_offsets.size() != n_ranks || recv_counts.size() != n_ranks ||
+      recv_offsets.size() != n_ranks) {
+    throw std::invalid_argument("shardkit alltoall (rank " + std::to_string(rank_) +
+                                "): split lists must have one entry per rank (" + std::to_string(size_) + ")");
+  }
+  // Round 0 exchanges the send counts, so every rank knows the whole matrix (and how many data rounds).
+  uint64_t round = rounds_++;
+  auto* my_counts = reinterpret_cast<uint64_t*>(slot(rank_, round));
+  for (int r = 0; r < size_; ++r) my_counts[r] = send_counts[r];
+  sync(header);
+  std::vector<uint64_t> matrix(n_ranks * n_ranks);  // matrix[i * size + j]: elements rank i sends to j
+  for (int r = 0; r < size_; ++r) std::memcpy(&matrix[r * n_ranks], slot(r, round), n_ranks * sizeof(uint64_t));
+  const uint64_t largest = *std::max_element(matrix.begin(), matrix.end());
+  for (int r = 0; r < size_; ++r) {
+    if (matrix[r * n_ranks + rank_] != recv_counts[r]) {
+      abort("shardkit " + describe(header) + ": rank " + std::to_string(rank_) + " expects " +
+            std::to_string(recv_counts[r]) + " elements from rank " + std::to_string(r) + ", which sends " +
+            std::to_string(matrix[r * n_ranks + rank_]));
+    }
+  }
+  const size_t elem = dtype_size(dtype);
+  const size_t region = slot_bytes_ / n_ranks / elem;
+  const uint64_t data_rounds = std::max<uint64_t>(1, (largest + region - 1) / region);
+  auto part = [&](uint64_t total, uint64_t r) { return std::min<uint64_t>(region, total - std::min(total, r * region)); };
+  for (uint64_t r = 0; r < data_rounds; ++r) {
+    round = rounds_++;
+    for (int dst = 0; dst < size_; ++dst) {
+      std::memcpy(slot(rank_, round) + dst * region * elem,
+                  static_cast<const uint8_t*>(in) + (send_offsets[dst] + r * region) * elem,
+                  part(send_counts[dst], r) * elem);
+    }
+    sync(header);
+    for (int src = 0; src < size_; ++src) {
+      std::memcpy(static_cast<uint8_t*>(out) + (recv_offsets[src] + r * region) * elem,
+                  slot(src, round) + rank_ * region * elem, part(recv_counts[src], r) * elem);
+    }
+  }
+}
+
+}  // namespace shardkit::core

@@ -1,0 +1,272 @@
+// ShmGroup: segment layout, the sync point (arrive + wait), agreement checks and abort.
+// The collective algorithms themselves live in shm_collectives.cpp.
+#include "core/shm_group.h"
+
+#include <sched.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstddef>
+#include <cstring>
+#include <sstream>
+#include <stdexcept>
+
+#include "core/futex.h"
+#include "core/shm_segment.h"
+
+namespace shardkit::core {
+
+namespace {
+
+constexpr uint64_t kMagic = 0x736861726b6b6974ULL;  // "sharkkit"
+constexpr size_t kPage = 4096;
+constexpr size_t kAbortMessageBytes = 1024;
+
+// How a wait escalates. Ranks may outnumber cores (4 ranks on 2 cores in CI), so after a short spin a
+// waiter yields, and after kYieldFor it sleeps on the futex so that the ranks it waits for get the core.
+constexpr int kSpinIterations = 256;
+constexpr auto kYieldFor = std::chrono::microseconds(200);
+constexpr auto kFutexSleep = std::chrono::microseconds(2000);
+constexpr auto kLivenessEvery = std::chrono::milliseconds(200);
+
+size_t round_up(size_t value, size_t to) { return (value + to - 1) / to * to; }
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield" ::: "memory");
+#endif
+}
+
+}  // namespace
+
+struct alignas(64) GroupHeader {
+  uint64_t magic;
+  uint64_t slot_bytes;
+  uint32_t size;
+  alignas(64) std::atomic<uint32_t> attached;
+  alignas(64) std::atomic<uint32_t> futex_word;  // bumped on every arrival that may have sleepers
+  std::atomic<uint32_t> sleepers;                // ranks currently (about to be) asleep on futex_word
+  alignas(64) std::atomic<uint32_t> abort_state;  // 0 ok, 1 message being written, 2 aborted
+  char abort_message[kAbortMessageBytes];
+};
+
+// One per rank, written only by that rank. Two cache lines so neighbours never share one.
+struct alignas(128) RankControl {
+  std::atomic<uint64_t> arrivals;  // sync points this rank has reached
+  OpHeader header;                 // the op it reached them for; valid while arrivals is unchanged
+  int32_t pid;
+};
+
+const char* op_kind_name(OpKind kind) {
+  switch (kind) {
+    case OpKind::Barrier: return "barrier";
+    case OpKind::Broadcast: return "broadcast";
+    case OpKind::AllReduce: return "allreduce";
+    case OpKind::Reduce: return "reduce";
+    case OpKind::AllGather: return "allgather";
+    case OpKind::Gather: return "gather";
+    case OpKind::Scatter: return "scatter";
+    case OpKind::ReduceScatter: return "reduce_scatter";
+    case OpKind::AllToAll: return "alltoall";
+  }
+  return "unknown";
+}
+
+ShmGroup::ShmGroup(const Options& options)
+    : rank_(options.rank),
+      size_(options.size),
+      slot_bytes_(round_up(options.slot_bytes, kPage)),
+      timeout_(options.timeout) {
+  if (size_ < 1 || rank_ < 0 || rank_ >= size_) {
+    throw std::invalid_argument("shardkit shm: invalid rank " + std::to_string(rank_) + " for group size " +
+                                std::to_string(size_));
+  }
+  if (slot_bytes_ < kPage) throw std::invalid_argument("shardkit shm: slot_bytes must be positive");
+  const size_t header_bytes = round_up(sizeof(GroupHeader), kPage);
+  const size_t control_bytes = round_up(sizeof(RankControl) * size_, kPage);
+  const size_t total = header_bytes + control_bytes + slot_bytes_ * 2 * size_;
+  segment_ = std::make_unique<ShmSegment>(options.name, total, rank_, size_, offsetof(GroupHeader, attached),
+                                          timeout_);
+  uint8_t* base = segment_->data();
+  header_ = reinterpret_cast<GroupHeader*>(base);
+  controls_ = reinterpret_cast<RankControl*>(base + header_bytes);
+  slots_ = base + header_bytes + control_bytes;
+  if (rank_ == 0) {
+    header_->magic = kMagic;
+    header_->slot_bytes = slot_bytes_;
+    header_->size = static_cast<uint32_t>(size_);
+  }
+  controls_[rank_].pid = static_cast<int32_t>(getpid());
+  // The first sync publishes rank 0's header fields and every pid; then check that all ranks laid the
+  // segment out alike (a mismatch means ranks were started with different slot sizes).
+  barrier();
+  if (header_->magic != kMagic || header_->size != static_cast<uint32_t>(size_) ||
+      header_->slot_bytes != slot_bytes_) {
+    throw std::runtime_error("shardkit shm (rank " + std::to_string(rank_) + "): segment '" + options.name +
+                             "' was laid out by rank 0 for size " + std::to_string(header_->size) +
+                             " and slot_bytes " + std::to_string(header_->slot_bytes) + ", this rank expects " +
+                             std::to_string(size_) + " and " + std::to_string(slot_bytes_));
+  }
+}
+
+ShmGroup::~ShmGroup() = default;
+
+bool ShmGroup::aborted() const { return header_->abort_state.load(std::memory_order_acquire) != 0; }
+
+std::string ShmGroup::abort_message() const {
+  while (header_->abort_state.load(std::memory_order_acquire) == 1) sched_yield();
+  if (header_->abort_state.load(std::memory_order_acquire) == 0) return {};
+  return std::string(header_->abort_message, strnlen(header_->abort_message, kAbortMessageBytes));
+}
+
+void ShmGroup::abort(const std::string& message) {
+  uint32_t expected = 0;
+  if (header_->abort_state.compare_exchange_strong(expected, 1, std::memory_order_acq_rel)) {
+    std::strncpy(header_->abort_message, message.c_str(), kAbortMessageBytes - 1);
+    header_->abort_message[kAbortMessageBytes - 1] = '\0';
+    header_->abort_state.store(2, std::memory_order_release);
+    header_->futex_word.fetch_add(1);
+    futex_wake_all(&header_->futex_word);
+    throw std::runtime_error(message);
+  }
+  // Someone aborted first: theirs is the root cause.
+  throw std::runtime_error("shardkit (rank " + std::to_string(rank_) + "): group aborted: " + abort_message());
+}
+
+OpHeader ShmGroup::begin(OpKind kind, size_t count, DType dtype, int root, ReduceOp op) {
+  OpHeader header;
+  header.seq = ++seq_;
+  header.kind = kind;
+  header.count = count;
+  header.dtype = dtype;
+  header.root = root;
+  header.reduce_op = op;
+  if (aborted()) {
+    throw std::runtime_error("shardkit " + describe(header) + " (rank " + std::to_string(rank_) +
+                             "): group was aborted earlier: " + abort_message());
+  }
+  if (root != -1 && (root < 0 || root >= size_)) {
+    throw std::invalid_argument("shardkit " + describe(header) + " (rank " + std::to_string(rank_) +
+                                "): root " + std::to_string(root) + " is outside group of size " +
+                                std::to_string(size_));
+  }
+  return header;
+}
+
+std::string ShmGroup::describe(const OpHeader& h) const {
+  std::ostringstream out;
+  out << op_kind_name(h.kind) << " #" << h.seq;
+  if (h.kind == OpKind::Barrier) return out.str();
+  out << " (" << dtype_name(h.dtype);
+  if (h.kind != OpKind::AllToAll) out << " x " << h.count;
+  if (h.kind == OpKind::AllReduce || h.kind == OpKind::Reduce || h.kind == OpKind::ReduceScatter) {
+    out << ", " << reduce_op_name(h.reduce_op);
+  }
+  if (h.root >= 0) out << ", root " << h.root;
+  out << ")";
+  return out.str();
+}
+
+uint8_t* ShmGroup::slot(int rank, uint64_t round) const {
+  return slots_ + (static_cast<size_t>(rank) * 2 + (round & 1)) * slot_bytes_;
+}
+
+void ShmGroup::check_peer_header(int peer, const OpHeader& mine, uint64_t target) {
+  // Seqlock read: the peer rewrites its header only after passing this sync point, which it cannot do
+  // before we arrive; still, re-check the counter so a torn read is never reported as a disagreement.
+  RankControl& control = controls_[peer];
+  OpHeader theirs;
+  std::memcpy(&theirs, &control.header, sizeof(OpHeader));
+  std::atomic_thread_fence(std::memory_order_acquire);
+  if (control.arrivals.load(std::memory_order_relaxed) != target) return;  // moved on: it checked us
+  if (std::memcmp(&theirs, &mine, sizeof(OpHeader)) == 0) return;
+  abort("shardkit: ranks disagree on collective #" + std::to_string(mine.seq) + ": rank " +
+        std::to_string(rank_) + " called " + describe(mine) + " but rank " + std::to_string(peer) + " called " +
+        describe(theirs));
+}
+
+void ShmGroup::sync(const OpHeader& header) {
+  using clock = std::chrono::steady_clock;
+  const uint64_t target = ++arrivals_;
+  RankControl& me = controls_[rank_];
+  std::memcpy(&me.header, &header, sizeof(OpHeader));
+  me.arrivals.store(target, std::memory_order_seq_cst);
+  // Pairs with the sleeper's seq_cst increment + re-check below: either it sees our arrival, or we see it.
+  if (header_->sleepers.load(std::memory_order_seq_cst) != 0) {
+    header_->futex_word.fetch_add(1, std::memory_order_seq_cst);
+    futex_wake_all(&header_->futex_word);
+  }
+  if (size_ == 1) return;
+
+  std::vector<int> pending;
+  pending.reserve(size_ - 1);
+  for (int peer = 0; peer < size_; ++peer) {
+    if (peer != rank_) pending.push_back(peer);
+  }
+  auto drop_arrived = [&] {
+    size_t kept = 0;
+    for (int peer : pending) {
+      uint64_t seen = controls_[peer].arrivals.load(std::memory_order_acquire);
+      if (seen >= target) {
+        if (seen == target) check_peer_header(peer, header, target);
+      } else {
+        pending[kept++] = peer;
+      }
+    }
+    pending.resize(kept);
+    return pending.empty();
+  };
+
+  const auto start = clock::now();
+  const auto deadline = start + timeout_;
+  auto next_liveness = start + kLivenessEvery;
+  for (int iteration = 0;; ++iteration) {
+    if (drop_arrived()) return;
+    if (aborted()) {
+      throw std::runtime_error("shardkit " + describe(header) + " (rank " + std::to_string(rank_) +
+                               "): group aborted: " + abort_message());
+    }
+    if (iteration < kSpinIterations) {
+      cpu_relax();
+      continue;
+    }
+    const auto now = clock::now();
+    if (now - start < kYieldFor) {
+      sched_yield();
+      continue;
+    }
+    if (now >= next_liveness) {
+      next_liveness = now + kLivenessEvery;
+      std::string dead;
+      for (int peer : pending) {
+        int32_t pid = controls_[peer].pid;
+        if (pid > 0 && kill(pid, 0) != 0 && errno == ESRCH) {
+          dead += (dead.empty() ? "" : ", ") + std::to_string(peer) + " (pid " + std::to_string(pid) + ")";
+        }
+      }
+      if (!dead.empty()) {
+        abort("shardkit " + describe(header) + " (rank " + std::to_string(rank_) + "): rank(s) " + dead +
+              " exited before arriving");
+      }
+    }
+    if (now >= deadline) {
+      std::string missing;
+      for (int peer : pending) missing += (missing.empty() ? "" : ", ") + std::to_string(peer);
+      abort("shardkit " + describe(header) + " (rank " + std::to_string(rank_) + "): timed out after " +
+            std::to_string(timeout_.count()) + " ms waiting for rank(s) [" + missing + "]");
+    }
+    struct SleeperMark {  // counted as a sleeper until this scope ends, even if a check throws
+      std::atomic<uint32_t>& sleepers;
+      explicit SleeperMark(std::atomic<uint32_t>& s) : sleepers(s) { sleepers.fetch_add(1, std::memory_order_seq_cst); }
+      ~SleeperMark() { sleepers.fetch_sub(1, std::memory_order_seq_cst); }
+    } mark(header_->sleepers);
+    const uint32_t word = header_->futex_word.load(std::memory_order_seq_cst);
+    if (!drop_arrived() && !aborted()) futex_wait(&header_->futex_word, word, kFutexSleep);
+  }
+}
+
+}  // namespace shardkit::core

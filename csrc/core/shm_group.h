@@ -1,0 +1,144 @@
+// ShmGroup: collectives among the ranks of one host through one shared-memory segment.
+//
+// Segment layout (every offset cache-line or page aligned):
+//   GroupHeader                 magic, size, attach counter, abort flag + message, futex word
+//   RankControl  x size         per rank: arrival counter, current op header, pid (one cache line pair each)
+//   slots        x size x 2     per rank, two data buffers of `slot_bytes` (double buffering, see below)
+//
+// Protocol. Every collective is a sequence of *rounds*; a round is "each rank writes what it contributes
+// into its own slot buffer, then arrives at a sync point, then reads what it needs from any slot". A rank
+// arrives by writing its op header and then incrementing its arrival counter (release); it waits until
+// every rank's counter reaches the same value. Because each rank only writes its own control block and
+// its own slots, there is no read-modify-write contention between ranks.
+//
+// Double buffering: round t uses buffer t % 2 (t counts rounds over the group's lifetime). A rank can only
+// write round t+2's buffer after passing round t+1's sync, which every rank reaches only after finishing
+// its reads of round t — so a single sync per round is enough. The large allreduce adds one sync inside
+// its round (reduce-scatter step, then all-gather step) and writes only disjoint sub-slices in between.
+//
+// Agreement: the op header (sequence number, op, dtype, count, root, reduce op) travels with each arrival.
+// Each waiting rank compares every peer's header with its own; a mismatch aborts the group with a message
+// naming both sides, on every rank (the abort flag lives in the segment, and all waits check it).
+//
+// Waits: spin briefly, then sched_yield, then futex-sleep (ranks may outnumber cores). Every wait has a
+// deadline (the group timeout) and checks the pids of the ranks it waits for, so a dead peer is reported
+// within about a second, naming the op, its sequence number and the missing ranks. After an abort the
+// group refuses further collectives with the same message but can still be destroyed cleanly.
+//
+// Determinism: every reduction combines ranks in order 0..size-1, and each element is reduced exactly once
+// (by one rank, or identically by all ranks), so all ranks get bitwise identical results.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/types.h"
+
+namespace shardkit::core {
+
+class ShmSegment;
+struct GroupHeader;
+struct RankControl;
+
+// What a collective is, as every rank must agree on it. Travels in shared memory.
+enum class OpKind : uint32_t {
+  Barrier = 1,
+  Broadcast,
+  AllReduce,
+  Reduce,
+  AllGather,
+  Gather,
+  Scatter,
+  ReduceScatter,
+  AllToAll,
+};
+const char* op_kind_name(OpKind kind);
+
+struct OpHeader {
+  uint64_t seq = 0;    // collective number in this group, from 1
+  uint64_t count = 0;  // elements per rank, as the op defines it (0 for alltoall: splits are checked apart)
+  OpKind kind = OpKind::Barrier;
+  int32_t root = -1;
+  DType dtype = DType::U8;
+  ReduceOp reduce_op = ReduceOp::Sum;
+  uint8_t pad[6] = {};
+};
+
+class ShmGroup {
+ public:
+  struct Options {
+    std::string name;  // shm name, starts with '/', unique per job and group (the adapter agrees it)
+    int rank = 0;
+    int size = 1;
+    size_t slot_bytes = size_t{1} << 20;  // per rank and buffer; collectives of any size are chunked
+    std::chrono::milliseconds timeout{std::chrono::minutes(30)};
+  };
+
+  explicit ShmGroup(const Options& options);
+  ~ShmGroup();
+  ShmGroup(const ShmGroup&) = delete;
+  ShmGroup& operator=(const ShmGroup&) = delete;
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  size_t slot_bytes() const { return slot_bytes_; }
+  uint64_t seq() const { return seq_; }
+  void set_timeout(std::chrono::milliseconds timeout) { timeout_ = timeout; }
+
+  // All pointers are to contiguous host memory; counts are in elements. `in` and `out` may be the same
+  // buffer where the op's shapes allow it (allreduce, broadcast). All throw std::runtime_error on
+  // disagreement, timeout, dead peer or a previous abort.
+  void barrier();
+  void broadcast(void* data, size_t count, DType dtype, int root);
+  void allreduce(const void* in, void* out, size_t count, DType dtype, ReduceOp op);
+  // Only `root`'s out is written; other ranks may pass nullptr.
+  void reduce(const void* in, void* out, size_t count, DType dtype, ReduceOp op, int root);
+  // out holds size * count elements, rank r's contribution at offset r * count.
+  void allgather(const void* in, void* out, size_t count, DType dtype);
+  // Like allgather, but only root's out is written.
+  void gather(const void* in, void* out, size_t count, DType dtype, int root);
+  // root's in holds size * count elements; every rank receives its count-element block.
+  void scatter(const void* in, void* out, size_t count, DType dtype, int root);
+  // in holds size * count elements; rank r gets the reduction of every rank's block r.
+  void reduce_scatter(const void* in, void* out, size_t count, DType dtype, ReduceOp op);
+  // send_counts[j] elements go from this rank to rank j, read from in at send_offsets[j]; received
+  // blocks land in out at recv_offsets[j]. Every pair's send and receive counts must agree.
+  void alltoall(const void* in, const std::vector<size_t>& send_counts, const std::vector<size_t>& send_offsets,
+                void* out, const std::vector<size_t>& recv_counts, const std::vector<size_t>& recv_offsets,
+                DType dtype);
+
+  // True once the group is aborted (disagreement, timeout or dead peer); the message says why.
+  bool aborted() const;
+  std::string abort_message() const;
+
+ private:
+  // Starts a collective: bumps the sequence number, fails fast if the group is already aborted.
+  OpHeader begin(OpKind kind, size_t count, DType dtype, int root, ReduceOp op);
+  // Arrive at the next sync point with `header` and wait for every rank.
+  void sync(const OpHeader& header);
+  uint8_t* slot(int rank, uint64_t round) const;
+  [[noreturn]] void abort(const std::string& message);
+  void check_peer_header(int peer, const OpHeader& mine, uint64_t target);
+  std::string describe(const OpHeader& header) const;
+  // The large-message allreduce/reduce round: reduce-scatter through the slots, then gather the result.
+  void reduce_round(const OpHeader& header, const uint8_t* in, uint8_t* out, size_t count, size_t elem,
+                    bool copy_out);
+
+  int rank_;
+  int size_;
+  size_t slot_bytes_;
+  std::chrono::milliseconds timeout_;
+  std::unique_ptr<ShmSegment> segment_;
+  GroupHeader* header_ = nullptr;
+  RankControl* controls_ = nullptr;
+  uint8_t* slots_ = nullptr;
+  uint64_t seq_ = 0;      // collectives started
+  uint64_t arrivals_ = 0;  // sync points passed (this rank's arrival counter)
+  uint64_t rounds_ = 0;   // data rounds started (selects the buffer)
+};
+
+}  // namespace shardkit::core

@@ -1,0 +1,98 @@
+#include "core/shm_segment.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <stdexcept>
+#include <thread>
+
+namespace shardkit::core {
+namespace {
+
+[[noreturn]] void fail(int rank, const std::string& name, const std::string& what, int err) {
+  throw std::runtime_error("shardkit shm (rank " + std::to_string(rank) + "): " + what + " segment '" +
+                           name + "': " + std::strerror(err));
+}
+
+}  // namespace
+
+ShmSegment::ShmSegment(const std::string& name, size_t bytes, int rank, int size,
+                       size_t attach_counter_offset, std::chrono::milliseconds timeout)
+    : name_(name), bytes_(bytes), creator_(rank == 0) {
+  using clock = std::chrono::steady_clock;
+  const auto deadline = clock::now() + timeout;
+  int fd = -1;
+  if (creator_) {
+    fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+    if (fd < 0) fail(rank, name, "cannot create", errno);
+    if (ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
+      int err = errno;
+      close(fd);
+      unlink_name();
+      fail(rank, name, "cannot size (" + std::to_string(bytes) + " bytes; is /dev/shm full?)", err);
+    }
+  } else {
+    // The creator may not have made it yet; it may also be mid-ftruncate, so wait for the full size.
+    for (;;) {
+      fd = shm_open(name.c_str(), O_RDWR, 0600);
+      if (fd >= 0) {
+        struct stat st{};
+        if (fstat(fd, &st) == 0 && static_cast<size_t>(st.st_size) >= bytes) break;
+        close(fd);
+        fd = -1;
+      } else if (errno != ENOENT) {
+        fail(rank, name, "cannot open", errno);
+      }
+      if (clock::now() > deadline) {
+        throw std::runtime_error("shardkit shm (rank " + std::to_string(rank) + "): segment '" + name +
+                                 "' did not appear within " + std::to_string(timeout.count()) +
+                                 " ms (did local rank 0 start?)");
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
+  }
+  void* mapped = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  int map_err = errno;
+  close(fd);
+  if (mapped == MAP_FAILED) {
+    if (creator_) unlink_name();
+    fail(rank, name, "cannot map", map_err);
+  }
+  base_ = static_cast<uint8_t*>(mapped);
+
+  auto* attached = reinterpret_cast<std::atomic<uint32_t>*>(base_ + attach_counter_offset);
+  attached->fetch_add(1, std::memory_order_acq_rel);
+  if (creator_) {
+    while (attached->load(std::memory_order_acquire) < static_cast<uint32_t>(size)) {
+      if (clock::now() > deadline) {
+        uint32_t seen = attached->load();
+        munmap(base_, bytes_);
+        base_ = nullptr;
+        unlink_name();
+        throw std::runtime_error("shardkit shm (rank 0): only " + std::to_string(seen) + " of " +
+                                 std::to_string(size) + " local ranks attached to segment '" + name +
+                                 "' within " + std::to_string(timeout.count()) + " ms");
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(100));
+    }
+    unlink_name();
+  }
+}
+
+ShmSegment::~ShmSegment() {
+  if (base_ != nullptr) munmap(base_, bytes_);
+  if (creator_) unlink_name();
+}
+
+void ShmSegment::unlink_name() {
+  if (!unlinked_) {
+    shm_unlink(name_.c_str());
+    unlinked_ = true;
+  }
+}
+
+}  // namespace shardkit::core

@@ -1,0 +1,16 @@
+"""shardkit: distributed training for PyTorch.
+
+Importing shardkit registers the ``"shardkit"`` torch.distributed backend.
+"""
+
+from __future__ import annotations
+
+import torch  # noqa: F401  (loads libtorch before the extension)
+
+from . import _C
+from .backend import register_backend
+
+__version__ = "0.1.0"
+__all__ = ["__version__", "register_backend"]
+
+register_backend()

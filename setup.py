@@ -1,0 +1,132 @@
+"""Build shardkit's C++/CUDA extension, `shardkit._C`.
+
+CPU build by default; a CUDA build (kernels in csrc/cuda/, NCCL code in csrc/comm/nccl/) when the installed
+torch is a CUDA build and CUDA_HOME is found. SHARDKIT_CUDA=1 demands CUDA (an error if it cannot be
+built, never a silent CPU build); SHARDKIT_CUDA=0 forces the CPU build. Install with
+`pip install --no-build-isolation .` so the extension is built against the torch already installed.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+ROOT = Path(__file__).parent.resolve()
+CSRC = ROOT / "csrc"
+# Folders whose sources every build compiles; the CUDA build adds CUDA_FOLDERS.
+CPU_FOLDERS = ["core", "comm", "ddp", "fsdp", "compress"]
+CUDA_FOLDERS = ["cuda", "comm/nccl"]
+
+
+def _sources(folder: str, patterns: tuple[str, ...]) -> list[str]:
+    found: list[str] = []
+    for pattern in patterns:
+        found += glob.glob(str(CSRC / folder / pattern))
+    return sorted(os.path.relpath(path, ROOT) for path in found)
+
+
+def _want_cuda() -> bool:
+    """Decide CPU vs CUDA; raise if CUDA is demanded but impossible."""
+    import torch
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    setting = os.environ.get("SHARDKIT_CUDA", "").strip()
+    if setting not in ("", "0", "1"):
+        raise RuntimeError(f"SHARDKIT_CUDA must be 0 or 1, got {setting!r}")
+    possible = torch.version.cuda is not None and CUDA_HOME is not None
+    if setting == "1" and not possible:
+        why = "torch is a CPU build" if torch.version.cuda is None else "CUDA_HOME/nvcc was not found"
+        raise RuntimeError(f"SHARDKIT_CUDA=1 asks for the CUDA extension, but it cannot be built: {why}")
+    if setting == "0":
+        return False
+    return possible
+
+
+def _nccl_paths() -> tuple[str, str]:
+    """Include and library folders of NCCL: the nvidia-nccl wheel torch depends on, else CUDA_HOME."""
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    candidates: list[Path] = []
+    try:
+        import nvidia.nccl  # type: ignore[import-not-found]
+
+        candidates += [Path(p) for p in nvidia.nccl.__path__]
+    except ImportError:
+        pass
+    if os.environ.get("NCCL_HOME"):
+        candidates.append(Path(os.environ["NCCL_HOME"]))
+    if CUDA_HOME:
+        candidates.append(Path(CUDA_HOME))
+    for base in candidates:
+        if (base / "include" / "nccl.h").exists():
+            for lib in ("lib", "lib64"):
+                if glob.glob(str(base / lib / "libnccl.so*")):
+                    return str(base / "include"), str(base / lib)
+    raise RuntimeError(
+        "shardkit's CUDA build needs NCCL (nccl.h and libnccl.so): install the nvidia-nccl wheel that "
+        f"your torch depends on, or set NCCL_HOME. Looked in: {[str(c) for c in candidates]}"
+    )
+
+
+def get_extensions():
+    from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension  # noqa: F401
+
+    cuda = _want_cuda()
+    sources = ["csrc/bindings.cpp"]
+    for folder in CPU_FOLDERS:
+        sources += _sources(folder, ("*.cpp",))
+    cxx_flags = ["-O3", "-std=c++17", "-fvisibility=hidden"]
+    define_macros = []
+    include_dirs = [str(CSRC)]
+    library_dirs: list[str] = []
+    libraries = ["rt"]
+    extra_link_args: list[str] = []
+    if not cuda:
+        return [
+            CppExtension(
+                "shardkit._C",
+                sources,
+                include_dirs=include_dirs,
+                define_macros=define_macros,
+                extra_compile_args={"cxx": cxx_flags},
+                libraries=libraries,
+            )
+        ]
+    for folder in CUDA_FOLDERS:
+        sources += _sources(folder, ("*.cpp", "*.cu"))
+    nccl_include, nccl_lib = _nccl_paths()
+    include_dirs.append(nccl_include)
+    library_dirs.append(nccl_lib)
+    # The wheel ships only the versioned soname; link it by file name and find it again at run time.
+    nccl_so = sorted(glob.glob(os.path.join(nccl_lib, "libnccl.so*")))[0]
+    extra_link_args += [f"-l:{os.path.basename(nccl_so)}", f"-Wl,-rpath,{nccl_lib}"]
+    define_macros.append(("SHARDKIT_WITH_CUDA", "1"))
+    return [
+        CUDAExtension(
+            "shardkit._C",
+            sources,
+            include_dirs=include_dirs,
+            library_dirs=library_dirs,
+            libraries=libraries,
+            define_macros=define_macros,
+            extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "-std=c++17"]},
+            extra_link_args=extra_link_args,
+        )
+    ]
+
+
+def _cmdclass():
+    from torch.utils.cpp_extension import BuildExtension
+
+    return {"build_ext": BuildExtension.with_options(use_ninja=True)}
+
+
+setup(
+    packages=find_packages("python"),
+    package_dir={"": "python"},
+    ext_modules=get_extensions(),
+    cmdclass=_cmdclass(),
+)
