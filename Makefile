@@ -14,6 +14,8 @@ PIP_FLAGS    := --disable-pip-version-check -q
 TEST_DEPS    := pytest pytest-timeout numpy ninja setuptools wheel
 APT_PACKAGES := libgtest-dev cmake ninja-build g++
 BUILD_CPP    := build/cpp
+# torch guesses CUDA_HOME from nvcc's path, which a wrapper script in /usr/local/bin defeats.
+CUDA_HOME    ?= $(if $(wildcard /usr/local/cuda/include/cuda_runtime.h),/usr/local/cuda)
 # Compiling torch extensions takes ~2 GB per job; the machines here have 2 cores.
 export MAX_JOBS ?= 2
 CSRC := $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' 2>/dev/null) setup.py pyproject.toml
@@ -66,6 +68,7 @@ $(VENV_CUDA)/.deps: Makefile
 cuda-check: apt-deps $(VENV_CUDA)/.deps
 	rm -rf build/cuda-check && mkdir -p build/cuda-check
 	SHARDKIT_CUDA=1 TORCH_CUDA_ARCH_LIST="$${TORCH_CUDA_ARCH_LIST:-9.0}" \
+	  $(if $(CUDA_HOME),CUDA_HOME=$(CUDA_HOME)) \
 	  $(VENV_CUDA)/bin/pip wheel $(PIP_FLAGS) --no-build-isolation --no-deps -w build/cuda-check .
 	$(VENV_CUDA)/bin/pip install $(PIP_FLAGS) --no-deps --force-reinstall build/cuda-check/shardkit-*.whl
 	cd build/cuda-check && ../../$(VENV_CUDA)/bin/python ../../tests/cuda_check.py

@@ -36,9 +36,13 @@ def _want_cuda() -> bool:
     setting = os.environ.get("SHARDKIT_CUDA", "").strip()
     if setting not in ("", "0", "1"):
         raise RuntimeError(f"SHARDKIT_CUDA must be 0 or 1, got {setting!r}")
-    possible = torch.version.cuda is not None and CUDA_HOME is not None
+    toolkit = CUDA_HOME is not None and (Path(CUDA_HOME) / "include" / "cuda_runtime.h").exists()
+    possible = torch.version.cuda is not None and toolkit
     if setting == "1" and not possible:
-        why = "torch is a CPU build" if torch.version.cuda is None else "CUDA_HOME/nvcc was not found"
+        if torch.version.cuda is None:
+            why = "torch is a CPU build"
+        else:
+            why = f"no CUDA toolkit at CUDA_HOME={CUDA_HOME!r} (need include/cuda_runtime.h); set CUDA_HOME"
         raise RuntimeError(f"SHARDKIT_CUDA=1 asks for the CUDA extension, but it cannot be built: {why}")
     if setting == "0":
         return False
@@ -78,7 +82,9 @@ def get_extensions():
     sources = ["csrc/bindings.cpp"]
     for folder in CPU_FOLDERS:
         sources += _sources(folder, ("*.cpp",))
-    cxx_flags = ["-O3", "-std=c++17", "-fvisibility=hidden"]
+    # No -std flag: torch's cpp_extension picks the standard its headers need (C++17 for 2.11-2.13,
+    # C++20 for 2.14). csrc/core stays plain C++17 so the GoogleTest build needs no torch.
+    cxx_flags = ["-O3", "-fvisibility=hidden"]
     define_macros = []
     include_dirs = [str(CSRC)]
     library_dirs: list[str] = []
@@ -112,7 +118,7 @@ def get_extensions():
             library_dirs=library_dirs,
             libraries=libraries,
             define_macros=define_macros,
-            extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "-std=c++17"]},
+            extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3"]},
             extra_link_args=extra_link_args,
         )
     ]

@@ -1,0 +1,41 @@
+"""Shared fixtures: the multi-rank launcher (see harness.py) bound to the test's temp dir."""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))  # so ranks (forkserver children) can import test modules
+
+import harness  # noqa: E402
+
+# Four ranks share two cores in CI: keep each rank's intra-op pool to one thread.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+class Ranks:
+    """`ranks.run(fn, world_size, ...)` / `ranks.launch(...)` with the per-test workdir filled in."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.run = functools.partial(harness.run, workdir=workdir)
+        self.launch = functools.partial(harness.launch, workdir=workdir)
+
+
+@pytest.fixture
+def ranks(tmp_path: Path) -> Ranks:
+    return Ranks(tmp_path)
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_segments():
+    """Every test must leave /dev/shm as it found it."""
+    before = {n for n in os.listdir("/dev/shm") if "shardkit" in n} if os.path.isdir("/dev/shm") else set()
+    yield
+    if os.path.isdir("/dev/shm"):
+        leaked = {n for n in os.listdir("/dev/shm") if "shardkit" in n} - before
+        assert not leaked, f"test left shared-memory segments behind: {sorted(leaked)}"

@@ -1,0 +1,147 @@
+"""Multi-rank test launcher: run a function on N ranks and collect what each returned or raised.
+
+Ranks are processes started through a forkserver that has torch and shardkit preloaded (fast, and safe
+from fork-after-threads), rendezvous through a ``file://`` store in a per-test temp dir (no ports), and
+are killed after a hard timeout: a hang fails the test with every unfinished rank's Python stack
+(faulthandler dumps it just before the deadline) instead of stalling CI.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import faulthandler
+import multiprocessing as mp
+import os
+import queue
+import subprocess
+import sys
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable
+
+_CONTEXT = mp.get_context("forkserver")
+_CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "shardkit"])
+
+
+@dataclasses.dataclass
+class RankOutcome:
+    rank: int
+    value: Any = None
+    error: str | None = None  # formatted traceback when the function raised
+    exitcode: int | None = None
+    finished: bool = False  # the rank reported a result (value or error) before the deadline
+
+    @property
+    def ok(self) -> bool:
+        return self.finished and self.error is None
+
+
+class RanksFailed(AssertionError):
+    """Some rank raised, crashed or hung; the message holds every failing rank's story."""
+
+
+def _rank_main(fn, rank, world_size, args, kwargs, store_path, backend, pg_timeout, env, results, stack_file, dump_after):
+    os.environ.update(env)
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+                       "LOCAL_WORLD_SIZE": str(world_size)})
+    with open(stack_file, "w") as stacks:
+        faulthandler.dump_traceback_later(dump_after, exit=False, file=stacks)
+        try:
+            import torch.distributed as dist
+
+            if backend is not None:
+                dist.init_process_group(backend, init_method=f"file://{store_path}", rank=rank,
+                                        world_size=world_size, timeout=timedelta(seconds=pg_timeout))
+            value = fn(rank, world_size, *args, **kwargs)
+            results.put((rank, True, value))
+        except BaseException:  # noqa: BLE001 - the test decides what an exception means
+            results.put((rank, False, traceback.format_exc()))
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+            try:
+                import torch.distributed as dist
+
+                if backend is not None and dist.is_initialized():
+                    dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - a broken group may refuse a clean shutdown
+                pass
+
+
+def launch(fn: Callable[..., Any], world_size: int, *args: Any, workdir: Path, timeout: float = 60.0,
+           backend: str | None = "shardkit", pg_timeout: float | None = None, env: dict[str, str] | None = None,
+           **kwargs: Any) -> list[RankOutcome]:
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` ranks; never raises for rank failures.
+
+    ``backend=None`` skips init_process_group. The process group's own timeout is ``pg_timeout``
+    (default: the hard timeout), so a collective that waits on a dead peer fails inside the rank.
+    """
+    workdir.mkdir(parents=True, exist_ok=True)
+    store_path = workdir / f"store-{time.monotonic_ns()}"
+    results = _CONTEXT.Queue()
+    dump_after = max(1.0, timeout - 2.0)
+    processes = []
+    for rank in range(world_size):
+        stack_file = workdir / f"rank{rank}.stacks"
+        proc = _CONTEXT.Process(
+            target=_rank_main,
+            args=(fn, rank, world_size, args, kwargs, str(store_path), backend, pg_timeout or timeout,
+                  dict(env or {}), results, str(stack_file), dump_after),
+            daemon=True,
+        )
+        proc.start()
+        processes.append(proc)
+
+    outcomes = [RankOutcome(rank) for rank in range(world_size)]
+    deadline = time.monotonic() + timeout
+    pending = world_size
+    while pending and time.monotonic() < deadline:
+        try:
+            rank, ok, payload = results.get(timeout=0.1)
+        except queue.Empty:
+            if all(not p.is_alive() for p in processes) and results.empty():
+                break
+            continue
+        outcome = outcomes[rank]
+        outcome.finished = True
+        if ok:
+            outcome.value = payload
+        else:
+            outcome.error = payload
+        pending -= 1
+    timed_out = pending and time.monotonic() >= deadline
+    for rank, proc in enumerate(processes):
+        # Ranks that reported get a moment to shut their process group down; hung ones are killed now.
+        proc.join(timeout=5.0 if outcomes[rank].finished else 0.2)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+        outcomes[rank].exitcode = proc.exitcode
+        if not outcomes[rank].finished:
+            stack_file = workdir / f"rank{rank}.stacks"
+            stacks = stack_file.read_text() if stack_file.exists() else ""
+            how = (f"timed out after {timeout:.0f} s and was killed" if timed_out and proc.exitcode == -9
+                   else f"exited with code {proc.exitcode} without a result")
+            outcomes[rank].error = f"rank {rank} {how}\n{stacks}"
+    results.close()
+    return outcomes
+
+
+def run(fn: Callable[..., Any], world_size: int, *args: Any, **kwargs: Any) -> list[Any]:
+    """Like :func:`launch`, but every rank must succeed; returns the ranks' values in rank order."""
+    outcomes = launch(fn, world_size, *args, **kwargs)
+    failed = [o for o in outcomes if not o.ok]
+    if failed:
+        story = "\n".join(f"--- rank {o.rank} ---\n{o.error}" for o in failed)
+        raise RanksFailed(f"{len(failed)} of {world_size} ranks failed:\n{story}")
+    return [o.value for o in outcomes]
+
+
+def run_torchrun(script: Path, nproc: int, *args: str, timeout: float = 120.0,
+                 env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run ``script`` under real ``torchrun --standalone`` (a free port is picked); returns its output."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           str(script), *args]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env)

@@ -1,0 +1,217 @@
+"""Every collective of the "shardkit" backend against a locally computed reference, world sizes 1-4."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from collective_cases import (ALL_DTYPES, FLOAT_DTYPES, SIZES, assert_close, make_input, ops_for,
+                              reference_reduce)
+
+WORLD_SIZES = [1, 2, 3, 4]
+
+
+def _allreduce_all_dtypes_ops_sizes(rank, world):
+    checked = 0
+    for dtype in ALL_DTYPES:
+        for op in ops_for(dtype):
+            for n in SIZES:
+                inputs = [make_input(r, n, dtype, salt=int(op)) for r in range(world)]
+                t = inputs[rank].clone()
+                dist.all_reduce(t, op=op)
+                assert_close(t, reference_reduce(inputs, op), world, f"all_reduce {dtype} {op} n={n}")
+                checked += 1
+    return checked
+
+
+def _rooted_and_gathering_ops(rank, world):
+    for dtype in ALL_DTYPES:
+        for n in (0, 5, 300_001):
+            inputs = [make_input(r, n, dtype, salt=3) for r in range(world)]
+            mine = inputs[rank]
+            for root in range(world):
+                t = mine.clone()
+                dist.broadcast(t, src=root)
+                assert torch.equal(t, inputs[root]), f"broadcast {dtype} n={n} root={root}"
+            root = world - 1
+            op = dist.ReduceOp.MAX if dtype != torch.bool else dist.ReduceOp.BOR
+            t = mine.clone()
+            dist.reduce(t, dst=root, op=op)
+            expected = reference_reduce(inputs, op) if rank == root else mine
+            assert_close(t, expected, world, f"reduce {dtype} n={n}")
+            outs = [torch.empty_like(mine) for _ in range(world)]
+            dist.all_gather(outs, mine)
+            for r in range(world):
+                assert torch.equal(outs[r], inputs[r]), f"all_gather {dtype} n={n} block {r}"
+            flat = torch.empty(world * n, dtype=dtype)
+            dist.all_gather_into_tensor(flat, mine)
+            assert torch.equal(flat, torch.cat(inputs)), f"all_gather_into_tensor {dtype} n={n}"
+            gather_list = [torch.empty_like(mine) for _ in range(world)] if rank == 0 else None
+            dist.gather(mine, gather_list, dst=0)
+            if rank == 0:
+                assert all(torch.equal(g, i) for g, i in zip(gather_list, inputs)), f"gather {dtype} n={n}"
+            received = torch.empty_like(mine)
+            scatter_list = [make_input(r, n, dtype, salt=9) for r in range(world)] if rank == 0 else None
+            dist.scatter(received, scatter_list, src=0)
+            assert torch.equal(received, make_input(rank, n, dtype, salt=9)), f"scatter {dtype} n={n}"
+    return True
+
+
+def _reduce_scatter_ops(rank, world):
+    for dtype in ALL_DTYPES:
+        for op in ops_for(dtype):
+            for n in (0, 3, 70_001):
+                blocks = [[make_input(r * world + b, n, dtype, salt=int(op)) for b in range(world)] for r in range(world)]
+                expected = reference_reduce([blocks[r][rank] for r in range(world)], op)
+                out = torch.empty(n, dtype=dtype)
+                dist.reduce_scatter(out, [b.clone() for b in blocks[rank]], op=op)
+                assert_close(out, expected, world, f"reduce_scatter {dtype} {op} n={n}")
+                out2 = torch.empty(n, dtype=dtype)
+                dist.reduce_scatter_tensor(out2, torch.cat(blocks[rank]), op=op)
+                assert_close(out2, expected, world, f"reduce_scatter_tensor {dtype} {op} n={n}")
+    return True
+
+
+def _alltoall_ops(rank, world):
+    for dtype in (torch.float32, torch.bfloat16, torch.int64, torch.bool):
+        # even: every rank sends 4 rows of 3 to every rank; uneven: rank r sends (r + j) % 3 * 50_000 rows to j
+        for uneven in (False, True):
+            def rows(src, dst):
+                return ((src + dst) % 3) * 50_000 if uneven else 4
+            send = [make_input(rank * 100 + j, rows(rank, j) * 3, dtype, salt=1).view(-1, 3) for j in range(world)]
+            expect = [make_input(j * 100 + rank, rows(j, rank) * 3, dtype, salt=1).view(-1, 3) for j in range(world)]
+            out = torch.empty(sum(e.shape[0] for e in expect), 3, dtype=dtype)
+            in_splits = [s.shape[0] for s in send] if uneven else None
+            out_splits = [e.shape[0] for e in expect] if uneven else None
+            dist.all_to_all_single(out, torch.cat(send), out_splits, in_splits)
+            assert torch.equal(out, torch.cat(expect)), f"all_to_all_single {dtype} uneven={uneven}"
+            outs = [torch.empty_like(e) for e in expect]
+            dist.all_to_all(outs, send)
+            assert all(torch.equal(o, e) for o, e in zip(outs, expect)), f"all_to_all {dtype} uneven={uneven}"
+    return True
+
+
+def _objects_barrier_coalesced(rank, world):
+    objs = [None] * world
+    dist.all_gather_object(objs, {"rank": rank, "payload": "x" * (rank * 1000)})
+    assert objs == [{"rank": r, "payload": "x" * (r * 1000)} for r in range(world)]
+    lst = [f"from {rank}", rank] if rank == 0 else [None, None]
+    dist.broadcast_object_list(lst, src=0)
+    assert lst == ["from 0", 0]
+    dist.barrier()
+    tensors = [make_input(rank, n, torch.float32, salt=n) for n in (3, 0, 70_000)]
+    expected = [reference_reduce([make_input(r, n, torch.float32, salt=n) for r in range(world)], dist.ReduceOp.SUM)
+                for n in (3, 0, 70_000)]
+    dist.distributed_c10d._get_default_group().allreduce_coalesced(tensors).wait()
+    for t, e in zip(tensors, expected):
+        assert_close(t, e, world, "allreduce_coalesced")
+    return True
+
+
+def _non_contiguous(rank, world):
+    base = torch.arange(40, dtype=torch.float32).view(5, 8) * (rank + 1)
+    view = base[:, ::2]  # strided view: the result must land in the view, and only there
+    dist.all_reduce(view)
+    total = sum(range(1, world + 1))
+    expected = torch.arange(40, dtype=torch.float32).view(5, 8) * (rank + 1)
+    expected[:, ::2] = torch.arange(40, dtype=torch.float32).view(5, 8)[:, ::2] * total
+    assert torch.equal(base, expected)
+    src = (torch.arange(12, dtype=torch.float64).view(3, 4) + 100 * rank).t()  # non-contiguous input
+    outs = torch.empty(world * 12, dtype=torch.float64).view(world, 4, 3).unbind(0)
+    dist.all_gather(list(outs), src)
+    for r in range(world):
+        assert torch.equal(outs[r], (torch.arange(12, dtype=torch.float64).view(3, 4) + 100 * r).t())
+    b = torch.zeros(6, 6)[::2, 1::2]
+    if rank == 0:
+        b.copy_(torch.ones(3, 3) * 7)
+    dist.broadcast(b, src=0)
+    assert torch.equal(b, torch.ones(3, 3) * 7)
+    return True
+
+
+def _async_overlap(rank, world):
+    a = torch.full((300_000,), float(rank))
+    b = torch.full((7,), float(rank * 2))
+    work_a = dist.all_reduce(a, async_op=True)
+    work_b = dist.all_reduce(b, async_op=True)
+    fut = work_b.get_future()
+    values = fut.wait()
+    assert isinstance(values, list) and values[0] is b or torch.equal(values[0], b)
+    work_a.wait()
+    s = sum(range(world))
+    assert torch.equal(a, torch.full((300_000,), float(s)))
+    assert torch.equal(b, torch.full((7,), float(2 * s)))
+    chained = dist.all_reduce(torch.ones(3), async_op=True).get_future().then(lambda f: f.value()[0] * 2)
+    assert torch.equal(chained.wait(), torch.full((3,), 2.0 * world))
+    return True
+
+
+def _subgroups(rank, world):
+    evens = dist.new_group([r for r in range(world) if r % 2 == 0])
+    odds = dist.new_group([r for r in range(world) if r % 2 == 1])
+    mine = evens if rank % 2 == 0 else odds
+    members = [r for r in range(world) if r % 2 == rank % 2]
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t, group=mine)
+    assert t.item() == float(sum(members))
+    g = [torch.zeros(1) for _ in members]
+    dist.all_gather(g, torch.tensor([float(rank)]), group=mine)
+    assert [x.item() for x in g] == [float(m) for m in members]
+    whole = torch.tensor([1.0])
+    dist.all_reduce(whole)  # the default group still works beside the subgroups
+    assert whole.item() == float(world)
+    return dist.get_backend(mine)
+
+
+def _point_to_point(rank, world):
+    if rank == 0:
+        for dst in range(1, world):
+            dist.send(torch.arange(5, dtype=torch.float32) * dst, dst=dst)
+        return True
+    got = torch.empty(5)
+    dist.recv(got, src=0)
+    return torch.equal(got, torch.arange(5, dtype=torch.float32) * rank)
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_allreduce_every_dtype_op_and_size(ranks, world):
+    counts = ranks.run(_allreduce_all_dtypes_ops_sizes, world, timeout=240)
+    assert counts[0] == sum(len(ops_for(d)) for d in ALL_DTYPES) * len(SIZES)
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_broadcast_reduce_allgather_gather_scatter(ranks, world):
+    assert ranks.run(_rooted_and_gathering_ops, world, timeout=240) == [True] * world
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_reduce_scatter_every_dtype_and_op(ranks, world):
+    assert ranks.run(_reduce_scatter_ops, world, timeout=240) == [True] * world
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_alltoall_even_and_uneven(ranks, world):
+    assert ranks.run(_alltoall_ops, world, timeout=240) == [True] * world
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_object_collectives_barrier_and_coalesced(ranks, world):
+    assert ranks.run(_objects_barrier_coalesced, world) == [True] * world
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_non_contiguous_tensors(ranks, world):
+    assert ranks.run(_non_contiguous, world) == [True] * world
+
+
+def test_two_ops_in_flight_and_futures(ranks):
+    assert ranks.run(_async_overlap, 3) == [True] * 3
+
+
+def test_subgroups(ranks):
+    assert ranks.run(_subgroups, 4) == ["shardkit"] * 4
+
+
+def test_send_recv(ranks):
+    assert ranks.run(_point_to_point, 3) == [True] * 3

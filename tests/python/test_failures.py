@@ -1,0 +1,160 @@
+"""What users see when things go wrong: errors name the rank, the op and the value; nothing hangs."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+
+def _kill_one_rank_mid_allreduce(rank, world):
+    t = torch.ones(1000)
+    dist.all_reduce(t)  # everyone is up and connected
+    if rank == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(300_000))
+    except RuntimeError as error:
+        return time.monotonic() - start, str(error)
+    return None
+
+
+def test_killed_rank_is_reported_within_two_seconds(ranks):
+    outcomes = ranks.launch(_kill_one_rank_mid_allreduce, 4, timeout=60, pg_timeout=60)
+    assert outcomes[2].exitcode == -signal.SIGKILL
+    for rank in (0, 1, 3):
+        assert outcomes[rank].ok, outcomes[rank].error
+        elapsed, message = outcomes[rank].value
+        assert elapsed < 2.0, f"rank {rank} took {elapsed:.2f} s to notice"
+        assert "allreduce #3" in message and "rank(s) 2 (pid" in message and "exited" in message, message
+
+
+def _disagree_on_size(rank, world):
+    dist.all_reduce(torch.ones(4))
+    with pytest.raises(RuntimeError) as info:
+        dist.all_reduce(torch.ones(10 + rank))
+    return str(info.value)
+
+
+def test_ranks_disagreeing_on_size_both_get_the_error(ranks):
+    messages = ranks.run(_disagree_on_size, 2, timeout=60)
+    for message in messages:
+        assert ("ranks disagree on collective #3: rank 0 called allreduce #3 (f32 x 10, sum) "
+                "but rank 1 called allreduce #3 (f32 x 11, sum)") in message or (
+                "ranks disagree on collective #3: rank 1 called allreduce #3 (f32 x 11, sum) "
+                "but rank 0 called allreduce #3 (f32 x 10, sum)") in message, message
+
+
+def _disagree_on_op(rank, world):
+    with pytest.raises(RuntimeError) as info:
+        if rank == 0:
+            dist.all_reduce(torch.ones(8))
+        else:
+            dist.broadcast(torch.ones(8), src=0)
+    # The group is unusable afterwards, with the same explanation, and still shuts down cleanly.
+    with pytest.raises(RuntimeError, match="ranks disagree"):
+        dist.all_reduce(torch.ones(1))
+    return str(info.value)
+
+
+def test_ranks_disagreeing_on_op(ranks):
+    messages = ranks.run(_disagree_on_op, 2, timeout=60)
+    for message in messages:
+        assert "ranks disagree on collective #2" in message
+        assert "allreduce #2 (f32 x 8, sum)" in message and "broadcast #2 (f32 x 8, root 0)" in message
+
+
+def _late_rank(rank, world):
+    if rank == 1:
+        time.sleep(4)
+    start = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(16))
+    except RuntimeError as error:
+        return time.monotonic() - start, str(error)
+    return None
+
+
+def test_timeout_names_the_missing_rank(ranks):
+    outcomes = ranks.launch(_late_rank, 2, timeout=60, pg_timeout=1.5)
+    elapsed, message = outcomes[0].value
+    assert 1.4 < elapsed < 3.0
+    assert "allreduce #2 (f32 x 16, sum) (rank 0): timed out after 1500 ms waiting for rank(s) [1]" in message
+    _, late_message = outcomes[1].value  # the late rank finds the group aborted, with the reason
+    assert "group" in late_message and "timed out after 1500 ms" in late_message
+
+
+def _bad_inputs(rank, world):
+    errors = {}
+    for name, call in {
+        "dtype": lambda: dist.all_reduce(torch.ones(2, dtype=torch.uint16)),
+        "bitwise_on_float": lambda: dist.all_reduce(torch.ones(2), op=dist.ReduceOp.BAND),
+        "root": lambda: dist.broadcast(torch.ones(2), src=world + 3),
+        "gather_size": lambda: dist.all_gather_into_tensor(torch.empty(3), torch.ones(2)),
+        "splits": lambda: dist.all_to_all_single(torch.empty(4), torch.ones(4), [1] * world, [3] * world),
+    }.items():
+        try:
+            call()
+            errors[name] = None
+        except (RuntimeError, ValueError) as error:
+            errors[name] = str(error)
+    dist.barrier()  # rejected calls never reached the engine: the group is still in step
+    return errors
+
+
+def test_bad_input_errors_name_rank_op_and_value(ranks):
+    errors = ranks.run(_bad_inputs, 2, timeout=60)[1]
+    assert "shardkit allreduce (rank 1): dtype UInt16 is not supported" in errors["dtype"]
+    assert "shardkit allreduce (rank 1): reduce op BAND is defined for integer and bool tensors only, got Float" in errors["bitwise_on_float"]
+    assert errors["root"] is not None  # torch itself rejects a src outside the group first
+    assert "shardkit all_gather_into_tensor (rank 1): output has 3 elements, expected 4" in errors["gather_size"]
+    assert "shardkit all_to_all_single (rank 1): input split sizes sum to 6, but dim 0 is 4" in errors["splits"]
+
+
+def _soak(rank, world, steps):
+    import random
+
+    fds_before = len(os.listdir("/proc/self/fd"))
+    rng = random.Random(1234)  # the same sequence on every rank
+    for step in range(steps):
+        kind = rng.choice(["allreduce", "broadcast", "allgather", "reduce_scatter", "alltoall", "barrier"])
+        n = rng.choice([1, 17, 1024, 5000, 70_000])
+        dtype = rng.choice([torch.float32, torch.int64, torch.bfloat16])
+        mine = (torch.arange(n) % 97 + rank).to(dtype)
+        if kind == "allreduce":
+            dist.all_reduce(mine)
+            expected = (torch.arange(n) % 97 * world + sum(range(world))).to(dtype)
+        elif kind == "broadcast":
+            root = rng.randrange(world)
+            dist.broadcast(mine, src=root)
+            expected = (torch.arange(n) % 97 + root).to(dtype)
+        elif kind == "allgather":
+            out = torch.empty(world * n, dtype=dtype)
+            dist.all_gather_into_tensor(out, mine)
+            mine, expected = out, torch.cat([(torch.arange(n) % 97 + r).to(dtype) for r in range(world)])
+        elif kind == "reduce_scatter":
+            out = torch.empty(n, dtype=dtype)
+            dist.reduce_scatter_tensor(out, mine.repeat(world))
+            mine, expected = out, (torch.arange(n) % 97 * world + sum(range(world))).to(dtype)
+        elif kind == "alltoall":
+            out = torch.empty(world * n, dtype=dtype)
+            dist.all_to_all_single(out, mine.repeat(world))
+            mine, expected = out, torch.cat([(torch.arange(n) % 97 + r).to(dtype) for r in range(world)])
+        else:
+            dist.barrier()
+            continue
+        if dtype == torch.bfloat16:
+            torch.testing.assert_close(mine, expected, rtol=1e-2, atol=1.0)
+        else:
+            assert torch.equal(mine, expected), f"step {step}: {kind} {dtype} n={n}"
+    return len(os.listdir("/proc/self/fd")) - fds_before
+
+
+def test_soak_thousands_of_random_collectives(ranks):
+    growth = ranks.run(_soak, 4, 2000, timeout=280)
+    assert growth == [0] * 4, f"file descriptors leaked: {growth}"
