@@ -8,6 +8,7 @@
 
 #include <atomic>
 #include <cerrno>
+#include <cstdio>
 #include <cstddef>
 #include <cstring>
 #include <sstream>
@@ -32,6 +33,25 @@ constexpr auto kFutexSleep = std::chrono::microseconds(2000);
 constexpr auto kLivenessEvery = std::chrono::milliseconds(200);
 
 size_t round_up(size_t value, size_t to) { return (value + to - 1) / to * to; }
+
+// A peer is gone when its pid no longer exists or is a zombie (exited, not yet reaped by its parent —
+// common when the ranks are siblings under one launcher).
+bool process_exited(int32_t pid) {
+  if (kill(pid, 0) != 0) return errno == ESRCH;
+  char path[64];
+  std::snprintf(path, sizeof(path), "/proc/%d/stat", pid);
+  FILE* stat = std::fopen(path, "r");
+  if (stat == nullptr) return false;
+  char state = '?';
+  // Format: "pid (comm) state ..."; comm may contain spaces and parentheses, so find the last ')'.
+  char line[512];
+  if (std::fgets(line, sizeof(line), stat) != nullptr) {
+    const char* close = std::strrchr(line, ')');
+    if (close != nullptr && close[1] == ' ') state = close[2];
+  }
+  std::fclose(stat);
+  return state == 'Z' || state == 'X';
+}
 
 inline void cpu_relax() {
 #if defined(__x86_64__) || defined(__i386__)
@@ -244,7 +264,7 @@ void ShmGroup::sync(const OpHeader& header) {
       std::string dead;
       for (int peer : pending) {
         int32_t pid = controls_[peer].pid;
-        if (pid > 0 && kill(pid, 0) != 0 && errno == ESRCH) {
+        if (pid > 0 && process_exited(pid)) {
           dead += (dead.empty() ? "" : ", ") + std::to_string(peer) + " (pid " + std::to_string(pid) + ")";
         }
       }

@@ -1,0 +1,235 @@
+// ShmGroup protocol tests: threads and forked processes as ranks, no torch.
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <functional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "core/shm_group.h"
+
+using shardkit::core::DType;
+using shardkit::core::ReduceOp;
+using shardkit::core::ShmGroup;
+
+namespace {
+
+std::string unique_name() {
+  static std::atomic<int> counter{0};
+  return "/shardkit-gtest-" + std::to_string(getpid()) + "-" + std::to_string(counter++);
+}
+
+ShmGroup::Options options_for(const std::string& name, int rank, int size, size_t slot_bytes = 64 * 1024) {
+  ShmGroup::Options options;
+  options.name = name;
+  options.rank = rank;
+  options.size = size;
+  options.slot_bytes = slot_bytes;  // small slots, so modest counts already take the chunked paths
+  options.timeout = std::chrono::seconds(20);
+  return options;
+}
+
+// Runs body(rank) on `size` threads; each thread's failure message (empty on success) is returned.
+std::vector<std::string> run_threads(int size, const std::function<void(int)>& body) {
+  std::vector<std::string> errors(size);
+  std::vector<std::thread> threads;
+  for (int rank = 0; rank < size; ++rank) {
+    threads.emplace_back([&, rank] {
+      try {
+        body(rank);
+      } catch (const std::exception& error) {
+        errors[rank] = error.what();
+      }
+    });
+  }
+  for (auto& thread : threads) thread.join();
+  return errors;
+}
+
+// Runs body(rank) in `size` forked processes; returns each exit status (0 = success).
+std::vector<int> run_processes(int size, const std::function<int(int)>& body) {
+  std::vector<pid_t> pids;
+  for (int rank = 0; rank < size; ++rank) {
+    pid_t pid = fork();
+    if (pid == 0) {
+      alarm(30);  // a hung child dies instead of hanging the test
+      int code = 1;
+      try {
+        code = body(rank);
+      } catch (...) {
+        code = 2;
+      }
+      _exit(code);
+    }
+    pids.push_back(pid);
+  }
+  std::vector<int> codes;
+  for (pid_t pid : pids) {
+    int status = 0;
+    waitpid(pid, &status, 0);
+    codes.push_back(WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status));
+  }
+  return codes;
+}
+
+float input_value(int rank, size_t i) { return static_cast<float>((i % 251) * 0.5 + rank); }
+
+}  // namespace
+
+class AllReduceProcesses : public ::testing::TestWithParam<std::tuple<int, size_t>> {};
+
+TEST_P(AllReduceProcesses, SumMatchesReferenceOnEveryRank) {
+  const auto [size, count] = GetParam();
+  const std::string name = unique_name();
+  auto codes = run_processes(size, [&](int rank) {
+    ShmGroup group(options_for(name, rank, size));
+    std::vector<float> data(count);
+    for (size_t i = 0; i < count; ++i) data[i] = input_value(rank, i);
+    group.allreduce(data.data(), data.data(), count, DType::F32, ReduceOp::Sum);
+    for (size_t i = 0; i < count; ++i) {
+      float expected = 0;
+      for (int r = 0; r < size; ++r) expected += input_value(r, i);
+      if (data[i] != expected) return 3;
+    }
+    return 0;
+  });
+  for (int rank = 0; rank < size; ++rank) EXPECT_EQ(codes[rank], 0) << "rank " << rank;
+}
+
+INSTANTIATE_TEST_SUITE_P(WorldByCount, AllReduceProcesses,
+                         ::testing::Combine(::testing::Values(1, 2, 3, 4),
+                                            ::testing::Values(size_t{0}, size_t{1}, size_t{1000}, size_t{100003})));
+
+TEST(ShmGroup, EveryCollectiveWithThreadsAsRanks) {
+  const int size = 3;
+  const size_t count = 40000;  // > slot / size: several rounds for every op
+  const std::string name = unique_name();
+  auto errors = run_threads(size, [&](int rank) {
+    ShmGroup group(options_for(name, rank, size));
+    std::vector<int64_t> mine(count), gathered(count * size), blocks(count * size), out(count);
+    for (size_t i = 0; i < count; ++i) mine[i] = static_cast<int64_t>(i) * 10 + rank;
+
+    group.allgather(mine.data(), gathered.data(), count, DType::I64);
+    for (int r = 0; r < size; ++r)
+      for (size_t i = 0; i < count; ++i)
+        if (gathered[r * count + i] != static_cast<int64_t>(i) * 10 + r) throw std::runtime_error("allgather");
+
+    for (int r = 0; r < size; ++r)
+      for (size_t i = 0; i < count; ++i) blocks[r * count + i] = rank * 1000 + r;
+    group.reduce_scatter(blocks.data(), out.data(), count, DType::I64, ReduceOp::Max);
+    for (size_t i = 0; i < count; ++i)
+      if (out[i] != (size - 1) * 1000 + rank) throw std::runtime_error("reduce_scatter");
+
+    std::vector<int64_t> data = mine;
+    group.broadcast(data.data(), count, DType::I64, 1);
+    for (size_t i = 0; i < count; ++i)
+      if (data[i] != static_cast<int64_t>(i) * 10 + 1) throw std::runtime_error("broadcast");
+
+    std::vector<int64_t> scattered(count);
+    group.scatter(gathered.data(), scattered.data(), count, DType::I64, 2);
+    for (size_t i = 0; i < count; ++i)
+      if (scattered[i] != static_cast<int64_t>(i) * 10 + rank) throw std::runtime_error("scatter");
+
+    std::vector<int64_t> reduced(count, -1);
+    group.reduce(mine.data(), rank == 0 ? reduced.data() : nullptr, count, DType::I64, ReduceOp::Sum, 0);
+    if (rank == 0)
+      for (size_t i = 0; i < count; ++i)
+        if (reduced[i] != static_cast<int64_t>(i) * 10 * size + (size * (size - 1)) / 2)
+          throw std::runtime_error("reduce");
+
+    // Uneven alltoall: rank s sends (s + d) * 7000 elements valued s * 100 + d to rank d.
+    std::vector<size_t> send_counts(size), send_offsets(size), recv_counts(size), recv_offsets(size);
+    size_t send_total = 0, recv_total = 0;
+    for (int d = 0; d < size; ++d) {
+      send_counts[d] = (rank + d) * 7000;
+      send_offsets[d] = send_total;
+      send_total += send_counts[d];
+      recv_counts[d] = (d + rank) * 7000;
+      recv_offsets[d] = recv_total;
+      recv_total += recv_counts[d];
+    }
+    std::vector<int32_t> send(send_total), recv(recv_total, -1);
+    for (int d = 0; d < size; ++d)
+      for (size_t i = 0; i < send_counts[d]; ++i) send[send_offsets[d] + i] = rank * 100 + d;
+    group.alltoall(send.data(), send_counts, send_offsets, recv.data(), recv_counts, recv_offsets, DType::I32);
+    for (int s = 0; s < size; ++s)
+      for (size_t i = 0; i < recv_counts[s]; ++i)
+        if (recv[recv_offsets[s] + i] != s * 100 + rank) throw std::runtime_error("alltoall");
+    group.barrier();
+  });
+  for (int rank = 0; rank < size; ++rank) EXPECT_EQ(errors[rank], "") << "rank " << rank;
+}
+
+TEST(ShmGroup, SegmentNameIsGoneOnceAllRanksMapped) {
+  const std::string name = unique_name();
+  auto errors = run_threads(2, [&](int rank) {
+    ShmGroup group(options_for(name, rank, 2));
+    int fd = shm_open(name.c_str(), O_RDWR, 0600);
+    if (fd >= 0) {
+      close(fd);
+      throw std::runtime_error("segment still linked after construction");
+    }
+  });
+  EXPECT_EQ(errors[0], "");
+  EXPECT_EQ(errors[1], "");
+}
+
+TEST(ShmGroup, DisagreementIsReportedOnEveryRankWithBothSides) {
+  const std::string name = unique_name();
+  auto errors = run_threads(2, [&](int rank) {
+    ShmGroup group(options_for(name, rank, 2));
+    std::vector<float> data(10 + rank);
+    group.allreduce(data.data(), data.data(), data.size(), DType::F32, ReduceOp::Sum);
+  });
+  for (const auto& error : errors) {
+    EXPECT_NE(error.find("ranks disagree on collective #2"), std::string::npos) << error;
+    EXPECT_NE(error.find("allreduce #2 (f32 x 10, sum)"), std::string::npos) << error;
+    EXPECT_NE(error.find("allreduce #2 (f32 x 11, sum)"), std::string::npos) << error;
+  }
+}
+
+TEST(ShmGroup, DeadPeerIsReportedWithinTwoSeconds) {
+  const std::string name = unique_name();
+  auto codes = run_processes(3, [&](int rank) {
+    ShmGroup group(options_for(name, rank, 3));
+    group.barrier();
+    if (rank == 2) _exit(0);  // dies without arriving at the allreduce
+    std::vector<float> data(5000, 1.0f);
+    const auto start = std::chrono::steady_clock::now();
+    try {
+      group.allreduce(data.data(), data.data(), data.size(), DType::F32, ReduceOp::Sum);
+    } catch (const std::exception& error) {
+      const auto waited = std::chrono::steady_clock::now() - start;
+      if (std::string(error.what()).find("rank(s) 2 (pid") == std::string::npos) return 4;
+      return waited < std::chrono::seconds(2) ? 0 : 5;
+    }
+    return 6;
+  });
+  EXPECT_EQ(codes[0], 0);
+  EXPECT_EQ(codes[1], 0);
+  EXPECT_EQ(codes[2], 0);
+}
+
+TEST(ShmGroup, TimeoutNamesTheMissingRank) {
+  const std::string name = unique_name();
+  auto errors = run_threads(2, [&](int rank) {
+    ShmGroup group(options_for(name, rank, 2));
+    group.set_timeout(std::chrono::milliseconds(300));
+    if (rank == 1) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(800));
+      group.barrier();  // late: must find the group aborted, with the reason
+      return;
+    }
+    group.barrier();
+  });
+  EXPECT_NE(errors[0].find("barrier #2 (rank 0): timed out after 300 ms waiting for rank(s) [1]"), std::string::npos)
+      << errors[0];
+  EXPECT_NE(errors[1].find("timed out after 300 ms"), std::string::npos) << errors[1];
+}
