@@ -19,4 +19,16 @@ inline double premul_sum_factor(const c10d::ReduceOp& op) {
   return supplement->double_factor;
 }
 
+// Whether the caller will wait on the Work itself (`async_op=False`). The options structs carry asyncOp
+// since torch 2.7; treat older ones as asynchronous, the safe assumption.
+template <typename Options>
+inline bool is_async_op(const Options& opts) {
+#if SHARDKIT_TORCH_AT_LEAST(2, 7)
+  return opts.asyncOp;
+#else
+  (void)opts;
+  return true;
+#endif
+}
+
 }  // namespace shardkit::compat

@@ -2,6 +2,7 @@
 
 #include <numeric>
 
+#include "compat.h"
 #include "core/reduce.h"
 
 namespace shardkit::comm {
@@ -40,15 +41,21 @@ std::chrono::milliseconds ProcessGroupShardkit::op_timeout(std::chrono::millisec
   return requested == c10d::kUnsetTimeout ? timeout_ : requested;
 }
 
+template <typename OpOptions>
 c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::launch(c10d::OpType type, const char* title,
-                                                            std::vector<at::Tensor> outputs,
-                                                            std::chrono::milliseconds timeout,
+                                                            std::vector<at::Tensor> outputs, const OpOptions& opts,
                                                             std::function<void()> body) {
   auto work = c10::make_intrusive<ShardkitWork>(getRank(), type, title, std::move(outputs));
-  queue_.enqueue(work, [this, timeout, body = std::move(body)] {
+  const std::chrono::milliseconds timeout = op_timeout(opts.timeout);
+  auto run = [this, timeout, body = std::move(body)] {
     group_->set_timeout(timeout);
     body();
-  });
+  };
+  if (compat::is_async_op(opts)) {
+    queue_.enqueue(work, std::move(run));
+  } else {
+    queue_.run_or_enqueue(work, std::move(run));
+  }
   return work;
 }
 
@@ -71,7 +78,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::broadcast(std::vector<at::T
   const core::DType dtype = args_.check(tensor, "broadcast");
   args_.check_root(opts.rootRank, "broadcast");
   const int root = static_cast<int>(opts.rootRank);
-  return launch(c10d::OpType::BROADCAST, "shardkit:broadcast", {tensor}, op_timeout(opts.timeout),
+  return launch(c10d::OpType::BROADCAST, "shardkit:broadcast", {tensor}, opts,
                 [this, tensor, dtype, root]() mutable {
                   with_contiguous(tensor, [&](at::Tensor& t) { group_->broadcast(t.data_ptr(), numel_of(t), dtype, root); });
                 });
@@ -82,7 +89,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::allreduce(std::vector<at::T
   at::Tensor tensor = args_.single(tensors, "allreduce");
   const core::DType dtype = args_.check(tensor, "allreduce");
   const ReduceSpec spec = args_.reduce_spec(opts.reduceOp, tensor.scalar_type(), "allreduce");
-  return launch(c10d::OpType::ALLREDUCE, "shardkit:allreduce", {tensor}, op_timeout(opts.timeout),
+  return launch(c10d::OpType::ALLREDUCE, "shardkit:allreduce", {tensor}, opts,
                 [this, tensor, dtype, spec]() mutable {
                   with_contiguous(tensor, [&](at::Tensor& t) { reduce_tensor(t, dtype, spec, -1); });
                 });
@@ -97,7 +104,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::allreduce_coalesced(std::ve
     args_.check_same(tensor, tensors[0], "allreduce_coalesced");
   }
   const ReduceSpec spec = args_.reduce_spec(opts.reduceOp, tensors[0].scalar_type(), "allreduce_coalesced");
-  return launch(c10d::OpType::ALLREDUCE_COALESCED, "shardkit:allreduce_coalesced", tensors, op_timeout(opts.timeout),
+  return launch(c10d::OpType::ALLREDUCE_COALESCED, "shardkit:allreduce_coalesced", tensors, opts,
                 [this, tensors, dtype, spec]() mutable {
                   at::Tensor flat = concat_flat(tensors);
                   reduce_tensor(flat, dtype, spec, -1);
@@ -112,7 +119,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::reduce(std::vector<at::Tens
   args_.check_root(opts.rootRank, "reduce");
   const ReduceSpec spec = args_.reduce_spec(opts.reduceOp, tensor.scalar_type(), "reduce");
   const int root = static_cast<int>(opts.rootRank);
-  return launch(c10d::OpType::REDUCE, "shardkit:reduce", {tensor}, op_timeout(opts.timeout),
+  return launch(c10d::OpType::REDUCE, "shardkit:reduce", {tensor}, opts,
                 [this, tensor, dtype, spec, root]() mutable {
                   if (getRank() == root) {
                     with_contiguous(tensor, [&](at::Tensor& t) { reduce_tensor(t, dtype, spec, root); });
@@ -132,7 +139,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::allgather(std::vector<std::
   TORCH_CHECK(outputs.size() == 1, args_.where("allgather"), "expects one output list, got ", outputs.size());
   std::vector<at::Tensor> out = outputs[0];
   args_.check_per_rank(out, input, "allgather", "output_tensor_list");
-  return launch(c10d::OpType::ALLGATHER, "shardkit:allgather", out, op_timeout(opts.timeout),
+  return launch(c10d::OpType::ALLGATHER, "shardkit:allgather", out, opts,
                 [this, input, out, dtype]() mutable {
                   at::Tensor in = input.contiguous();
                   at::Tensor flat = at::empty({input.numel() * getSize()}, input.options());
@@ -147,7 +154,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::_allgather_base(at::Tensor&
   args_.check(output, "all_gather_into_tensor");
   args_.check_same(output, input, "all_gather_into_tensor");
   args_.check_numel(output, input.numel() * getSize(), "all_gather_into_tensor", "output");
-  return launch(c10d::OpType::_ALLGATHER_BASE, "shardkit:all_gather_into_tensor", {output}, op_timeout(opts.timeout),
+  return launch(c10d::OpType::_ALLGATHER_BASE, "shardkit:all_gather_into_tensor", {output}, opts,
                 [this, output, input, dtype]() mutable {
                   at::Tensor in = input.contiguous();
                   with_contiguous(output, [&](at::Tensor& out) {
@@ -167,7 +174,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::allgather_into_tensor_coale
     args_.check_same(outputs[i], inputs[i], "allgather_into_tensor_coalesced");
     args_.check_numel(outputs[i], inputs[i].numel() * getSize(), "allgather_into_tensor_coalesced", "output");
   }
-  return launch(c10d::OpType::COALESCED, "shardkit:allgather_into_tensor_coalesced", outputs, op_timeout(opts.timeout),
+  return launch(c10d::OpType::COALESCED, "shardkit:allgather_into_tensor_coalesced", outputs, opts,
                 [this, outputs, inputs, dtypes]() mutable {
                   for (size_t i = 0; i < inputs.size(); ++i) {
                     at::Tensor in = inputs[i].contiguous();
@@ -194,7 +201,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::gather(std::vector<std::vec
     TORCH_CHECK(outputs.empty() || outputs[0].empty(), args_.where("gather"),
                 "only the root (rank ", root, ") passes a gather_list");
   }
-  return launch(c10d::OpType::GATHER, "shardkit:gather", out, op_timeout(opts.timeout),
+  return launch(c10d::OpType::GATHER, "shardkit:gather", out, opts,
                 [this, input, out, dtype, root]() mutable {
                   at::Tensor in = input.contiguous();
                   at::Tensor flat;
@@ -220,7 +227,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::scatter(std::vector<at::Ten
     TORCH_CHECK(inputs.empty() || inputs[0].empty(), args_.where("scatter"),
                 "only the root (rank ", root, ") passes a scatter_list");
   }
-  return launch(c10d::OpType::SCATTER, "shardkit:scatter", {output}, op_timeout(opts.timeout),
+  return launch(c10d::OpType::SCATTER, "shardkit:scatter", {output}, opts,
                 [this, output, in, dtype, root]() mutable {
                   at::Tensor flat = in.empty() ? at::Tensor() : concat_flat(in);
                   with_contiguous(output, [&](at::Tensor& out) {
@@ -238,7 +245,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::reduce_scatter(std::vector<
   std::vector<at::Tensor> in = inputs[0];
   args_.check_per_rank(in, output, "reduce_scatter", "input_list");
   const ReduceSpec spec = args_.reduce_spec(opts.reduceOp, output.scalar_type(), "reduce_scatter");
-  return launch(c10d::OpType::REDUCE_SCATTER, "shardkit:reduce_scatter", {output}, op_timeout(opts.timeout),
+  return launch(c10d::OpType::REDUCE_SCATTER, "shardkit:reduce_scatter", {output}, opts,
                 [this, output, in, dtype, spec]() mutable {
                   at::Tensor flat = concat_flat(in);
                   if (spec.premultiply) flat.mul_(spec.factor);
@@ -271,7 +278,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::reduce_scatter_tensor_coale
     specs.push_back(args_.reduce_spec(opts.reduceOp, inputs[i].scalar_type(), op));
   }
   return launch(c10d::OpType::_REDUCE_SCATTER_BASE, "shardkit:reduce_scatter_tensor", outputs,
-                op_timeout(opts.timeout), [this, outputs, inputs, dtypes, specs]() mutable {
+                opts, [this, outputs, inputs, dtypes, specs]() mutable {
                   for (size_t i = 0; i < inputs.size(); ++i) {
                     at::Tensor in = specs[i].premultiply ? inputs[i].mul(specs[i].factor) : inputs[i].contiguous();
                     with_contiguous(outputs[i], [&](at::Tensor& out) {
@@ -314,7 +321,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::alltoall_base(at::Tensor& o
   };
   const std::vector<size_t> send_counts = element_counts(input, input_split_sizes, "input");
   const std::vector<size_t> recv_counts = element_counts(output, output_split_sizes, "output");
-  return launch(c10d::OpType::ALLTOALL_BASE, "shardkit:all_to_all_single", {output}, op_timeout(opts.timeout),
+  return launch(c10d::OpType::ALLTOALL_BASE, "shardkit:all_to_all_single", {output}, opts,
                 [this, output, input, dtype, send_counts, recv_counts]() mutable {
                   at::Tensor in = input.contiguous();
                   with_contiguous(output, [&](at::Tensor& out) {
@@ -341,7 +348,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::alltoall(std::vector<at::Te
     send_counts.push_back(numel_of(inputs[r]));
     recv_counts.push_back(numel_of(outputs[r]));
   }
-  return launch(c10d::OpType::ALLTOALL, "shardkit:all_to_all", outputs, op_timeout(opts.timeout),
+  return launch(c10d::OpType::ALLTOALL, "shardkit:all_to_all", outputs, opts,
                 [this, outputs, inputs, dtype, send_counts, recv_counts]() mutable {
                   at::Tensor in = concat_flat(inputs);
                   const size_t total = std::accumulate(recv_counts.begin(), recv_counts.end(), size_t{0});
@@ -353,7 +360,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::alltoall(std::vector<at::Te
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::barrier(const c10d::BarrierOptions& opts) {
-  return launch(c10d::OpType::BARRIER, "shardkit:barrier", {}, op_timeout(opts.timeout), [this] { group_->barrier(); });
+  return launch(c10d::OpType::BARRIER, "shardkit:barrier", {}, opts, [this] { group_->barrier(); });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::send(std::vector<at::Tensor>& tensors, int dst_rank, int tag) {

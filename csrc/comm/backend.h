@@ -79,8 +79,10 @@ class ProcessGroupShardkit : public c10d::Backend {
  private:
   // Queues `body` (run on the worker thread with the op's timeout) and returns its Work, whose Future
   // yields `outputs`.
+  // A synchronous caller (`async_op=False`, opts.asyncOp) may run it inline when nothing is pending.
+  template <typename OpOptions>
   c10::intrusive_ptr<c10d::Work> launch(c10d::OpType type, const char* title, std::vector<at::Tensor> outputs,
-                                        std::chrono::milliseconds timeout, std::function<void()> body);
+                                        const OpOptions& opts, std::function<void()> body);
   std::chrono::milliseconds op_timeout(std::chrono::milliseconds requested) const;
   // In-place reduction of a contiguous tensor over the group (allreduce, or reduce when root >= 0).
   void reduce_tensor(at::Tensor& tensor, core::DType dtype, const ReduceSpec& spec, int root);

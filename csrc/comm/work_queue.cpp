@@ -36,21 +36,48 @@ void WorkQueue::enqueue(c10::intrusive_ptr<ShardkitWork> work, std::function<voi
   ready_.notify_one();
 }
 
+void WorkQueue::run_or_enqueue(c10::intrusive_ptr<ShardkitWork> work, std::function<void()> body) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!items_.empty() || busy_) {
+      items_.push_back({std::move(work), std::move(body)});
+      ready_.notify_one();
+      return;
+    }
+    busy_ = true;
+  }
+  execute(*work, body);
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    busy_ = false;
+  }
+  ready_.notify_one();  // work queued meanwhile may start now
+}
+
+void WorkQueue::execute(ShardkitWork& work, const std::function<void()>& body) {
+  try {
+    body();
+    work.complete();
+  } catch (...) {
+    work.fail(std::current_exception());
+  }
+}
+
 void WorkQueue::run() {
   for (;;) {
     Item item;
     {
       std::unique_lock<std::mutex> lock(mutex_);
-      ready_.wait(lock, [this] { return stopping_ || !items_.empty(); });
+      ready_.wait(lock, [this] { return (stopping_ && !busy_) || (!items_.empty() && !busy_); });
       if (items_.empty()) return;  // stopping and drained
       item = std::move(items_.front());
       items_.pop_front();
+      busy_ = true;
     }
-    try {
-      item.body();
-      item.work->complete();
-    } catch (...) {
-      item.work->fail(std::current_exception());
+    execute(*item.work, item.body);
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      busy_ = false;
     }
   }
 }
