@@ -18,17 +18,25 @@ PYBIND11_MODULE(_C, m) {
   py::module_::import("torch.distributed");
 
   using shardkit::comm::ProcessGroupShardkit;
+  py::class_<ProcessGroupShardkit::Config>(m, "BackendConfig")
+      .def(py::init<>())
+      .def_readwrite("shm_name", &ProcessGroupShardkit::Config::shm_name)
+      .def_readwrite("slot_bytes", &ProcessGroupShardkit::Config::slot_bytes)
+      .def_readwrite("timeout", &ProcessGroupShardkit::Config::timeout)
+      .def_readwrite("local_rank", &ProcessGroupShardkit::Config::local_rank)
+      .def_readwrite("local_size", &ProcessGroupShardkit::Config::local_size)
+      .def_readwrite("num_hosts", &ProcessGroupShardkit::Config::num_hosts)
+      .def_readwrite("host_index", &ProcessGroupShardkit::Config::host_index)
+      .def_readwrite("host_of", &ProcessGroupShardkit::Config::host_of)
+      .def_readwrite("local_of", &ProcessGroupShardkit::Config::local_of);
   py::class_<ProcessGroupShardkit, c10d::Backend, c10::intrusive_ptr<ProcessGroupShardkit>>(m, "ProcessGroupShardkit")
-      .def(py::init([](int rank, int size, const std::string& shm_name, size_t slot_bytes,
-                       std::chrono::milliseconds timeout, c10::intrusive_ptr<c10d::Backend> fallback) {
-             ProcessGroupShardkit::Config config;
-             config.shm_name = shm_name;
-             config.slot_bytes = slot_bytes;
-             config.timeout = timeout;
-             return c10::make_intrusive<ProcessGroupShardkit>(rank, size, config, std::move(fallback));
+      .def(py::init([](int rank, int size, const ProcessGroupShardkit::Config& config,
+                       c10::intrusive_ptr<c10d::Backend> fallback, c10::intrusive_ptr<c10d::Backend> inter_host) {
+             return c10::make_intrusive<ProcessGroupShardkit>(rank, size, config, std::move(fallback),
+                                                              std::move(inter_host));
            }),
-           py::arg("rank"), py::arg("size"), py::arg("shm_name"), py::arg("slot_bytes"), py::arg("timeout"),
-           py::arg("fallback"), py::call_guard<py::gil_scoped_release>());
+           py::arg("rank"), py::arg("size"), py::arg("config"), py::arg("fallback"), py::arg("inter_host") = nullptr,
+           py::call_guard<py::gil_scoped_release>());
 
   m.def("reduce_isa", &shardkit::core::reduce_isa, "Vector ISA the reduction loops dispatched to at runtime.");
 #ifdef SHARDKIT_WITH_CUDA

@@ -11,6 +11,9 @@ namespace {
 
 size_t numel_of(const at::Tensor& tensor) { return static_cast<size_t>(tensor.numel()); }
 
+// Waits for an inner backend's work on the worker thread; its exceptions propagate to our Work.
+void wait_inner(const c10::intrusive_ptr<c10d::Work>& work, std::chrono::milliseconds timeout) { work->wait(timeout); }
+
 std::vector<size_t> offsets_of(const std::vector<size_t>& counts) {
   std::vector<size_t> offsets(counts.size(), 0);
   for (size_t i = 1; i < counts.size(); ++i) offsets[i] = offsets[i - 1] + counts[i - 1];
@@ -19,13 +22,41 @@ std::vector<size_t> offsets_of(const std::vector<size_t>& counts) {
 
 }  // namespace
 
+// The c10d op that combines per-host partial results between hosts.
+c10d::ReduceOp::RedOpType inter_host_op(core::ReduceOp op) {
+  switch (op) {
+    case core::ReduceOp::Sum: return c10d::ReduceOp::SUM;
+    case core::ReduceOp::Product: return c10d::ReduceOp::PRODUCT;
+    case core::ReduceOp::Min: return c10d::ReduceOp::MIN;
+    case core::ReduceOp::Max: return c10d::ReduceOp::MAX;
+    case core::ReduceOp::BAnd: return c10d::ReduceOp::BAND;
+    case core::ReduceOp::BOr: return c10d::ReduceOp::BOR;
+    case core::ReduceOp::BXor: return c10d::ReduceOp::BXOR;
+  }
+  return c10d::ReduceOp::UNUSED;
+}
+
 ProcessGroupShardkit::ProcessGroupShardkit(int rank, int size, const Config& config,
-                                           c10::intrusive_ptr<c10d::Backend> fallback)
-    : c10d::Backend(rank, size), args_(rank, size), timeout_(config.timeout), fallback_(std::move(fallback)) {
+                                           c10::intrusive_ptr<c10d::Backend> fallback,
+                                           c10::intrusive_ptr<c10d::Backend> inter_host)
+    : c10d::Backend(rank, size),
+      args_(rank, size),
+      config_(config),
+      timeout_(config.timeout),
+      fallback_(std::move(fallback)),
+      inter_host_(std::move(inter_host)) {
+  TORCH_CHECK(config.num_hosts >= 1 && config.local_size >= 1 && config.local_rank < config.local_size,
+              "shardkit (rank ", rank, "): invalid host topology: local rank ", config.local_rank, " of ",
+              config.local_size, " on ", config.num_hosts, " host(s)");
+  TORCH_CHECK(config.num_hosts == 1 || (static_cast<int>(config.host_of.size()) == size &&
+                                        static_cast<int>(config.local_of.size()) == size),
+              "shardkit (rank ", rank, "): host maps must have one entry per rank");
+  TORCH_CHECK(config.num_hosts == 1 || config.local_rank != 0 || inter_host_,
+              "shardkit (rank ", rank, "): a host leader needs the inter-host backend");
   core::ShmGroup::Options options;
   options.name = config.shm_name;
-  options.rank = rank;
-  options.size = size;
+  options.rank = config.local_rank;
+  options.size = config.local_size;
   options.slot_bytes = config.slot_bytes;
   options.timeout = config.timeout;
   try {
@@ -59,17 +90,56 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::launch(c10d::OpType type, c
   return work;
 }
 
+c10d::Backend& ProcessGroupShardkit::fallback(const char* op) {
+  TORCH_CHECK(fallback_, args_.where(op), "this op needs the inner gloo backend, which this group lacks");
+  return *fallback_;
+}
+
 void ProcessGroupShardkit::reduce_tensor(at::Tensor& tensor, core::DType dtype, const ReduceSpec& spec, int root) {
   if (spec.premultiply) tensor.mul_(spec.factor);
   void* data = tensor.data_ptr();
-  if (root < 0) {
-    group_->allreduce(data, data, numel_of(tensor), dtype, spec.op);
+  const size_t count = numel_of(tensor);
+  if (!multi_host()) {
+    if (root < 0) {
+      group_->allreduce(data, data, count, dtype, spec.op);
+    } else {
+      group_->reduce(data, data, count, dtype, spec.op, root);
+    }
   } else {
-    group_->reduce(data, data, numel_of(tensor), dtype, spec.op, root);
+    // Reduce within the host to its leader, combine the hosts' partial results among the leaders,
+    // then hand the result back out within each host. (reduce with a root goes to fallback instead.)
+    TORCH_INTERNAL_ASSERT(root < 0, "hierarchical reduce with a root is routed to the fallback backend");
+    group_->reduce(data, data, count, dtype, spec.op, 0);
+    if (inter_host_) {
+      std::vector<at::Tensor> partial{tensor};
+      c10d::AllreduceOptions options;
+      options.reduceOp = c10d::ReduceOp(inter_host_op(spec.op));
+      wait_inner(inter_host_->allreduce(partial, options), timeout_);
+    }
+    group_->broadcast(data, count, dtype, 0);
   }
-  if (spec.average && (root < 0 || root == getRank())) {
-    core::divide_in_place(data, numel_of(tensor), dtype, getSize());
+  if (spec.average && (root < 0 || root == getRank())) core::divide_in_place(data, count, dtype, getSize());
+}
+
+void ProcessGroupShardkit::broadcast_tensor(at::Tensor& tensor, core::DType dtype, int root) {
+  void* data = tensor.data_ptr();
+  const size_t count = numel_of(tensor);
+  if (!multi_host()) {
+    group_->broadcast(data, count, dtype, root);
+    return;
   }
+  // The root's host first spreads it locally (so its leader has it), then the leaders exchange it, then
+  // every other host spreads it from its leader. Each host sees one consistent sequence of shm ops.
+  const int root_host = config_.host_of[root];
+  const bool on_root_host = config_.host_index == root_host;
+  if (on_root_host) group_->broadcast(data, count, dtype, config_.local_of[root]);
+  if (inter_host_) {
+    std::vector<at::Tensor> payload{tensor};
+    c10d::BroadcastOptions options;
+    options.rootRank = root_host;
+    wait_inner(inter_host_->broadcast(payload, options), timeout_);
+  }
+  if (!on_root_host) group_->broadcast(data, count, dtype, 0);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::broadcast(std::vector<at::Tensor>& tensors,
@@ -80,7 +150,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::broadcast(std::vector<at::T
   const int root = static_cast<int>(opts.rootRank);
   return launch(c10d::OpType::BROADCAST, "shardkit:broadcast", {tensor}, opts,
                 [this, tensor, dtype, root]() mutable {
-                  with_contiguous(tensor, [&](at::Tensor& t) { group_->broadcast(t.data_ptr(), numel_of(t), dtype, root); });
+                  with_contiguous(tensor, [&](at::Tensor& t) { broadcast_tensor(t, dtype, root); });
                 });
 }
 
@@ -114,6 +184,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::allreduce_coalesced(std::ve
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::reduce(std::vector<at::Tensor>& tensors,
                                                             const c10d::ReduceOptions& opts) {
+  if (multi_host()) return fallback("reduce").reduce(tensors, opts);
   at::Tensor tensor = args_.single(tensors, "reduce");
   const core::DType dtype = args_.check(tensor, "reduce");
   args_.check_root(opts.rootRank, "reduce");
@@ -134,6 +205,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::reduce(std::vector<at::Tens
 c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::allgather(std::vector<std::vector<at::Tensor>>& outputs,
                                                                std::vector<at::Tensor>& inputs,
                                                                const c10d::AllgatherOptions& opts) {
+  if (multi_host()) return fallback("allgather").allgather(outputs, inputs, opts);
   at::Tensor input = args_.single(inputs, "allgather");
   const core::DType dtype = args_.check(input, "allgather");
   TORCH_CHECK(outputs.size() == 1, args_.where("allgather"), "expects one output list, got ", outputs.size());
@@ -150,6 +222,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::allgather(std::vector<std::
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::_allgather_base(at::Tensor& output, at::Tensor& input,
                                                                      const c10d::AllgatherOptions& opts) {
+  if (multi_host()) return fallback("all_gather_into_tensor")._allgather_base(output, input, opts);
   const core::DType dtype = args_.check(input, "all_gather_into_tensor");
   args_.check(output, "all_gather_into_tensor");
   args_.check_same(output, input, "all_gather_into_tensor");
@@ -188,6 +261,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::allgather_into_tensor_coale
 c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::gather(std::vector<std::vector<at::Tensor>>& outputs,
                                                             std::vector<at::Tensor>& inputs,
                                                             const c10d::GatherOptions& opts) {
+  if (multi_host()) return fallback("gather").gather(outputs, inputs, opts);
   at::Tensor input = args_.single(inputs, "gather");
   const core::DType dtype = args_.check(input, "gather");
   args_.check_root(opts.rootRank, "gather");
@@ -214,6 +288,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::gather(std::vector<std::vec
 c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::scatter(std::vector<at::Tensor>& outputs,
                                                              std::vector<std::vector<at::Tensor>>& inputs,
                                                              const c10d::ScatterOptions& opts) {
+  if (multi_host()) return fallback("scatter").scatter(outputs, inputs, opts);
   at::Tensor output = args_.single(outputs, "scatter");
   const core::DType dtype = args_.check(output, "scatter");
   args_.check_root(opts.rootRank, "scatter");
@@ -239,6 +314,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::scatter(std::vector<at::Ten
 c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::reduce_scatter(std::vector<at::Tensor>& outputs,
                                                                     std::vector<std::vector<at::Tensor>>& inputs,
                                                                     const c10d::ReduceScatterOptions& opts) {
+  if (multi_host()) return fallback("reduce_scatter").reduce_scatter(outputs, inputs, opts);
   at::Tensor output = args_.single(outputs, "reduce_scatter");
   const core::DType dtype = args_.check(output, "reduce_scatter");
   TORCH_CHECK(inputs.size() == 1, args_.where("reduce_scatter"), "expects one input list, got ", inputs.size());
@@ -258,6 +334,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::reduce_scatter(std::vector<
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
                                                                           const c10d::ReduceScatterOptions& opts) {
+  if (multi_host()) return fallback("reduce_scatter_tensor")._reduce_scatter_base(output, input, opts);
   std::vector<at::Tensor> outputs{output};
   std::vector<at::Tensor> inputs{input};
   return reduce_scatter_tensor_coalesced(outputs, inputs, opts);
@@ -293,6 +370,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::alltoall_base(at::Tensor& o
                                                                    std::vector<int64_t>& output_split_sizes,
                                                                    std::vector<int64_t>& input_split_sizes,
                                                                    const c10d::AllToAllOptions& opts) {
+  if (multi_host()) return fallback("all_to_all_single").alltoall_base(output, input, output_split_sizes, input_split_sizes, opts);
   const char* op = "all_to_all_single";
   const core::DType dtype = args_.check(input, op);
   args_.check(output, op);
@@ -334,6 +412,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::alltoall_base(at::Tensor& o
 c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::alltoall(std::vector<at::Tensor>& outputs,
                                                               std::vector<at::Tensor>& inputs,
                                                               const c10d::AllToAllOptions& opts) {
+  if (multi_host()) return fallback("all_to_all").alltoall(outputs, inputs, opts);
   const char* op = "all_to_all";
   TORCH_CHECK(static_cast<int>(inputs.size()) == getSize() && static_cast<int>(outputs.size()) == getSize(),
               args_.where(op), "expects one input and one output tensor per rank (", getSize(), "), got ",
@@ -360,7 +439,12 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::alltoall(std::vector<at::Te
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::barrier(const c10d::BarrierOptions& opts) {
-  return launch(c10d::OpType::BARRIER, "shardkit:barrier", {}, opts, [this] { group_->barrier(); });
+  return launch(c10d::OpType::BARRIER, "shardkit:barrier", {}, opts, [this] {
+    group_->barrier();
+    if (!multi_host()) return;
+    if (inter_host_) wait_inner(inter_host_->barrier(), timeout_);
+    group_->barrier();  // nobody leaves before every host's leader has passed the inter-host barrier
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::send(std::vector<at::Tensor>& tensors, int dst_rank, int tag) {

@@ -3,7 +3,12 @@
 // A c10d::Backend whose collectives on CPU tensors run through core::ShmGroup (shared memory between the
 // ranks of this host), each queued on one worker thread in issue order and completed through a Future
 // that yields the output tensors. Point-to-point send/recv go through an inner gloo backend over the same
-// ranks (`fallback`), the existing engine. Ops shardkit does not implement throw an error naming the op.
+// ranks (`fallback`), the existing engine.
+//
+// Several hosts: ranks are grouped by host (the Python creator decides, see backend.py). The shm group
+// then spans this host's ranks only, and allreduce, broadcast and barrier run hierarchically: within the
+// host through shared memory, between hosts through `inter_host` (gloo among each host's first rank, the
+// "leaders"). The other collectives gain nothing from a hierarchy on CPU and go to `fallback` whole.
 #pragma once
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
@@ -24,10 +29,18 @@ class ProcessGroupShardkit : public c10d::Backend {
     std::string shm_name;  // agreed through the Store by the Python creator (python/shardkit/backend.py)
     size_t slot_bytes = size_t{1} << 20;
     std::chrono::milliseconds timeout{kBackendDefaultTimeout};
+    int local_rank = 0;  // this rank's place among the ranks of its host
+    int local_size = 1;  // ranks on this host (== size on one host)
+    int num_hosts = 1;
+    int host_index = 0;          // hosts numbered by their lowest rank
+    std::vector<int> host_of;    // host_of[r]: host index of global rank r
+    std::vector<int> local_of;   // local_of[r]: local rank of global rank r on its host
   };
 
-  // Blocks until every rank of the group has mapped the shared segment (or the timeout passes).
-  ProcessGroupShardkit(int rank, int size, const Config& config, c10::intrusive_ptr<c10d::Backend> fallback);
+  // Blocks until every local rank has mapped the shared segment (or the timeout passes). `inter_host` is
+  // the leaders' gloo group: set on each host's local rank 0 when num_hosts > 1, null otherwise.
+  ProcessGroupShardkit(int rank, int size, const Config& config, c10::intrusive_ptr<c10d::Backend> fallback,
+                       c10::intrusive_ptr<c10d::Backend> inter_host);
   ~ProcessGroupShardkit() override;
 
   const std::string getBackendName() const override { return "shardkit"; }
@@ -86,11 +99,18 @@ class ProcessGroupShardkit : public c10d::Backend {
   std::chrono::milliseconds op_timeout(std::chrono::milliseconds requested) const;
   // In-place reduction of a contiguous tensor over the group (allreduce, or reduce when root >= 0).
   void reduce_tensor(at::Tensor& tensor, core::DType dtype, const ReduceSpec& spec, int root);
+  // Broadcast of a contiguous tensor from global rank `root`, hierarchical across hosts.
+  void broadcast_tensor(at::Tensor& tensor, core::DType dtype, int root);
+  bool multi_host() const { return config_.num_hosts > 1; }
+  // Throws (naming the op) when this group spans hosts and no fallback engine exists.
+  c10d::Backend& fallback(const char* op);
 
   TensorArgs args_;
+  Config config_;
   std::chrono::milliseconds timeout_;
-  std::unique_ptr<core::ShmGroup> group_;
+  std::unique_ptr<core::ShmGroup> group_;  // this host's ranks
   c10::intrusive_ptr<c10d::Backend> fallback_;
+  c10::intrusive_ptr<c10d::Backend> inter_host_;
   WorkQueue queue_;  // last: destroyed first, so queued work finishes while the group still exists
 };
 

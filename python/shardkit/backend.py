@@ -1,18 +1,23 @@
 """Registration of the ``"shardkit"`` torch.distributed backend.
 
-``dist.init_process_group("shardkit")`` calls :func:`_create_backend` once per group. It agrees a
-shared-memory segment name with the group's other ranks through the group's Store, builds the inner gloo
-backend used for point-to-point traffic, and constructs the C++ ``ProcessGroupShardkit``.
+``dist.init_process_group("shardkit")`` calls :func:`_create_backend` once per group. It groups the ranks
+by host through the group's Store, agrees one shared-memory segment name per host, builds the inner gloo
+backends (all ranks: point-to-point and non-hierarchical ops across hosts; host leaders: the inter-host
+step of hierarchical ops), and constructs the C++ ``ProcessGroupShardkit``.
 
 Environment:
   SHARDKIT_SHM_SLOT_BYTES   bytes per rank and buffer in the shared segment (default 1 MiB); collectives
                             of any size are chunked through it.
+  SHARDKIT_HOST_ID          overrides the host identity (default: hostname + boot id), e.g. to simulate
+                            several hosts on one machine in tests.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import secrets
+import socket
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -34,11 +39,60 @@ def _slot_bytes() -> int:
     return value
 
 
-def _agree_segment_name(store: dist.Store, rank: int, group_id: str) -> str:
-    """Rank 0 draws a name unique to this job and group; the others read it from the group's Store."""
-    key = "shardkit/shm_name"
-    if rank == 0:
-        name = f"/shardkit-{os.getpid()}-{secrets.token_hex(6)}-{group_id or 'default'}"
+def host_id() -> str:
+    """This machine's identity: ranks with equal ids share /dev/shm."""
+    override = os.environ.get("SHARDKIT_HOST_ID")
+    if override:
+        return override
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "unknown-boot"
+    return f"{socket.gethostname()}/{boot}"
+
+
+@dataclasses.dataclass(frozen=True)
+class HostTopology:
+    """How a group's ranks sit on hosts. Hosts are numbered by their lowest rank."""
+
+    host_of: list[int]  # host index of each rank
+    local_of: list[int]  # rank's position among its host's ranks
+
+    @classmethod
+    def from_host_ids(cls, ids: list[str]) -> "HostTopology":
+        order: dict[str, int] = {}
+        host_of, local_of, counts = [], [], []
+        for host in ids:
+            index = order.setdefault(host, len(order))
+            if index == len(counts):
+                counts.append(0)
+            host_of.append(index)
+            local_of.append(counts[index])
+            counts[index] += 1
+        return cls(host_of, local_of)
+
+    @property
+    def num_hosts(self) -> int:
+        return max(self.host_of) + 1
+
+    def local_size(self, rank: int) -> int:
+        return self.host_of.count(self.host_of[rank])
+
+    def leaders(self) -> list[int]:
+        return [rank for rank, local in enumerate(self.local_of) if local == 0]
+
+
+def _exchange_host_ids(store: dist.Store, rank: int, size: int) -> list[str]:
+    store.set(f"shardkit/host/{rank}", host_id())
+    return [store.get(f"shardkit/host/{r}").decode() for r in range(size)]
+
+
+def _agree_segment_name(store: dist.Store, local_rank: int, host_index: int, group_id: str) -> str:
+    """Each host's first rank draws a name unique to this job, group and host; its peers read it."""
+    key = f"shardkit/shm_name/{host_index}"
+    if local_rank == 0:
+        name = f"/shardkit-{os.getpid()}-{secrets.token_hex(6)}-{group_id or 'default'}-h{host_index}"
         store.set(key, name)
         return name
     return store.get(key).decode()
@@ -50,9 +104,25 @@ def _create_backend(options: "dist.distributed_c10d._DistributedBackendOptions",
     store, rank, size = options.store, options.group_rank, options.group_size
     timeout = options.timeout if isinstance(options.timeout, timedelta) else timedelta(seconds=options.timeout)
     group_id = "".join(ch if ch.isalnum() else "_" for ch in str(options.group_id))[:40]
-    name = _agree_segment_name(store, rank, group_id)
+    topology = HostTopology.from_host_ids(_exchange_host_ids(store, rank, size))
+
+    config = _C.BackendConfig()
+    config.local_rank = topology.local_of[rank]
+    config.local_size = topology.local_size(rank)
+    config.num_hosts = topology.num_hosts
+    config.host_index = topology.host_of[rank]
+    config.host_of = topology.host_of
+    config.local_of = topology.local_of
+    config.shm_name = _agree_segment_name(store, config.local_rank, config.host_index, group_id)
+    config.slot_bytes = _slot_bytes()
+    config.timeout = timeout
+
     fallback = dist.ProcessGroupGloo(dist.PrefixStore("shardkit/gloo", store), rank, size, timeout)
-    return _C.ProcessGroupShardkit(rank, size, name, _slot_bytes(), timeout, fallback)
+    inter_host = None
+    if topology.num_hosts > 1 and config.local_rank == 0:
+        inter_host = dist.ProcessGroupGloo(dist.PrefixStore("shardkit/inter", store), config.host_index,
+                                           topology.num_hosts, timeout)
+    return _C.ProcessGroupShardkit(rank, size, config, fallback, inter_host)
 
 
 def register_backend() -> None:

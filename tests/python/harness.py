@@ -43,7 +43,7 @@ class RanksFailed(AssertionError):
 
 
 def _rank_main(fn, rank, world_size, args, kwargs, store_path, backend, pg_timeout, env, results, stack_file, dump_after):
-    os.environ.update(env)
+    os.environ.update(env[rank] if isinstance(env, list) else env)
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
                        "LOCAL_WORLD_SIZE": str(world_size)})
     with open(stack_file, "w") as stacks:
@@ -70,12 +70,13 @@ def _rank_main(fn, rank, world_size, args, kwargs, store_path, backend, pg_timeo
 
 
 def launch(fn: Callable[..., Any], world_size: int, *args: Any, workdir: Path, timeout: float = 60.0,
-           backend: str | None = "shardkit", pg_timeout: float | None = None, env: dict[str, str] | None = None,
-           **kwargs: Any) -> list[RankOutcome]:
+           backend: str | None = "shardkit", pg_timeout: float | None = None,
+           env: dict[str, str] | list[dict[str, str]] | None = None, **kwargs: Any) -> list[RankOutcome]:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` ranks; never raises for rank failures.
 
     ``backend=None`` skips init_process_group. The process group's own timeout is ``pg_timeout``
     (default: the hard timeout), so a collective that waits on a dead peer fails inside the rank.
+    ``env`` is set in every rank before anything else; a list gives each rank its own.
     """
     workdir.mkdir(parents=True, exist_ok=True)
     store_path = workdir / f"store-{time.monotonic_ns()}"
@@ -87,7 +88,7 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, workdir: Path, t
         proc = _CONTEXT.Process(
             target=_rank_main,
             args=(fn, rank, world_size, args, kwargs, str(store_path), backend, pg_timeout or timeout,
-                  dict(env or {}), results, str(stack_file), dump_after),
+                  env if isinstance(env, list) else dict(env or {}), results, str(stack_file), dump_after),
             daemon=True,
         )
         proc.start()
