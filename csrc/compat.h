@@ -10,9 +10,11 @@ namespace shardkit::compat {
 #define SHARDKIT_TORCH_AT_LEAST(major, minor) \
   (TORCH_VERSION_MAJOR > (major) || (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
 
-// The scale factor of a PREMUL_SUM reduce op (torch 2.x keeps it in a type-erased supplement).
+// The scale factor of a PREMUL_SUM reduce op (torch 2.x keeps it in a type-erased supplement). The
+// supplement was renamed PreMulSumSupplement in newer releases, which keep NCCLPreMulSumSupplement as an
+// alias: the old name is the one that exists in 2.11, 2.13 and 2.14 alike.
 inline double premul_sum_factor(const c10d::ReduceOp& op) {
-  auto* supplement = dynamic_cast<c10d::PreMulSumSupplement*>(op.supplement_.get());
+  auto* supplement = dynamic_cast<c10d::NCCLPreMulSumSupplement*>(op.supplement_.get());
   TORCH_CHECK(supplement != nullptr, "shardkit: PREMUL_SUM reduce op carries no scale factor");
   TORCH_CHECK(!supplement->tensor_factor.defined(),
               "shardkit: PREMUL_SUM with a tensor factor is not supported; pass a Python float");
