@@ -215,3 +215,19 @@ def test_subgroups(ranks):
 
 def test_send_recv(ranks):
     assert ranks.run(_point_to_point, 3) == [True] * 3
+
+
+def _premul_sum(rank, world):
+    factor = 0.25
+    op = dist._make_nccl_premul_sum(factor)
+    t = torch.full((1000,), float(rank + 1))
+    dist.all_reduce(t, op=op)
+    assert torch.equal(t, torch.full((1000,), factor * sum(range(1, world + 1))))
+    out = torch.empty(10)
+    dist.reduce_scatter_tensor(out, torch.full((10 * world,), float(rank + 1)), op=op)
+    assert torch.equal(out, torch.full((10,), factor * sum(range(1, world + 1))))
+    return True
+
+
+def test_premul_sum_scales_before_summing(ranks):
+    assert ranks.run(_premul_sum, 2) == [True] * 2
