@@ -76,8 +76,9 @@ struct alignas(64) GroupHeader {
 
 // One per rank, written only by that rank. Two cache lines so neighbours never share one.
 struct alignas(128) RankControl {
-  std::atomic<uint64_t> arrivals;  // sync points this rank has reached
-  OpHeader header;                 // the op it reached them for; valid while arrivals is unchanged
+  std::atomic<uint64_t> arrivals;        // sync points this rank has reached
+  std::atomic<uint64_t> header_version;  // seqlock over `header`: 2 * arrival when stable, odd while written
+  OpHeader header;                       // the op it reached its latest arrival for
   int32_t pid;
 };
 
@@ -196,13 +197,15 @@ uint8_t* ShmGroup::slot(int rank, uint64_t round) const {
 }
 
 void ShmGroup::check_peer_header(int peer, const OpHeader& mine, uint64_t target) {
-  // Seqlock read: the peer rewrites its header only after passing this sync point, which it cannot do
-  // before we arrive; still, re-check the counter so a torn read is never reported as a disagreement.
+  // Seqlock read. The peer may already have passed this sync point and be writing its next header; then
+  // the version differs from 2 * target and the peer, having seen our arrival, did the comparison itself.
   RankControl& control = controls_[peer];
+  const uint64_t before = control.header_version.load(std::memory_order_acquire);
+  if (before != 2 * target) return;
   OpHeader theirs;
   std::memcpy(&theirs, &control.header, sizeof(OpHeader));
   std::atomic_thread_fence(std::memory_order_acquire);
-  if (control.arrivals.load(std::memory_order_relaxed) != target) return;  // moved on: it checked us
+  if (control.header_version.load(std::memory_order_relaxed) != before) return;
   if (std::memcmp(&theirs, &mine, sizeof(OpHeader)) == 0) return;
   abort("shardkit: ranks disagree on collective #" + std::to_string(mine.seq) + ": rank " +
         std::to_string(rank_) + " called " + describe(mine) + " but rank " + std::to_string(peer) + " called " +
@@ -213,7 +216,10 @@ void ShmGroup::sync(const OpHeader& header) {
   using clock = std::chrono::steady_clock;
   const uint64_t target = ++arrivals_;
   RankControl& me = controls_[rank_];
+  me.header_version.store(2 * target - 1, std::memory_order_relaxed);  // odd: header being rewritten
+  std::atomic_thread_fence(std::memory_order_release);
   std::memcpy(&me.header, &header, sizeof(OpHeader));
+  me.header_version.store(2 * target, std::memory_order_release);
   me.arrivals.store(target, std::memory_order_seq_cst);
   // Pairs with the sleeper's seq_cst increment + re-check below: either it sees our arrival, or we see it.
   if (header_->sleepers.load(std::memory_order_seq_cst) != 0) {

@@ -233,3 +233,22 @@ TEST(ShmGroup, TimeoutNamesTheMissingRank) {
       << errors[0];
   EXPECT_NE(errors[1].find("timed out after 300 ms"), std::string::npos) << errors[1];
 }
+
+// Regression: a peer that has already moved on to the next op rewrites its header while a slower rank
+// still validates the previous one; that must never read as a disagreement (it did, before the header
+// got its own seqlock version). Four processes on however few cores, thousands of back-to-back ops.
+TEST(ShmGroup, BackToBackOpsNeverFalselyDisagree) {
+  const std::string name = unique_name();
+  auto codes = run_processes(4, [&](int rank) {
+    ShmGroup group(options_for(name, rank, 4));
+    std::vector<float> data(256);
+    for (int i = 0; i < 5000; ++i) {
+      std::fill(data.begin(), data.end(), 1.0f);
+      group.allreduce(data.data(), data.data(), data.size(), DType::F32, ReduceOp::Sum);
+      if (data[0] != 4.0f) return 3;
+      if (i % 7 == 0) group.barrier();
+    }
+    return 0;
+  });
+  for (int rank = 0; rank < 4; ++rank) EXPECT_EQ(codes[rank], 0) << "rank " << rank;
+}
