@@ -2,8 +2,11 @@
 // (2.11, 2.13, 2.14). Adapters include this instead of testing TORCH_VERSION themselves.
 #pragma once
 
+#include <torch/csrc/autograd/variable.h>
 #include <torch/csrc/distributed/c10d/Types.hpp>
 #include <torch/version.h>
+
+#include <utility>
 
 namespace shardkit::compat {
 
@@ -32,5 +35,9 @@ inline bool is_async_op(const Options& opts) {
   return true;
 #endif
 }
+
+// The handle torch returns for a parameter's gradient accumulator (an autograd Node). Its holder type has
+// changed between releases (std::shared_ptr, then c10::intrusive_ptr); take whatever this torch returns.
+using GradAccumulatorHandle = decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
 
 }  // namespace shardkit::compat

@@ -1,0 +1,274 @@
+#include "ddp/reducer.h"
+
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/utils/lambda_post_hook.h>
+
+#include "core/bucket_assignment.h"
+
+namespace shardkit::ddp {
+
+namespace {
+
+// Parameters of different dtypes or devices never share a bucket.
+int64_t bucket_group(const at::Tensor& param) {
+  return static_cast<int64_t>(param.scalar_type()) * 1000 + static_cast<int64_t>(param.device().index() + 1) * 10 +
+         static_cast<int64_t>(param.device().type());
+}
+
+}  // namespace
+
+Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
+                 c10::intrusive_ptr<c10d::ProcessGroup> process_group, const Options& options)
+    : params_(std::move(params)),
+      names_(std::move(names)),
+      process_group_(std::move(process_group)),
+      options_(options),
+      ready_(params_.size(), false) {
+  TORCH_CHECK(names_.size() == params_.size(), where(), "got ", names_.size(), " names for ", params_.size(),
+              " parameters");
+  TORCH_CHECK(!params_.empty(), where(), "the module has no parameters that require gradients");
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const auto& param = params_[i];
+    TORCH_CHECK(param.requires_grad(), where(), "parameter ", names_[i], " does not require grad");
+    TORCH_CHECK(param.layout() == at::kStrided, where(), "parameter ", names_[i], " is not dense (sparse gradients "
+                "are not supported by shardkit DDP)");
+  }
+  std::vector<size_t> reverse(params_.size());
+  for (size_t i = 0; i < reverse.size(); ++i) reverse[i] = params_.size() - 1 - i;
+  build_buckets(reverse);
+
+  for (size_t i = 0; i < params_.size(); ++i) {
+    auto accumulator = torch::autograd::impl::grad_accumulator(params_[i]);
+    TORCH_CHECK(accumulator, where(), "parameter ", names_[i], " has no gradient accumulator (is it a leaf?)");
+    const uintptr_t key = accumulator->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
+        [this, i](const torch::autograd::variable_list& outputs, const torch::autograd::variable_list&) {
+          std::lock_guard<std::mutex> lock(mutex_);
+          mark_ready(i);
+          return outputs;
+        }));
+    hooks_.emplace_back(std::move(accumulator), key);
+  }
+}
+
+Reducer::~Reducer() {
+  for (auto& [accumulator, key] : hooks_) accumulator->del_post_hook(key);
+}
+
+std::string Reducer::where() const {
+  return "shardkit DDP (rank " + std::to_string(process_group_->getRank()) + "): ";
+}
+
+void Reducer::build_buckets(const std::vector<size_t>& order) {
+  std::vector<core::BucketParam> shapes;
+  shapes.reserve(params_.size());
+  for (const auto& param : params_) {
+    shapes.push_back({static_cast<size_t>(param.numel()) * param.element_size(), bucket_group(param)});
+  }
+  const auto assignment =
+      core::assign_buckets(shapes, order, options_.first_bucket_bytes, options_.bucket_bytes_cap);
+  std::vector<Bucket> buckets(assignment.size());
+  slots_.assign(params_.size(), Slot{});
+  for (size_t b = 0; b < assignment.size(); ++b) {
+    Bucket& bucket = buckets[b];
+    bucket.members = assignment[b];
+    size_t total = 0;
+    for (size_t position = 0; position < bucket.members.size(); ++position) {
+      const size_t index = bucket.members[position];
+      bucket.offsets.push_back(total);
+      bucket.lengths.push_back(static_cast<size_t>(params_[index].numel()));
+      total += bucket.lengths.back();
+      slots_[index] = {b, position};
+    }
+    const auto& first = params_[bucket.members.front()];
+    bucket.buffer = at::zeros({static_cast<int64_t>(total)}, first.options().requires_grad(false));
+  }
+  buckets_ = std::move(buckets);
+  if (options_.gradient_as_bucket_view) {
+    // Gradients become views of their bucket slices, keeping whatever they held.
+    for (size_t i = 0; i < params_.size(); ++i) {
+      at::Tensor view = bucket_view(i);
+      at::Tensor& grad = params_[i].mutable_grad();
+      if (grad.defined()) view.copy_(grad);
+      grad = view;
+    }
+  }
+}
+
+at::Tensor Reducer::bucket_view(size_t index) {
+  const Slot& slot = slots_[index];
+  const Bucket& bucket = buckets_[slot.bucket];
+  return bucket.buffer.narrow(0, static_cast<int64_t>(bucket.offsets[slot.position]),
+                              static_cast<int64_t>(bucket.lengths[slot.position]))
+      .view(params_[index].sizes());
+}
+
+std::vector<std::vector<size_t>> Reducer::bucket_indices() const {
+  std::vector<std::vector<size_t>> out;
+  for (const auto& bucket : buckets_) out.push_back(bucket.members);
+  return out;
+}
+
+void Reducer::register_comm_hook(std::unique_ptr<c10d::CommHookInterface> hook) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(comm_hook_ == nullptr, where(),
+              "register_comm_hook or register_builtin_comm_hook can only be called once.");
+  comm_hook_ = std::move(hook);
+}
+
+void Reducer::prepare_for_backward() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(!callback_queued_, where(), "the previous backward has not finished its gradient reduction");
+  if (iteration_ == 1 && !rebuilt_ && !options_.find_unused_parameters) {
+    // Rebuild once from the arrival order of the first iteration; rank 0's order wins so that every rank
+    // builds identical buckets (they launch collectives bucket by bucket). Parameters that never arrived
+    // keep their reverse-registration place at the end.
+    std::vector<size_t> order = arrival_order_;
+    std::vector<bool> present(params_.size(), false);
+    for (size_t index : order) present[index] = true;
+    for (size_t i = params_.size(); i-- > 0;) {
+      if (!present[i]) order.push_back(i);
+    }
+    at::Tensor agreed = at::empty({static_cast<int64_t>(order.size())}, at::kLong);
+    for (size_t i = 0; i < order.size(); ++i) agreed[static_cast<int64_t>(i)] = static_cast<int64_t>(order[i]);
+    std::vector<at::Tensor> payload{agreed};
+    process_group_->broadcast(payload)->wait();
+    for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<size_t>(agreed[static_cast<int64_t>(i)].item<int64_t>());
+    build_buckets(order);
+    rebuilt_ = true;
+  }
+  reset_iteration();
+  armed_ = true;
+}
+
+void Reducer::reset_iteration() {
+  std::fill(ready_.begin(), ready_.end(), false);
+  for (auto& bucket : buckets_) {
+    bucket.pending = bucket.members.size();
+    bucket.future.reset();
+  }
+  next_launch_ = 0;
+  armed_ = false;
+  callback_queued_ = false;
+}
+
+void Reducer::mark_ready(size_t index) {
+  if (!armed_) return;  // no_sync(), eval-mode backward, or a backward DDP's forward did not prepare
+  TORCH_CHECK(!ready_[index], where(), "parameter ", names_[index],
+              " received its gradient twice in one backward; shardkit DDP supports one backward per forward");
+  if (!callback_queued_) {
+    callback_queued_ = true;
+    torch::autograd::Engine::get_default_engine().queue_callback([this] { finalize(); });
+  }
+  ready_[index] = true;
+  if (iteration_ == 0) arrival_order_.push_back(index);
+
+  at::Tensor view = bucket_view(index);
+  at::Tensor& grad = params_[index].mutable_grad();
+  if (options_.gradient_as_bucket_view) {
+    if (!grad.defined() || !grad.is_alias_of(view)) {  // e.g. grads were set to None by zero_grad()
+      if (grad.defined()) view.copy_(grad);
+      grad = view;
+    }
+  } else {
+    view.copy_(grad);
+  }
+  Bucket& bucket = buckets_[slots_[index].bucket];
+  if (--bucket.pending == 0) launch_ready_buckets();
+}
+
+void Reducer::launch_ready_buckets() {
+  while (next_launch_ < buckets_.size() && buckets_[next_launch_].pending == 0) launch(next_launch_++);
+}
+
+void Reducer::launch(size_t bucket_index) {
+  Bucket& bucket = buckets_[bucket_index];
+  if (comm_hook_) {
+    std::vector<c10::IntArrayRef> sizes;
+    std::vector<at::Tensor> members;
+    for (size_t index : bucket.members) {
+      sizes.push_back(params_[index].sizes());
+      members.push_back(params_[index]);
+    }
+    c10d::GradBucket grad_bucket(bucket_index, buckets_.size(), bucket.buffer, bucket.offsets, bucket.lengths, sizes,
+                                 members, std::nullopt);
+    bucket.future = comm_hook_->runHook(grad_bucket);
+  } else {
+    std::vector<at::Tensor> payload{bucket.buffer};
+    bucket.future = process_group_->allreduce(payload)->getFuture();
+  }
+}
+
+void Reducer::finalize() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  if (!armed_) return;
+  std::vector<int32_t> globally_used;
+  if (options_.find_unused_parameters) {
+    // Unused here: contribute zeros, so that ranks that did use the parameter get the right average.
+    at::Tensor used = at::zeros({static_cast<int64_t>(params_.size())}, at::kInt);
+    for (size_t i = 0; i < params_.size(); ++i) {
+      if (ready_[i]) {
+        used[static_cast<int64_t>(i)] = 1;
+        continue;
+      }
+      bucket_view(i).zero_();
+      ready_[i] = true;
+      Bucket& bucket = buckets_[slots_[i].bucket];
+      if (--bucket.pending == 0) launch_ready_buckets();
+    }
+    std::vector<at::Tensor> payload{used};
+    c10d::AllreduceOptions max;
+    max.reduceOp = c10d::ReduceOp::MAX;
+    process_group_->allreduce(payload, max)->wait();
+    globally_used.assign(used.data_ptr<int32_t>(), used.data_ptr<int32_t>() + used.numel());
+  } else {
+    std::string missing;
+    for (size_t i = 0; i < params_.size(); ++i) {
+      if (!ready_[i]) missing += (missing.empty() ? "" : ", ") + names_[i];
+    }
+    if (!missing.empty()) {
+      reset_iteration();
+      TORCH_CHECK(false, where(), "parameters that were not used in producing the loss got no gradient: [", missing,
+                  "]. Pass find_unused_parameters=True to shardkit.DistributedDataParallel if your model has "
+                  "parameters that a forward pass may not use; otherwise make every parameter take part in the loss.");
+    }
+  }
+
+  const double world = static_cast<double>(process_group_->getSize());
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    Bucket& bucket = buckets_[b];
+    TORCH_INTERNAL_ASSERT(bucket.future, "bucket ", b, " was never launched");
+    bucket.future->wait();
+    if (bucket.future->hasError()) {
+      reset_iteration();
+      bucket.future->value();  // rethrows the collective's error
+    }
+    at::Tensor result = comm_hook_ ? comm_hook_->parseHookResult(bucket.future->value()) : bucket.buffer;
+    const bool average = comm_hook_ == nullptr;  // a hook does its own division, as in torch
+    if (options_.gradient_as_bucket_view) {
+      if (!result.is_same(bucket.buffer)) bucket.buffer.copy_(result);
+      if (average) bucket.buffer.div_(world);
+    }
+    for (size_t position = 0; position < bucket.members.size(); ++position) {
+      const size_t index = bucket.members[position];
+      if (!globally_used.empty() && globally_used[index] == 0) continue;  // unused everywhere: .grad untouched
+      at::Tensor& grad = params_[index].mutable_grad();
+      if (options_.gradient_as_bucket_view) {
+        if (!grad.defined()) grad = bucket_view(index);
+        continue;
+      }
+      at::Tensor reduced = result.narrow(0, static_cast<int64_t>(bucket.offsets[position]),
+                                         static_cast<int64_t>(bucket.lengths[position]))
+                               .view(params_[index].sizes());
+      if (!grad.defined()) grad = at::empty_like(params_[index]);
+      if (average) {
+        at::div_out(grad, reduced, at::scalar_tensor(world, reduced.options()));  // copy-back fused with the average
+      } else {
+        grad.copy_(reduced);
+      }
+    }
+  }
+  ++iteration_;
+  reset_iteration();
+}
+
+}  // namespace shardkit::ddp

@@ -1,0 +1,98 @@
+// Reducer: the gradient engine of shardkit.DistributedDataParallel.
+//
+// Promise: after each synchronised backward, every parameter's .grad holds the average over the process
+// group of the ranks' gradients (or what the registered comm hook made of them), exactly as torch's DDP.
+//
+// How. Parameters are packed into dtype-homogeneous flat buckets (core::assign_buckets: reverse parameter
+// order, a small first bucket, then `bucket_bytes_cap`; rebuilt once from the order gradients actually
+// arrived in the first iteration, agreed from rank 0). A post hook on every parameter's gradient
+// accumulator copies the fresh gradient into its bucket slice and, when a bucket is complete and every
+// earlier bucket has been launched, launches its reduction — the default allreduce (SUM) or the comm hook —
+// so communication overlaps the rest of backward. A final autograd callback waits for the futures in
+// bucket order and writes the results back into .grad (the default path divides by the world size in the
+// same pass). With `gradient_as_bucket_view`, .grad tensors are views of the buckets and no copy-back
+// happens. Parameters that got no gradient are either unused-parameter zeros (find_unused_parameters; a
+// parameter unused on every rank keeps its .grad untouched) or a clear error naming them.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/comm.hpp>
+
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "compat.h"
+
+namespace shardkit::ddp {
+
+class Reducer {
+ public:
+  struct Options {
+    size_t bucket_bytes_cap = 25u << 20;
+    size_t first_bucket_bytes = 1u << 20;
+    bool find_unused_parameters = false;
+    bool gradient_as_bucket_view = false;
+  };
+
+  // `names[i]` names `params[i]` in error messages. Installs the gradient hooks.
+  Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
+          c10::intrusive_ptr<c10d::ProcessGroup> process_group, const Options& options);
+  ~Reducer();  // removes the hooks
+  Reducer(const Reducer&) = delete;
+  Reducer& operator=(const Reducer&) = delete;
+
+  // Called by forward() when a synchronised backward will follow (not under no_sync): arms the hooks and,
+  // on the second iteration, rebuilds the buckets in arrival order.
+  void prepare_for_backward();
+  // Takes ownership of the comm hook; only one may be registered, ever.
+  void register_comm_hook(std::unique_ptr<c10d::CommHookInterface> hook);
+  // Parameter indices per bucket, in launch order (for tests and introspection).
+  std::vector<std::vector<size_t>> bucket_indices() const;
+
+ private:
+  struct Bucket {
+    at::Tensor buffer;                 // flat, one dtype
+    std::vector<size_t> members;       // parameter indices
+    std::vector<size_t> offsets;       // element offset of each member in `buffer`
+    std::vector<size_t> lengths;       // elements of each member
+    size_t pending = 0;                // members whose gradient has not arrived in this backward
+    c10::intrusive_ptr<c10::ivalue::Future> future;
+  };
+  struct Slot {
+    size_t bucket = 0;
+    size_t position = 0;  // within the bucket's members
+  };
+
+  void build_buckets(const std::vector<size_t>& order);
+  void mark_ready(size_t index);  // runs under mutex_
+  void launch_ready_buckets();
+  void launch(size_t bucket_index);
+  void finalize();  // the end-of-backward callback
+  void reset_iteration();
+  at::Tensor bucket_view(size_t index);
+  std::string where() const;
+
+  std::vector<at::Tensor> params_;
+  std::vector<std::string> names_;
+  c10::intrusive_ptr<c10d::ProcessGroup> process_group_;
+  Options options_;
+  std::unique_ptr<c10d::CommHookInterface> comm_hook_;
+
+  std::vector<Bucket> buckets_;
+  std::vector<Slot> slots_;  // per parameter
+  std::vector<std::pair<compat::GradAccumulatorHandle, uintptr_t>> hooks_;  // accumulator, hook key
+
+  std::mutex mutex_;
+  bool armed_ = false;            // a synchronised backward is expected
+  bool callback_queued_ = false;  // finalize() is queued for the running backward
+  size_t next_launch_ = 0;
+  std::vector<bool> ready_;       // per parameter, this backward
+  int iteration_ = 0;             // synchronised backwards completed
+  bool rebuilt_ = false;
+  std::vector<size_t> arrival_order_;  // of the first iteration
+};
+
+}  // namespace shardkit::ddp

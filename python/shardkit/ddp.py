@@ -1,0 +1,155 @@
+"""shardkit.DistributedDataParallel: torch DDP's interface over shardkit's C++ reducer (csrc/ddp/).
+
+Construction verifies that every rank holds the same parameters (names, shapes, dtypes) and broadcasts
+parameters and buffers from rank 0. Each forward in training mode arms the reducer, whose autograd hooks
+bucket the gradients, reduce them (overlapping backward) and write the averages back into ``.grad``.
+Everything per parameter or per bucket during training happens in C++; this module is configuration.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import _C
+
+_DEFAULT_BUCKET_CAP_MB = 25
+_FIRST_BUCKET_BYTES = 1 << 20  # a small first bucket so the first reduction starts early in backward
+_BROADCAST_BUCKET_BYTES = 250 << 20
+
+
+class DistributedDataParallel(nn.Module):
+    """Data parallelism with torch DDP's arguments and semantics; see torch.nn.parallel.DistributedDataParallel.
+
+    ``zero_stage`` (0, 1, 2) selects ZeRO partitioning of optimizer state (1) and gradients (2); only 0
+    is implemented so far, other values raise NotImplementedError naming the feature.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        device_ids: list[int | torch.device] | None = None,
+        output_device: int | torch.device | None = None,
+        dim: int = 0,
+        broadcast_buffers: bool = True,
+        process_group: dist.ProcessGroup | None = None,
+        bucket_cap_mb: float | None = None,
+        find_unused_parameters: bool = False,
+        gradient_as_bucket_view: bool = False,
+        static_graph: bool = False,
+        zero_stage: int = 0,
+    ) -> None:
+        super().__init__()
+        if zero_stage not in (0, 1, 2):
+            raise ValueError(f"zero_stage must be 0, 1 or 2, got {zero_stage!r}")
+        if zero_stage != 0:
+            raise NotImplementedError(f"shardkit.DistributedDataParallel: zero_stage={zero_stage} (ZeRO-1/2) is not "
+                                      "implemented yet; use zero_stage=0")
+        if bucket_cap_mb is not None and bucket_cap_mb <= 0:
+            raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb!r}")
+        self.module = module
+        self.process_group = process_group if process_group is not None else dist.distributed_c10d._get_default_group()
+        self.device_ids = self._check_devices(module, device_ids)
+        self.output_device = output_device
+        self.dim = dim
+        self.broadcast_buffers = broadcast_buffers
+        self.find_unused_parameters = find_unused_parameters
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.static_graph = static_graph  # accepted for torch compatibility: the reducer needs no hint
+        self.zero_stage = zero_stage
+        self.require_backward_grad_sync = True
+
+        named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+        self._verify_same_parameters_everywhere(named)
+        self._broadcast_from_rank0([p.detach() for _, p in module.named_parameters()] +
+                                   [b.detach() for b in module.buffers()])
+        cap_bytes = int((bucket_cap_mb if bucket_cap_mb is not None else _DEFAULT_BUCKET_CAP_MB) * 1024 * 1024)
+        self.reducer = _C.Reducer([p for _, p in named], [name for name, _ in named], self.process_group,
+                                  max(cap_bytes, 1), min(_FIRST_BUCKET_BYTES, max(cap_bytes, 1)),
+                                  find_unused_parameters, gradient_as_bucket_view)
+        self._hook_registered = False
+
+    # --- construction ---------------------------------------------------------------------------------
+    @staticmethod
+    def _check_devices(module: nn.Module, device_ids):
+        devices = {p.device for p in module.parameters()}
+        if len(devices) > 1:
+            raise ValueError(f"shardkit DDP drives one device per process; the module's parameters are on {sorted(map(str, devices))}")
+        device = next(iter(devices), torch.device("cpu"))
+        if device.type == "cpu":
+            if device_ids is not None:
+                raise ValueError(f"device_ids must be None for a CPU module, got {device_ids!r}")
+            return None
+        if device_ids is not None and (len(device_ids) != 1 or torch.device(device.type, torch.device(device_ids[0]).index
+                                       if not isinstance(device_ids[0], int) else device_ids[0]) != device):
+            raise ValueError(f"device_ids must be [the module's device] ({device}), got {device_ids!r}")
+        return [device]
+
+    def _verify_same_parameters_everywhere(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        mine = [(name, tuple(p.shape), str(p.dtype)) for name, p in named]
+        world = dist.get_world_size(self.process_group)
+        everyone: list[Any] = [None] * world
+        dist.all_gather_object(everyone, mine, group=self.process_group)
+        rank = dist.get_rank(self.process_group)
+        for other_rank, theirs in enumerate(everyone):
+            if theirs == mine:
+                continue
+            for position in range(max(len(mine), len(theirs))):
+                a = mine[position] if position < len(mine) else None
+                b = theirs[position] if position < len(theirs) else None
+                if a != b:
+                    raise RuntimeError(
+                        f"shardkit DDP (rank {rank}): parameters differ across ranks at position {position}: "
+                        f"rank {rank} has {_describe(a)} but rank {other_rank} has {_describe(b)}")
+
+    def _broadcast_from_rank0(self, tensors: list[torch.Tensor]) -> None:
+        if tensors:
+            dist._broadcast_coalesced(self.process_group, tensors, _BROADCAST_BUCKET_BYTES, 0)
+
+    # --- training -------------------------------------------------------------------------------------
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        if self.device_ids:
+            inputs, kwargs = _to_device((inputs, kwargs), self.device_ids[0])
+        if torch.is_grad_enabled() and self.require_backward_grad_sync:
+            if self.broadcast_buffers:
+                self._broadcast_from_rank0([b.detach() for b in self.module.buffers()])
+            self.reducer.prepare_for_backward()
+        return self.module(*inputs, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate gradients locally; the first one after it synchronises."""
+        previous = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = previous
+
+    def register_comm_hook(self, state: object, hook: Callable[..., torch.futures.Future]) -> None:
+        """torch DDP's comm-hook API: ``hook(state, bucket) -> Future[Tensor]`` replaces the allreduce of each
+        bucket (``bucket`` is a torch.distributed.GradBucket). The hook must do its own averaging."""
+        if not callable(hook):
+            raise TypeError(f"hook must be callable, got {hook!r}")
+        self.reducer.register_comm_hook(state, hook)
+
+
+def _describe(entry) -> str:
+    if entry is None:
+        return "no parameter there"
+    name, shape, dtype = entry
+    return f"{name} of shape {list(shape)} ({dtype})"
+
+
+def _to_device(obj: Any, device: torch.device) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=True)
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_device(o, device) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _to_device(v, device) for k, v in obj.items()}
+    return obj
