@@ -6,6 +6,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstdio>
@@ -25,11 +26,23 @@ constexpr uint64_t kMagic = 0x736861726b6b6974ULL;  // "sharkkit"
 constexpr size_t kPage = 4096;
 constexpr size_t kAbortMessageBytes = 1024;
 
-// How a wait escalates. Ranks may outnumber cores (4 ranks on 2 cores in CI), so after a short spin a
-// waiter yields, and after kYieldFor it sleeps on the futex so that the ranks it waits for get the core.
-constexpr int kSpinIterations = 256;
-constexpr auto kYieldFor = std::chrono::microseconds(200);
+// How a wait escalates: spin (cheapest wake-up), then sched_yield, then sleep on the futex. When the
+// host's ranks outnumber the cores this process may run on (4 ranks on 2 cores in CI), every spinning
+// waiter steals the core from a rank that has not arrived yet, so the spin and yield phases shrink.
+struct WaitPolicy {
+  int spin_iterations;
+  std::chrono::microseconds yield_for;
+};
+constexpr WaitPolicy kDedicatedCores{256, std::chrono::microseconds(200)};
+constexpr WaitPolicy kOversubscribed{16, std::chrono::microseconds(20)};
 constexpr auto kFutexSleep = std::chrono::microseconds(2000);
+
+int usable_cores() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof(set), &set) != 0) return 1;
+  return std::max(1, CPU_COUNT(&set));
+}
 constexpr auto kLivenessEvery = std::chrono::milliseconds(200);
 
 size_t round_up(size_t value, size_t to) { return (value + to - 1) / to * to; }
@@ -101,7 +114,8 @@ ShmGroup::ShmGroup(const Options& options)
     : rank_(options.rank),
       size_(options.size),
       slot_bytes_(round_up(options.slot_bytes, kPage)),
-      timeout_(options.timeout) {
+      timeout_(options.timeout),
+      usable_cores_(usable_cores()) {
   if (size_ < 1 || rank_ < 0 || rank_ >= size_) {
     throw std::invalid_argument("shardkit shm: invalid rank " + std::to_string(rank_) + " for group size " +
                                 std::to_string(size_));
@@ -256,12 +270,13 @@ void ShmGroup::sync(const OpHeader& header) {
       throw std::runtime_error("shardkit " + describe(header) + " (rank " + std::to_string(rank_) +
                                "): group aborted: " + abort_message());
     }
-    if (iteration < kSpinIterations) {
+    const WaitPolicy& policy = size_ > usable_cores_ ? kOversubscribed : kDedicatedCores;
+    if (iteration < policy.spin_iterations) {
       cpu_relax();
       continue;
     }
     const auto now = clock::now();
-    if (now - start < kYieldFor) {
+    if (now - start < policy.yield_for) {
       sched_yield();
       continue;
     }

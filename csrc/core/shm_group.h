@@ -132,6 +132,7 @@ class ShmGroup {
   int size_;
   size_t slot_bytes_;
   std::chrono::milliseconds timeout_;
+  int usable_cores_;  // cores this process may run on: decides how long waits spin (see WaitPolicy)
   std::unique_ptr<ShmSegment> segment_;
   GroupHeader* header_ = nullptr;
   RankControl* controls_ = nullptr;
