@@ -65,15 +65,21 @@ $(VENV_CUDA)/.deps: Makefile
 	$(VENV_CUDA)/bin/pip install $(PIP_FLAGS) $(TORCH_CUDA) ninja setuptools wheel numpy
 	touch $@
 
+# Built from a copy of the sources, so its objects never mix with the CPU build's in ./build.
 cuda-check: apt-deps $(VENV_CUDA)/.deps
-	rm -rf build/cuda-check && mkdir -p build/cuda-check
-	SHARDKIT_CUDA=1 TORCH_CUDA_ARCH_LIST="$${TORCH_CUDA_ARCH_LIST:-9.0}" \
+	rm -rf build/cuda-check && mkdir -p build/cuda-check/src
+	tar cf - --exclude=./build --exclude=./.venv --exclude=./.venv-cuda --exclude=./.git . | tar xf - -C build/cuda-check/src
+	cd build/cuda-check/src && SHARDKIT_CUDA=1 TORCH_CUDA_ARCH_LIST="$${TORCH_CUDA_ARCH_LIST:-9.0}" \
 	  $(if $(CUDA_HOME),CUDA_HOME=$(CUDA_HOME)) \
-	  $(VENV_CUDA)/bin/pip wheel $(PIP_FLAGS) --no-build-isolation --no-deps -w build/cuda-check .
+	  ../../../$(VENV_CUDA)/bin/pip wheel $(PIP_FLAGS) --no-build-isolation --no-deps -w .. .
 	$(VENV_CUDA)/bin/pip install $(PIP_FLAGS) --no-deps --force-reinstall build/cuda-check/shardkit-*.whl
 	cd build/cuda-check && ../../$(VENV_CUDA)/bin/python ../../tests/cuda_check.py
 
-bench: build
+$(VENV)/.bench-deps: $(VENV)/.deps
+	$(VENV)/bin/pip install $(PIP_FLAGS) matplotlib
+	touch $@
+
+bench: build $(VENV)/.bench-deps
 	$(VENV)/bin/python benchmarks/collectives.py
 
 clean:

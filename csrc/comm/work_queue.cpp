@@ -47,11 +47,13 @@ void WorkQueue::run_or_enqueue(c10::intrusive_ptr<ShardkitWork> work, std::funct
     busy_ = true;
   }
   execute(*work, body);
+  bool queued_meanwhile = false;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     busy_ = false;
+    queued_meanwhile = !items_.empty();
   }
-  ready_.notify_one();  // work queued meanwhile may start now
+  if (queued_meanwhile) ready_.notify_one();  // waking an idle worker for nothing costs small ops dearly
 }
 
 void WorkQueue::execute(ShardkitWork& work, const std::function<void()>& body) {

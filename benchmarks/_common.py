@@ -1,0 +1,350 @@
+"""Shared pieces of the shardkit benchmarks: rank launcher, timing loop, formatting, JSON and plots.
+
+Every benchmark compares shardkit with an anchor (gloo, torch DDP, ...) measured in the same job on the
+same machine, so the numbers that matter are ratios; absolute numbers are recorded with the machine they
+came from (:func:`machine_info`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import json
+import multiprocessing as _mp
+import os
+import platform
+import queue
+import resource
+import statistics
+import subprocess
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+_SIZE_SUFFIXES = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
+                  "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
+
+
+# --- sizes and formatting ---------------------------------------------------------------------------------
+
+def parse_size(text: str) -> int:
+    """``"4K"`` -> 4096, ``"64M"`` -> 67108864 (binary units, as nccl-tests uses)."""
+    raw = text.strip().upper()
+    digits = raw.rstrip("KMGIB")
+    suffix = raw[len(digits):]
+    try:
+        value = float(digits) * _SIZE_SUFFIXES[suffix]
+    except (ValueError, KeyError):
+        raise ValueError(f"cannot parse size {text!r}; use e.g. 4096, 4K, 64M, 1G") from None
+    return int(value)
+
+
+def format_size(nbytes: int) -> str:
+    """4096 -> ``"4K"``, 67108864 -> ``"64M"``; sizes that are not whole units keep bytes."""
+    for suffix, unit in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if nbytes >= unit and nbytes % unit == 0:
+            return f"{nbytes // unit}{suffix}"
+    return f"{nbytes}B"
+
+
+def format_us(seconds: float) -> str:
+    """Latency in microseconds with precision that suits its magnitude."""
+    us = seconds * 1e6
+    return f"{us:.2f}" if us < 10 else f"{us:.1f}" if us < 1000 else f"{us:,.0f}"
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]], left: int = 1) -> str:
+    """Plain-text table; the first ``left`` columns are left-aligned, the rest right-aligned (numbers)."""
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
+    rule = "  ".join("-" * w for w in widths)
+    return "\n".join([line(headers), rule, *(line(r) for r in rows)])
+
+
+# --- machine description ----------------------------------------------------------------------------------
+
+def _cpu_model() -> str:
+    try:
+        for entry in Path("/proc/cpuinfo").read_text().splitlines():
+            if entry.startswith("model name"):
+                return entry.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _mem_total_gib() -> float | None:
+    try:
+        for entry in Path("/proc/meminfo").read_text().splitlines():
+            if entry.startswith("MemTotal:"):
+                return round(int(entry.split()[1]) / (1 << 20), 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             cwd=Path(__file__).resolve().parent, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (out.stdout.strip() or None) if out.returncode == 0 else None
+
+
+def machine_info() -> dict[str, Any]:
+    """What the numbers depend on: CPU, usable cores, memory, software versions, date."""
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:
+        usable = os.cpu_count() or 1
+    return {
+        "cpu_model": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "usable_cores": usable,
+        "mem_total_gib": _mem_total_gib(),
+        "load_avg_1m": os.getloadavg()[0],  # other work on the machine skews every number
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "git_commit": _git_commit(),
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+class ForeignLoad:
+    """How much CPU other processes used while a block ran, in cores (e.g. 0.8 of 2).
+
+    Benchmarks here run on small shared machines; a number measured while a compiler ran next to it is
+    not comparable with a quiet one. Measured as the machine's busy time (/proc/stat) minus this process's
+    and its reaped children's (the ranks, once joined). Linux only; None elsewhere.
+
+        with ForeignLoad() as load: ...
+        load.cores
+    """
+
+    def __init__(self) -> None:
+        self.cores: float | None = None
+
+    @staticmethod
+    def _machine_busy_s() -> float | None:
+        try:
+            fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        except (OSError, ValueError):
+            return None
+        busy = sum(fields[:8]) - fields[3] - fields[4]  # user..steal without idle and iowait
+        return busy / os.sysconf("SC_CLK_TCK")
+
+    @staticmethod
+    def _own_s() -> float:
+        usage = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+        return sum(u.ru_utime + u.ru_stime for u in usage)
+
+    def __enter__(self) -> "ForeignLoad":
+        self._start = (time.monotonic(), self._machine_busy_s(), self._own_s())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        wall0, busy0, own0 = self._start
+        busy1 = self._machine_busy_s()
+        wall = time.monotonic() - wall0
+        if busy0 is not None and busy1 is not None and wall > 0:
+            self.cores = max(0.0, ((busy1 - busy0) - (self._own_s() - own0)) / wall)
+
+
+# --- launching ranks --------------------------------------------------------------------------------------
+
+class RanksFailed(RuntimeError):
+    """A rank raised, crashed or did not finish in time."""
+
+
+def _rank_entry(fn: Callable[..., Any], rank: int, world: int, store: str, env: Mapping[str, str],
+                args: tuple[Any, ...], results: Any) -> None:
+    os.environ.update(env)
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+                       "LOCAL_WORLD_SIZE": str(world)})
+    try:
+        torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
+        results.put((rank, True, fn(rank, world, store, *args)))
+    except BaseException:  # noqa: BLE001 - reported to the parent, which decides
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - a broken group may refuse a clean shutdown
+                pass
+
+
+def launch_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 600.0,
+                 env: Mapping[str, str] | None = None) -> list[Any]:
+    """Run ``fn(rank, world, store_path, *args)`` in ``world`` fresh processes; return their values by rank.
+
+    ``store_path`` names a file in a private temp dir for ``init_method=f"file://{store_path}"`` (no ports).
+    Processes are spawned (not forked) so each rank starts clean; the environment gets
+    ``OMP_NUM_THREADS=1`` unless ``env`` says otherwise. A rank that raises, dies or overruns ``timeout``
+    fails the whole launch with every failing rank's story.
+    """
+    ctx = _mp.get_context("spawn")
+    full_env = {"OMP_NUM_THREADS": "1", **(env or {})}
+    with tempfile.TemporaryDirectory(prefix="shardkit-bench-") as tmp:
+        store = str(Path(tmp) / "store")
+        results = ctx.Queue()
+        procs = [ctx.Process(target=_rank_entry, args=(fn, r, world, store, full_env, args, results), daemon=True)
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        values: dict[int, Any] = {}
+        errors: dict[int, str] = {}
+        deadline = time.monotonic() + timeout
+        while len(values) + len(errors) < world and time.monotonic() < deadline:
+            try:
+                rank, ok, payload = results.get(timeout=0.2)
+            except queue.Empty:
+                if all(not p.is_alive() for p in procs) and results.empty():
+                    break
+                continue
+            (values if ok else errors)[rank] = payload
+        for rank, p in enumerate(procs):
+            p.join(timeout=10.0 if rank in values or rank in errors else 0.1)
+            if p.is_alive():
+                p.kill()
+                p.join()
+            if rank not in values and rank not in errors:
+                errors[rank] = (f"no result (exit code {p.exitcode}"
+                                f"{', killed after the timeout' if time.monotonic() >= deadline else ''})")
+        results.close()
+    if errors:
+        story = "\n".join(f"--- rank {r} ---\n{errors[r]}" for r in sorted(errors))
+        raise RanksFailed(f"{len(errors)} of {world} ranks failed:\n{story}")
+    return [values[r] for r in range(world)]
+
+
+# --- timing -----------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class TimingConfig:
+    max_iters: int = 1000     # calls per repetition for small, fast ops
+    reps: int = 5             # repetitions; the reported time is their median
+    point_s: float = 0.5      # target time of all repetitions of one point together
+    warmup_s: float = 0.05    # minimum warm-up time (at least one call) before the repetitions
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    seconds: float            # median over repetitions of (loop time / iters), max over ranks
+    iters: int                # calls per repetition
+    samples: list[float]      # per-repetition seconds per call, each the max over ranks
+
+
+def agree_max(values: Sequence[float], group: Any) -> list[float]:
+    """Element-wise max over the ranks of ``group`` (all ranks pass equally long lists)."""
+    t = torch.tensor(list(values), dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t.tolist()
+
+
+def time_collective(call: Callable[[], Any], barrier: Callable[[], Any], sync_group: Any,
+                    cfg: TimingConfig) -> Timing:
+    """Time ``call`` (one blocking collective) on every rank of the job; all ranks must call this together.
+
+    Every decision that changes how many collectives run (warm-up length, iterations) is taken from
+    times agreed with ``agree_max`` over ``sync_group``, so all ranks issue the same sequence and none
+    waits forever. ``barrier`` belongs to the backend being measured, so the timed loop starts with that
+    backend's ranks lined up rather than with one backend waiting on the other.
+    """
+    # Warm-up and estimate: run batches of 1, 4, 16, ... calls until a batch takes long enough to time.
+    batch, per_call, warmed = 1, 0.0, 0.0
+    while True:
+        start = time.perf_counter()
+        for _ in range(batch):
+            call()
+        elapsed = agree_max([time.perf_counter() - start], sync_group)[0]
+        per_call, warmed = elapsed / batch, warmed + elapsed
+        if warmed >= cfg.warmup_s or batch >= cfg.max_iters:
+            break
+        batch *= 4
+    iters = max(1, min(cfg.max_iters, int(cfg.point_s / cfg.reps / max(per_call, 1e-9))))
+
+    samples = []
+    for _ in range(cfg.reps):
+        barrier()
+        start = time.perf_counter()
+        for _ in range(iters):
+            call()
+        samples.append((time.perf_counter() - start) / iters)
+    # A collective is as slow as its slowest rank.
+    samples = agree_max(samples, sync_group)
+    return Timing(seconds=statistics.median(samples), iters=iters, samples=samples)
+
+
+# --- results ----------------------------------------------------------------------------------------------
+
+def write_json(path: Path, payload: Mapping[str, Any]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n")
+    return path
+
+
+@dataclasses.dataclass(frozen=True)
+class Series:
+    """One line of a plot: ``label`` in the legend; lines sharing ``color_key`` share a colour."""
+
+    label: str
+    xs: Sequence[float]
+    ys: Sequence[float]
+    color_key: str
+    linestyle: str = "-"
+    marker: str = "o"
+
+
+def plot_panels(path: Path, panels: Mapping[str, Sequence[Series]], *, xlabel: str, ylabel: str,
+                suptitle: str = "", loglog: bool = True, xtick_labels: Callable[[float], str] | None = None
+                ) -> Path | None:
+    """One subplot per panel, side by side; returns the path, or None when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # files only, never a display
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: skipping the plot (pip install matplotlib)")
+        return None
+
+    keys = sorted({s.color_key for series in panels.values() for s in series})
+    colours = {k: plt.get_cmap("tab10")(i % 10) for i, k in enumerate(keys)}
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 5.0), squeeze=False)
+    for ax, (title, series) in zip(axes[0], panels.items()):
+        for s in series:
+            ax.plot(s.xs, s.ys, label=s.label, color=colours[s.color_key], linestyle=s.linestyle,
+                    marker=s.marker, markersize=4)
+        if loglog:
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+        if xtick_labels is not None:
+            ticks = sorted({x for s in series for x in s.xs})
+            ax.set_xticks(ticks)
+            ax.set_xticklabels([xtick_labels(x) for x in ticks])
+        ax.set_title(title)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7, ncol=2)
+    if suptitle:
+        fig.suptitle(suptitle)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
