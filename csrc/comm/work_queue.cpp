@@ -29,6 +29,10 @@ WorkQueue::~WorkQueue() {
 }
 
 void WorkQueue::enqueue(c10::intrusive_ptr<ShardkitWork> work, std::function<void()> body) {
+  if (on_worker()) {  // issued from a future callback: run now (see the header)
+    execute(*work, body);
+    return;
+  }
   {
     std::lock_guard<std::mutex> lock(mutex_);
     items_.push_back({std::move(work), std::move(body)});
@@ -37,6 +41,10 @@ void WorkQueue::enqueue(c10::intrusive_ptr<ShardkitWork> work, std::function<voi
 }
 
 void WorkQueue::run_or_enqueue(c10::intrusive_ptr<ShardkitWork> work, std::function<void()> body) {
+  if (on_worker()) {
+    execute(*work, body);
+    return;
+  }
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (!items_.empty() || busy_) {

@@ -4,6 +4,11 @@
 // issue order (all ranks must issue collectives in the same order anyway), so the caller — DDP's autograd
 // thread, say — goes on while the shared-memory protocol runs. A Work completes its Future with the output
 // tensors (what DDP's comm hooks expect) or with the exception the collective threw.
+//
+// Future callbacks (`fut.then(...)`) run on the worker thread as it completes the future, and may issue
+// and wait on another collective (torch's PowerSGD hook does). Such a collective runs at once, inline on
+// the worker: queueing it behind the worker would deadlock, and running it right after the op whose
+// completion issued it gives the same order on every rank, whatever the main thread queued meanwhile.
 #pragma once
 
 #include <ATen/core/ivalue.h>
@@ -54,6 +59,7 @@ class WorkQueue {
   };
   void run();
   static void execute(ShardkitWork& work, const std::function<void()>& body);
+  bool on_worker() const { return std::this_thread::get_id() == worker_.get_id(); }
 
   std::mutex mutex_;
   std::condition_variable ready_;

@@ -3,6 +3,9 @@
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
 
+#include <algorithm>
+#include <limits>
+
 #include "core/bucket_assignment.h"
 
 namespace shardkit::ddp {
@@ -33,9 +36,17 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
     TORCH_CHECK(param.layout() == at::kStrided, where(), "parameter ", names_[i], " is not dense (sparse gradients "
                 "are not supported by shardkit DDP)");
   }
-  std::vector<size_t> reverse(params_.size());
-  for (size_t i = 0; i < reverse.size(); ++i) reverse[i] = params_.size() - 1 - i;
-  build_buckets(reverse);
+  // The first iteration's layout follows torch's DDP: buckets filled in registration order, launched last
+  // bucket first (gradients arrive roughly in reverse). Unless unused parameters must be expected, that
+  // first layout is one bucket per dtype, and the real one is built from the observed arrival order.
+  std::vector<size_t> forward(params_.size());
+  for (size_t i = 0; i < forward.size(); ++i) forward[i] = i;
+  const size_t unbounded = std::numeric_limits<size_t>::max();
+  auto initial = options_.find_unused_parameters
+                     ? core::assign_buckets(param_shapes(), forward, options_.first_bucket_bytes, options_.bucket_bytes_cap)
+                     : core::assign_buckets(param_shapes(), forward, unbounded, unbounded);
+  std::reverse(initial.begin(), initial.end());
+  build_buckets(initial);
 
   for (size_t i = 0; i < params_.size(); ++i) {
     auto accumulator = torch::autograd::impl::grad_accumulator(params_[i]);
@@ -58,14 +69,16 @@ std::string Reducer::where() const {
   return "shardkit DDP (rank " + std::to_string(process_group_->getRank()) + "): ";
 }
 
-void Reducer::build_buckets(const std::vector<size_t>& order) {
+std::vector<core::BucketParam> Reducer::param_shapes() const {
   std::vector<core::BucketParam> shapes;
   shapes.reserve(params_.size());
   for (const auto& param : params_) {
     shapes.push_back({static_cast<size_t>(param.numel()) * param.element_size(), bucket_group(param)});
   }
-  const auto assignment =
-      core::assign_buckets(shapes, order, options_.first_bucket_bytes, options_.bucket_bytes_cap);
+  return shapes;
+}
+
+void Reducer::build_buckets(const std::vector<std::vector<size_t>>& assignment) {
   std::vector<Bucket> buckets(assignment.size());
   slots_.assign(params_.size(), Slot{});
   for (size_t b = 0; b < assignment.size(); ++b) {
@@ -133,7 +146,7 @@ void Reducer::prepare_for_backward() {
     std::vector<at::Tensor> payload{agreed};
     process_group_->broadcast(payload)->wait();
     for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<size_t>(agreed[static_cast<int64_t>(i)].item<int64_t>());
-    build_buckets(order);
+    build_buckets(core::assign_buckets(param_shapes(), order, options_.first_bucket_bytes, options_.bucket_bytes_cap));
     rebuilt_ = true;
   }
   reset_iteration();
@@ -237,12 +250,13 @@ void Reducer::finalize() {
   for (size_t b = 0; b < buckets_.size(); ++b) {
     Bucket& bucket = buckets_[b];
     TORCH_INTERNAL_ASSERT(bucket.future, "bucket ", b, " was never launched");
-    bucket.future->wait();
-    if (bucket.future->hasError()) {
+    const auto future = bucket.future;
+    future->wait();
+    if (future->hasError()) {
       reset_iteration();
-      bucket.future->value();  // rethrows the collective's error
+      future->value();  // rethrows the collective's error
     }
-    at::Tensor result = comm_hook_ ? comm_hook_->parseHookResult(bucket.future->value()) : bucket.buffer;
+    at::Tensor result = comm_hook_ ? comm_hook_->parseHookResult(future->value()) : bucket.buffer;
     const bool average = comm_hook_ == nullptr;  // a hook does its own division, as in torch
     if (options_.gradient_as_bucket_view) {
       if (!result.is_same(bucket.buffer)) bucket.buffer.copy_(result);

@@ -3,9 +3,12 @@
 // Promise: after each synchronised backward, every parameter's .grad holds the average over the process
 // group of the ranks' gradients (or what the registered comm hook made of them), exactly as torch's DDP.
 //
-// How. Parameters are packed into dtype-homogeneous flat buckets (core::assign_buckets: reverse parameter
-// order, a small first bucket, then `bucket_bytes_cap`; rebuilt once from the order gradients actually
-// arrived in the first iteration, agreed from rank 0). A post hook on every parameter's gradient
+// How. Parameters are packed into dtype-homogeneous flat buckets, laid out as torch's DDP lays them out
+// (so that hooks whose result depends on the layout, like PowerSGD, behave identically): first one bucket
+// per dtype in registration order, then, from the second iteration, core::assign_buckets over the order
+// the gradients actually arrived in (rank 0's order, so every rank agrees) with a small first bucket and
+// `bucket_bytes_cap` after it. With find_unused_parameters the capped layout is used from the start, in
+// registration order and launched last-bucket-first, and never rebuilt. A post hook on every parameter's gradient
 // accumulator copies the fresh gradient into its bucket slice and, when a bucket is complete and every
 // earlier bucket has been launched, launches its reduction — the default allreduce (SUM) or the comm hook —
 // so communication overlaps the rest of backward. A final autograd callback waits for the futures in
@@ -25,6 +28,7 @@
 #include <vector>
 
 #include "compat.h"
+#include "core/bucket_assignment.h"
 
 namespace shardkit::ddp {
 
@@ -66,7 +70,9 @@ class Reducer {
     size_t position = 0;  // within the bucket's members
   };
 
-  void build_buckets(const std::vector<size_t>& order);
+  std::vector<core::BucketParam> param_shapes() const;
+  // Lays out buckets (parameter indices per bucket, in launch order) and re-points bucket-view grads.
+  void build_buckets(const std::vector<std::vector<size_t>>& assignment);
   void mark_ready(size_t index);  // runs under mutex_
   void launch_ready_buckets();
   void launch(size_t bucket_index);

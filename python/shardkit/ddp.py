@@ -67,10 +67,13 @@ class DistributedDataParallel(nn.Module):
         self._verify_same_parameters_everywhere(named)
         self._broadcast_from_rank0([p.detach() for _, p in module.named_parameters()] +
                                    [b.detach() for b in module.buffers()])
-        cap_bytes = int((bucket_cap_mb if bucket_cap_mb is not None else _DEFAULT_BUCKET_CAP_MB) * 1024 * 1024)
+        # torch's rule: the small first bucket applies only when the cap is the default one.
+        cap_bytes = max(1, int((bucket_cap_mb if bucket_cap_mb is not None else _DEFAULT_BUCKET_CAP_MB) * 1024 * 1024))
+        first_bytes = _FIRST_BUCKET_BYTES if bucket_cap_mb is None else cap_bytes
         self.reducer = _C.Reducer([p for _, p in named], [name for name, _ in named], self.process_group,
-                                  max(cap_bytes, 1), min(_FIRST_BUCKET_BYTES, max(cap_bytes, 1)),
-                                  find_unused_parameters, gradient_as_bucket_view)
+                                  cap_bytes, first_bytes, find_unused_parameters, gradient_as_bucket_view)
+        # Buffers are broadcast before a forward that follows a synchronised training forward (torch's rule).
+        self.require_forward_param_sync = True
         self._hook_registered = False
 
     # --- construction ---------------------------------------------------------------------------------
@@ -114,10 +117,12 @@ class DistributedDataParallel(nn.Module):
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if self.device_ids:
             inputs, kwargs = _to_device((inputs, kwargs), self.device_ids[0])
-        if torch.is_grad_enabled() and self.require_backward_grad_sync:
-            if self.broadcast_buffers:
-                self._broadcast_from_rank0([b.detach() for b in self.module.buffers()])
+        if self.broadcast_buffers and self.require_forward_param_sync:
+            self._broadcast_from_rank0([b.detach() for b in self.module.buffers()])
+        synced = torch.is_grad_enabled() and self.require_backward_grad_sync
+        if synced:
             self.reducer.prepare_for_backward()
+        self.require_forward_param_sync = synced
         return self.module(*inputs, **kwargs)
 
     @contextlib.contextmanager

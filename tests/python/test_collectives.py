@@ -231,3 +231,25 @@ def _premul_sum(rank, world):
 
 def test_premul_sum_scales_before_summing(ranks):
     assert ranks.run(_premul_sum, 2) == [True] * 2
+
+
+def _collective_inside_future_callback(rank, world):
+    # torch's PowerSGD hook issues and waits on a collective inside a `.then()` callback, which runs on the
+    # thread that completed the first future: the backend's worker. That must not deadlock.
+    def second(fut):
+        inner = torch.full((10,), float(rank))
+        return dist.all_reduce(inner, async_op=True).get_future().wait()[0]
+
+    first = torch.ones(300_000)
+    chained = dist.all_reduce(first, async_op=True).get_future().then(second)
+    behind = torch.ones(5)
+    work = dist.all_reduce(behind, async_op=True)  # queued by the main thread meanwhile
+    result = chained.wait()
+    work.wait()
+    assert torch.equal(result, torch.full((10,), float(sum(range(world)))))
+    assert torch.equal(first, torch.full((300_000,), float(world))) and torch.equal(behind, torch.full((5,), float(world)))
+    return True
+
+
+def test_collective_issued_from_a_future_callback(ranks):
+    assert ranks.run(_collective_inside_future_callback, 3, timeout=60) == [True] * 3
