@@ -1,7 +1,7 @@
 # shardkit — every set-up step lives here, so a fresh machine needs only `make test` or `make demo`.
 #
 #   make test        apt deps + .venv (torch 2.13.0 CPU) + build, then GoogleTest (ctest) and pytest
-#   make demo        same set-up, then the demo under torchrun
+#   make demo        same set-up, then the estimator and two demos under torchrun (training, collectives)
 #   make cuda-check  .venv-cuda (torch 2.14.1, CUDA 13) + the CUDA extension compiled, linked and imported
 #   make bench       the benchmarks under benchmarks/ (results in benchmarks/results/)
 
@@ -57,6 +57,7 @@ test: cpp-test py-test
 # --- demo ---------------------------------------------------------------------------------------------
 demo: build
 	$(VENV)/bin/python -m shardkit estimate --params 7b --gpus 4 --gpu-memory-gb 80
+	$(VENV)/bin/torchrun --standalone --nproc_per_node=2 examples/train_ddp.py
 	$(VENV)/bin/torchrun --standalone --nproc_per_node=2 examples/collectives_demo.py
 
 # --- CUDA compile check (no GPU needed) -----------------------------------------------------------------
