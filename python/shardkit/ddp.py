@@ -25,8 +25,10 @@ _BROADCAST_BUCKET_BYTES = 250 << 20
 class DistributedDataParallel(nn.Module):
     """Data parallelism with torch DDP's arguments and semantics; see torch.nn.parallel.DistributedDataParallel.
 
-    ``zero_stage`` (0, 1, 2) selects ZeRO partitioning of optimizer state (1) and gradients (2); only 0
-    is implemented so far, other values raise NotImplementedError naming the feature.
+    ``zero_stage`` (0, 1, 2) selects ZeRO partitioning of optimizer state (1) and gradients (2). With 1 the
+    reducer allreduces gradients exactly as with 0 and the optimizer state is sharded by using
+    ``shardkit.ZeroRedundancyOptimizer`` as the optimizer (with a plain optimizer, 1 behaves as 0). 2 is not
+    implemented yet and raises NotImplementedError.
     """
 
     def __init__(
@@ -46,9 +48,9 @@ class DistributedDataParallel(nn.Module):
         super().__init__()
         if zero_stage not in (0, 1, 2):
             raise ValueError(f"zero_stage must be 0, 1 or 2, got {zero_stage!r}")
-        if zero_stage != 0:
-            raise NotImplementedError(f"shardkit.DistributedDataParallel: zero_stage={zero_stage} (ZeRO-1/2) is not "
-                                      "implemented yet; use zero_stage=0")
+        if zero_stage == 2:
+            raise NotImplementedError("shardkit.DistributedDataParallel: zero_stage=2 (ZeRO-2, gradient partitioning) "
+                                      "is not implemented yet; use zero_stage=0 or 1")
         if bucket_cap_mb is not None and bucket_cap_mb <= 0:
             raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb!r}")
         self.module = module

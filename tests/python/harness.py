@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 _CONTEXT = mp.get_context("forkserver")
-_CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "shardkit"])
+# torch._dynamo: constructing any optimizer imports it (~3 s per rank otherwise).
+_CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "shardkit"])
 
 
 @dataclasses.dataclass

@@ -1,0 +1,398 @@
+"""shardkit.ZeroRedundancyOptimizer: ZeRO-1, optimizer state sharded across the data-parallel ranks.
+
+torch's constructor (``ZeroRedundancyOptimizer(params, optimizer_class, process_group=None, **defaults)``)
+and methods, DeepSpeed's partitioning. Gradients are allreduced as usual (DDP); each rank then steps the
+optimizer only for its slice of the parameters, and the updated slices are all-gathered.
+
+Partitioning (DeepSpeed's flat layout, not torch's whole-parameter assignment)::
+
+    trainable params of one dtype, all groups, in order:   | a a a a a | b b b | c c c c c c c |pad|
+    flat index space, padded to a multiple of N:            0                                 N*S
+    rank r owns [r*S, (r+1)*S), S = ceil(numel / N):       |  rank 0  |  rank 1  |  rank 2  |
+
+Each rank keeps a contiguous ``staging`` buffer of S elements per dtype (its slice of the parameters). The
+local optimizer (``self.optim``) does not see that buffer as one tensor: it sees one leaf Parameter per
+(parameter, rank) overlap, a view into ``staging`` -- a parameter that lies inside the slice keeps its
+shape, one that straddles a slice boundary is split into 1-D pieces. So the optimizer state is exactly the
+owned elements (1/N of the unsharded state; the padding holds no state), and every piece keeps the
+unsharded optimizer's per-parameter semantics: a parameter whose ``.grad`` is None is skipped (no weight
+decay, no momentum, no state, no step count), and its step count stays its own.
+
+step():
+  1. copy each owned piece of the parameters into ``staging`` (parameters are the source of truth, so
+     model.load_state_dict or a DDP broadcast between steps is picked up);
+  2. point each piece's ``.grad`` at the owned part of ``param.grad`` (a view, no copy);
+  3. ``self.optim.step()`` updates ``staging``;
+  4. one all-gather (``all_gather_into_tensor``) per dtype gathers every rank's ``staging`` into a transient flat
+     buffer, whose pieces are copied back into the parameters: every rank ends with identical parameters.
+
+Exactness: optimizers that update each element from that element's own gradient and state (SGD with
+momentum/nesterov/weight decay, Adam, AdamW, Adamax, NAdam, RAdam, RMSprop, Adagrad, Adadelta, ASGD,
+Rprop -- ``ELEMENTWISE_OPTIMIZERS``) give the unsharded optimizer's results. Optimizers that use
+whole-parameter or whole-model statistics (LAMB's trust ratio, Adafactor's factored moments, Muon's
+orthogonalisation, LBFGS, clipping by global norm inside the optimizer) would see split parameters and only
+this rank's share; any other ``optimizer_class`` is accepted with a warning naming it. Clipping by the
+global norm *before* ``step()`` (``clip_grad_norm_(model.parameters(), ...)``) is exact: under DDP every
+rank holds the full averaged gradients.
+
+Checkpoints: ``consolidate_state_dict(to)`` gathers the shards to rank ``to``, which then returns from
+``state_dict()`` exactly what ``optimizer_class(params, **defaults).state_dict()`` would (per-parameter
+state keyed by index, ``param_groups`` with ``params`` indices); ``load_state_dict()`` takes such a dict on
+every rank (from this class, from the unsharded optimizer, at any world size) and keeps this rank's slice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from collections import defaultdict
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.optim import Optimizer
+
+__all__ = ["ELEMENTWISE_OPTIMIZERS", "ZeroRedundancyOptimizer"]
+
+# Optimizers whose update of an element depends only on that element's gradient and state plus
+# per-parameter scalars (step count, lr): sharding is exact for them. Checked against the unsharded
+# optimizer in tests/python/test_zero.py.
+ELEMENTWISE_OPTIMIZERS: tuple[type[Optimizer], ...] = tuple(
+    getattr(torch.optim, name) for name in ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop",
+                                            "Adagrad", "Adadelta", "ASGD", "Rprop")
+    if hasattr(torch.optim, name))
+
+# torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single; same arguments.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_warned_classes: set[type] = set()
+_GROUP_ONLY_KEYS = ("params", "param_names")  # keys of an outer param group that the local optimizer never sees
+
+
+@dataclasses.dataclass(eq=False)
+class _Piece:
+    """The part of one parameter that this rank owns, and the local optimizer's leaf for it."""
+
+    param: torch.Tensor  # the model's parameter
+    index: int  # its index in the unsharded optimizer's numbering (over all groups, frozen params included)
+    group: int  # its param group
+    start: int  # first owned element of the flattened parameter
+    numel: int
+    leaf: nn.Parameter  # a view into staging: the parameter's shape if whole, else 1-D
+
+    @property
+    def whole(self) -> bool:
+        return self.numel == self.param.numel()
+
+
+@dataclasses.dataclass(eq=False)
+class _FlatSpace:
+    """One dtype's flat index space: every trainable parameter of that dtype, padded to N * shard_numel."""
+
+    dtype: torch.dtype
+    params: list[tuple[torch.Tensor, int]]  # (parameter, offset in the flat space), in order
+    numel: int  # real elements
+    shard_numel: int  # S = ceil(numel / N)
+    staging: torch.Tensor  # this rank's slice [rank * S, (rank + 1) * S)
+
+
+class ZeroRedundancyOptimizer(Optimizer):
+    """ZeRO-1: wraps ``optimizer_class`` and keeps its state only for this rank's 1/N of the parameters.
+
+    Arguments follow torch.distributed.optim.ZeroRedundancyOptimizer: ``params`` (tensors, named tensors or
+    param-group dicts), ``optimizer_class`` (e.g. torch.optim.AdamW), ``process_group`` (default: WORLD),
+    ``**defaults`` forwarded to ``optimizer_class``. torch's ``parameters_as_bucket_view`` and
+    ``overlap_with_ddp`` are not offered. Every rank must construct it with the same parameters (checked).
+
+    The partition is fixed at construction: parameters that are frozen then (requires_grad=False) are never
+    stepped, and ``add_param_group`` afterwards raises. ``self.optim`` is the local optimizer (torch's name).
+    """
+
+    def __init__(self, params: Iterable[Any], optimizer_class: type[Optimizer],
+                 process_group: dist.ProcessGroup | None = None, **defaults: Any) -> None:
+        self._initialized = False
+        if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, Optimizer)):
+            raise TypeError(f"optimizer_class must be a torch.optim.Optimizer subclass, got {optimizer_class!r}")
+        super().__init__(params, defaults)  # param groups as the unsharded optimizer would hold them
+        self.process_group = process_group if process_group is not None else dist.group.WORLD
+        self.world_size = dist.get_world_size(self.process_group)
+        self.rank = dist.get_rank(self.process_group)
+        self.optimizer_class = optimizer_class
+        _warn_if_not_elementwise(optimizer_class)
+
+        all_params = [p for group in self.param_groups for p in group["params"]]
+        if len({id(p) for p in all_params}) != len(all_params):
+            raise ValueError("ZeroRedundancyOptimizer: a parameter appears more than once in params; "
+                             "each parameter may be given once")
+        trainable = [p for p in all_params if p.requires_grad]
+        devices = {p.device for p in trainable}
+        if len(devices) > 1:
+            raise ValueError(f"ZeroRedundancyOptimizer shards parameters of one device per process; "
+                             f"got parameters on {sorted(map(str, devices))}")
+        self._verify_same_parameters_everywhere()
+
+        self._spaces, self._pieces = self._partition()
+        groups = [{**_options(group), "params": [piece.leaf for piece in self._pieces if piece.group == g]}
+                  for g, group in enumerate(self.param_groups)]
+        self.optim: Optimizer = optimizer_class(groups, **defaults)
+        # The outer groups and defaults carry every option of optimizer_class, so state_dict() has the
+        # unsharded optimizer's param_groups (betas, eps, foreach, ... included).
+        self.defaults = dict(self.optim.defaults)
+        for outer, inner in zip(self.param_groups, self.optim.param_groups):
+            for key, value in inner.items():
+                if key not in _GROUP_ONLY_KEYS:
+                    outer.setdefault(key, value)
+        self._consolidated: dict[int, dict[str, Any]] | None = None  # per-parameter state, on rank `to`
+        self._consolidated_to: int | None = None
+        self._initialized = True
+
+    # --- partition ------------------------------------------------------------------------------------
+    def _partition(self) -> tuple[list[_FlatSpace], list[_Piece]]:
+        """Flat spaces per dtype (in order of first appearance) and this rank's pieces, in index order."""
+        world, rank = self.world_size, self.rank
+        by_dtype: dict[torch.dtype, list[tuple[int, int, torch.Tensor]]] = defaultdict(list)
+        index = 0
+        for g, group in enumerate(self.param_groups):
+            for p in group["params"]:
+                if p.requires_grad:
+                    by_dtype[p.dtype].append((index, g, p))
+                index += 1
+        spaces: list[_FlatSpace] = []
+        pieces: list[_Piece] = []
+        for dtype, members in by_dtype.items():
+            numel = sum(p.numel() for _, _, p in members)
+            shard = math.ceil(numel / world)
+            device = members[0][2].device
+            staging = torch.zeros(shard, dtype=dtype, device=device)
+            lo, hi = rank * shard, (rank + 1) * shard
+            offset = 0
+            placed = []
+            for index, g, p in members:
+                placed.append((p, offset))
+                first, last = max(offset, lo), min(offset + p.numel(), hi)
+                if first < last:
+                    view = staging[first - lo:last - lo]
+                    whole = last - first == p.numel()
+                    leaf = nn.Parameter(view.view(p.shape) if whole else view, requires_grad=True)
+                    pieces.append(_Piece(p, index, g, first - offset, last - first, leaf))
+                offset += p.numel()
+            spaces.append(_FlatSpace(dtype, placed, numel, shard, staging))
+        pieces.sort(key=lambda piece: piece.index)
+        return spaces, pieces
+
+    def _verify_same_parameters_everywhere(self) -> None:
+        mine = [[(tuple(p.shape), str(p.dtype), p.requires_grad) for p in group["params"]]
+                for group in self.param_groups]
+        everyone: list[Any] = [None] * self.world_size
+        dist.all_gather_object(everyone, mine, group=self.process_group)
+        for other, theirs in enumerate(everyone):
+            if theirs != mine:
+                raise RuntimeError(f"ZeroRedundancyOptimizer (rank {self.rank}): ranks were given different "
+                                   f"parameters: {_first_difference(mine, theirs, self.rank, other)}")
+
+    # --- training -------------------------------------------------------------------------------------
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Steps this rank's slice, then all-gathers the updated parameters (a collective: call on every rank).
+
+        ``closure`` is called once, before the step (as SGD/Adam do); the returned loss is passed through.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._consolidated = None  # a consolidated state is stale once the optimizer has stepped
+        with torch.no_grad():
+            self._sync_options()
+            for piece in self._pieces:
+                flat = piece.param.detach().reshape(-1)
+                piece.leaf.view(-1).copy_(flat[piece.start:piece.start + piece.numel])
+                grad = piece.param.grad
+                if grad is not None and grad.is_sparse:
+                    raise RuntimeError(f"ZeroRedundancyOptimizer (rank {self.rank}): parameter {piece.index} "
+                                       "has a sparse gradient; only dense gradients can be sharded")
+                piece.leaf.grad = grad if grad is None or piece.whole else \
+                    grad.reshape(-1)[piece.start:piece.start + piece.numel]
+            try:
+                self.optim.step()
+            finally:
+                for piece in self._pieces:
+                    piece.leaf.grad = None
+            self._all_gather_parameters()
+        return loss
+
+    def _all_gather_parameters(self) -> None:
+        """One all-gather (all_gather_into_tensor) per dtype, all in flight together; then copy into the parameters."""
+        gathered = []
+        for space in self._spaces:
+            full = torch.empty(space.shard_numel * self.world_size, dtype=space.dtype, device=space.staging.device)
+            work = _all_gather_single(full, space.staging, group=self.process_group, async_op=True)
+            gathered.append((space, full, work))
+        for space, full, work in gathered:
+            work.wait()
+            for p, offset in space.params:
+                p.detach().copy_(full[offset:offset + p.numel()].view(p.shape))
+
+    def _sync_options(self) -> None:
+        """Options changed on self.param_groups (an LR scheduler, the user) reach the local optimizer."""
+        for outer, inner in zip(self.param_groups, self.optim.param_groups):
+            for key, value in outer.items():
+                if key not in _GROUP_ONLY_KEYS:
+                    inner[key] = value
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if getattr(self, "_initialized", False):
+            raise NotImplementedError(
+                "ZeroRedundancyOptimizer.add_param_group after construction is not supported: the partition "
+                "is fixed when the optimizer is built; pass every param group to the constructor")
+        super().add_param_group(param_group)
+
+    # --- checkpoints ----------------------------------------------------------------------------------
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Gathers every rank's optimizer state to rank ``to`` (a collective: call on every rank), for
+        state_dict(). The gathered tensors are CPU copies: later steps do not change them."""
+        if not (isinstance(to, int) and 0 <= to < self.world_size):
+            raise ValueError(f"consolidate_state_dict: to must be a rank of the process group "
+                             f"(0..{self.world_size - 1}), got {to!r}")
+        mine = [(piece.index, piece.start, piece.numel,
+                 {key: _detached_cpu_copy(value) for key, value in self.optim.state[piece.leaf].items()})
+                for piece in self._pieces if piece.leaf in self.optim.state]
+        everyone: list[Any] | None = [None] * self.world_size if self.rank == to else None
+        dist.gather_object(mine, everyone, dst=dist.get_global_rank(self.process_group, to), group=self.process_group)
+        self._consolidated_to = to
+        self._consolidated = None
+        if self.rank != to:
+            return
+        parts: dict[int, list[tuple[int, int, dict[str, Any]]]] = defaultdict(list)
+        for rank_pieces in everyone:
+            for index, start, numel, state in rank_pieces:
+                parts[index].append((start, numel, state))
+        params = [p for group in self.param_groups for p in group["params"]]
+        self._consolidated = {index: _merge_pieces(index, params[index], sorted(parts[index], key=lambda t: t[0]))
+                              for index in sorted(parts)}
+
+    def state_dict(self) -> dict[str, Any]:
+        """On the rank given to the last consolidate_state_dict(): the unsharded optimizer's state_dict.
+
+        Raises RuntimeError elsewhere, before consolidate_state_dict() and after a step() that followed it.
+        """
+        if self._consolidated is None:
+            if self._consolidated_to is not None and self._consolidated_to != self.rank:
+                where = f"the state was consolidated to rank {self._consolidated_to}, not this one"
+            elif self._consolidated_to is not None:
+                where = "the optimizer has stepped since the last consolidate_state_dict()"
+            else:
+                where = "consolidate_state_dict() has not been called"
+            raise RuntimeError(
+                f"ZeroRedundancyOptimizer.state_dict() on rank {self.rank}: the optimizer state is sharded across "
+                f"ranks and {where}; call consolidate_state_dict(to={self.rank}) on all ranks first")
+        packed = super().state_dict()  # param_groups with the unsharded numbering; self.state is empty
+        packed["state"] = dict(self._consolidated)
+        return packed
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Loads an unsharded-format state dict (from state_dict() or from ``optimizer_class`` itself, any
+        world size); call on every rank with the same dict. Each rank keeps only its slice of the state."""
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(f"loaded state dict has {len(saved_groups)} parameter groups, the optimizer has "
+                             f"{len(self.param_groups)}")
+        saved_index_of: dict[int, Any] = {}
+        index = 0
+        for g, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
+            if len(saved["params"]) != len(group["params"]):
+                raise ValueError(f"loaded state dict's parameter group {g} has {len(saved['params'])} parameters, "
+                                 f"the optimizer's has {len(group['params'])}")
+            for saved_id in saved["params"]:
+                saved_index_of[index] = saved_id
+                index += 1
+        for saved, group in zip(saved_groups, self.param_groups):
+            group.update({k: v for k, v in saved.items() if k not in _GROUP_ONLY_KEYS})
+
+        local_state: dict[int, dict[str, Any]] = {}
+        for local_index, piece in enumerate(self._pieces):  # the local optimizer's order: by index, so by group
+            full = state_dict["state"].get(saved_index_of[piece.index])
+            if full is not None:
+                local_state[local_index] = {key: _slice_state(piece, key, value) for key, value in full.items()}
+        local_groups, local_index = [], 0
+        for g, group in enumerate(self.param_groups):
+            count = sum(1 for piece in self._pieces if piece.group == g)
+            local_groups.append({**_options(group), "params": list(range(local_index, local_index + count))})
+            local_index += count
+        self.optim.load_state_dict({"state": local_state, "param_groups": local_groups})
+        self._consolidated, self._consolidated_to = None, None
+
+
+def _options(group: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in group.items() if k not in _GROUP_ONLY_KEYS}
+
+
+def _warn_if_not_elementwise(optimizer_class: type[Optimizer]) -> None:
+    if optimizer_class in ELEMENTWISE_OPTIMIZERS or optimizer_class in _warned_classes:
+        return
+    _warned_classes.add(optimizer_class)
+    warnings.warn(
+        f"ZeroRedundancyOptimizer: {optimizer_class.__module__}.{optimizer_class.__qualname__} is not a known "
+        "elementwise optimizer; each rank steps only its slice of the parameters (parameters on a slice "
+        "boundary are split), so an update that uses whole-parameter or whole-model statistics (LAMB, "
+        "Adafactor, Muon, LBFGS, clipping inside the optimizer) will differ from the unsharded optimizer. "
+        f"Known exact: {', '.join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)}",
+        stacklevel=3)
+
+
+def _detached_cpu_copy(value: Any) -> Any:
+    """A copy that later steps cannot change (the consolidated state must not alias the live state)."""
+    return value.detach().to("cpu", copy=True) if isinstance(value, torch.Tensor) else value
+
+
+def _merge_pieces(index: int, param: torch.Tensor, parts: list[tuple[int, int, dict[str, Any]]]) -> dict[str, Any]:
+    """One parameter's state from its pieces (sorted by start): elementwise tensors are concatenated and
+    take the parameter's shape; scalars (step counts, ...) are the first piece's."""
+    if len(parts) == 1 and parts[0][1] == param.numel():
+        return parts[0][2]
+    if sum(numel for _, numel, _ in parts) != param.numel():
+        raise RuntimeError(f"consolidate_state_dict: parameter {index} has optimizer state for only part of its "
+                           "elements (its gradient was None on some ranks but not others?)")
+    keys = list(parts[0][2])
+    merged: dict[str, Any] = {}
+    for key in keys:
+        values = [state.get(key) for _, _, state in parts]
+        first = values[0]
+        if isinstance(first, torch.Tensor) and first.dim() == 1 and all(
+                isinstance(v, torch.Tensor) and v.shape == (numel,) for v, (_, numel, _) in zip(values, parts)):
+            merged[key] = torch.cat(values).view(param.shape)
+        else:
+            merged[key] = first
+    return merged
+
+
+def _slice_state(piece: _Piece, key: str, value: Any) -> Any:
+    """This piece's share of one parameter's state value (copied, so the caller's dict is not aliased)."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    if piece.whole or value.dim() == 0:
+        return value.detach().clone()
+    if value.shape != piece.param.shape:
+        raise ValueError(f"load_state_dict: state {key!r} of parameter {piece.index} has shape {list(value.shape)}; "
+                         f"expected the parameter's shape {list(piece.param.shape)} or a scalar")
+    return value.detach().reshape(-1)[piece.start:piece.start + piece.numel].clone()
+
+
+def _first_difference(mine: list[list[tuple]], theirs: list[list[tuple]], rank: int, other: int) -> str:
+    if len(mine) != len(theirs):
+        return f"rank {rank} has {len(mine)} param groups but rank {other} has {len(theirs)}"
+    for g, (a, b) in enumerate(zip(mine, theirs)):
+        for position in range(max(len(a), len(b))):
+            x = a[position] if position < len(a) else None
+            y = b[position] if position < len(b) else None
+            if x != y:
+                return (f"param group {g}, parameter {position}: rank {rank} has {_describe(x)} but rank {other} "
+                        f"has {_describe(y)}")
+    return "unknown difference"
+
+
+def _describe(entry: tuple | None) -> str:
+    if entry is None:
+        return "no parameter there"
+    shape, dtype, requires_grad = entry
+    return f"shape {list(shape)} {dtype.removeprefix('torch.')}{'' if requires_grad else ' (frozen)'}"

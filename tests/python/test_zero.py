@@ -1,0 +1,432 @@
+"""shardkit.ZeroRedundancyOptimizer (ZeRO-1) against torch DDP + the unsharded optimizer.
+
+Approach: on every rank one seeded module is deep-copied into torch's DDP with a plain optimizer (the
+oracle) and into shardkit's DDP with ZeroRedundancyOptimizer over the same optimizer class; both are trained
+in lock step on the same per-rank batches (ddp_cases.batch: ranks differ in data and batch size) and the
+parameters are compared after every step (fp32: rtol 1e-5, atol 1e-6). shardkit's DDP runs with
+zero_stage=ZERO_STAGE (0 for now): ZeRO-1 needs no reducer change (gradients are allreduced as in stage 0;
+the optimizer does the sharding), so zero_stage=1 differs only in the flag.
+
+What each test can catch:
+- parity: a shard stepped with the wrong gradient slice, a piece written back to the wrong place, padding
+  leaking into parameters, ranks left with different parameters, a parameter with grad None updated
+  (weight decay / momentum on an unused branch), a param group's options not applied;
+- state bytes: optimizer state for more than the owned slice (a full copy, state for padding);
+- consolidated state: anything but exactly the unsharded optimizer's state_dict (indices, shapes, split
+  parameters stitched back in the wrong order, scalars such as Adam's step, param_groups options);
+- checkpoint: a resumed run that is not bit-identical to the uninterrupted one;
+- errors: state_dict() that silently returns nothing or stale state.
+
+The models are tiny (< 1,500 parameters); mlp() has 1,476 parameters (divisible by 2 and 3), odd_net()
+127 trainable (127 = 6*21 + 1: padded for both world sizes, and a parameter straddles every slice boundary).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+from ddp_cases import IN, OUT, assert_close, assert_modules_match, batch, loss_fn, mlp, shardkit_ddp
+
+WORLDS = [2, 3]
+STEPS = 6
+# ZeRO-1 leaves the reducer as in stage 0; set to 1 once shardkit.DistributedDataParallel accepts zero_stage=1.
+ZERO_STAGE = 1
+
+
+def zero_optimizer() -> type:
+    import shardkit
+
+    return shardkit.ZeroRedundancyOptimizer
+
+
+# --- models and optimizers ----------------------------------------------------------------------------
+
+class OddNet(nn.Module):
+    """127 trainable parameters in two param groups, a frozen parameter, and a head used only sometimes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Linear(IN, 7)  # 63
+        self.head_a = nn.Linear(7, OUT)  # 32
+        self.head_b = nn.Linear(7, OUT)  # 32, left out of the graph when use_b=False
+        self.scale = nn.Parameter(torch.full((OUT,), 0.5), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, use_b: bool = True) -> torch.Tensor:
+        h = torch.tanh(self.trunk(x))
+        out = self.head_a(h) + (self.head_b(h) if use_b else 0)
+        return out * self.scale
+
+
+def odd_net(seed: int = 0) -> OddNet:
+    torch.manual_seed(seed)
+    return OddNet()
+
+
+def odd_groups(module: OddNet) -> list[dict]:
+    """Two groups with their own options; the frozen ``scale`` sits in the second (the optimizer sees it)."""
+    return [{"params": list(module.trunk.parameters()), "lr": 0.02, "weight_decay": 0.1},
+            {"params": [*module.head_a.parameters(), *module.head_b.parameters(), module.scale]}]
+
+
+OPTIMIZERS = {
+    "sgd_momentum": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}),
+    "adamw": (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.01}),
+}
+
+
+# --- helpers --------------------------------------------------------------------------------------------
+
+class ZeroPair:
+    """torch DDP + ``optimizer_class`` (the oracle) and shardkit DDP + ZeroRedundancyOptimizer(optimizer_class)."""
+
+    def __init__(self, module: nn.Module, optimizer_class, defaults: dict, groups=lambda m: m.parameters(),
+                 **ddp_kwargs) -> None:
+        self.ref = TorchDDP(copy.deepcopy(module), **ddp_kwargs)
+        self.dut = shardkit_ddp()(copy.deepcopy(module), zero_stage=ZERO_STAGE, **ddp_kwargs)
+        self.ref_opt = optimizer_class(groups(self.ref.module), **defaults)
+        self.dut_opt = zero_optimizer()(groups(self.dut.module), optimizer_class, **defaults)
+
+        self.name = optimizer_class.__name__
+
+    def step(self, rank: int, step: int, **forward_kwargs) -> None:
+        self.ref_opt.zero_grad()
+        self.dut_opt.zero_grad()
+        x, y = batch(rank, step)
+        for model in (self.ref, self.dut):
+            loss_fn(model(x, **forward_kwargs), y).backward()
+        where = f"{self.name} rank {rank} step {step}"
+        assert_modules_match(self.ref.module, self.dut.module, f"{where} after backward", grads=True)
+        self.ref_opt.step()
+        self.dut_opt.step()
+        assert_modules_match(self.ref.module, self.dut.module, f"{where} after optimizer step")
+
+
+def flat_params(module: nn.Module) -> list[float]:
+    return torch.cat([p.detach().flatten() for p in module.parameters()]).tolist()
+
+
+def assert_ranks_identical(flats: list[list[float]]) -> None:
+    for rank, flat in enumerate(flats[1:], start=1):
+        assert flat == flats[0], f"rank {rank}'s parameters differ from rank 0's"
+
+
+def assert_state_dicts_match(got: dict, want: dict, where: str, exact: bool = False) -> None:
+    """``got`` has exactly ``want``'s structure, indices, options, shapes and dtypes; tensors allclose (or equal)."""
+    assert got["param_groups"] == want["param_groups"], f"{where}: param_groups differ"
+    assert sorted(got["state"]) == sorted(want["state"]), (
+        f"{where}: state for parameters {sorted(got['state'])}, expected {sorted(want['state'])}")
+    for index, want_state in want["state"].items():
+        got_state = got["state"][index]
+        assert sorted(got_state) == sorted(want_state), f"{where}: parameter {index} state keys differ"
+        for key, w in want_state.items():
+            g = got_state[key]
+            what = f"{where}: parameter {index} state {key!r}"
+            if isinstance(w, torch.Tensor):
+                assert isinstance(g, torch.Tensor) and g.shape == w.shape and g.dtype == w.dtype, (
+                    f"{what}: {g!r} vs {w!r}")
+                if exact:
+                    assert torch.equal(g, w), f"{what} is not bit-identical"
+                else:
+                    assert_close(g, w, what)
+            else:
+                assert g == w, f"{what}: {g!r} vs {w!r}"
+
+
+def local_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of this rank's elementwise optimizer state (m and v for Adam), from the tensors themselves.
+    0-dim tensors (Adam's step count, one per parameter piece) are not model-sized and not counted, as in
+    shardkit.estimate."""
+    return sum(t.numel() * t.element_size() for state in optimizer.state.values()
+               for t in state.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
+
+
+# --- 1. parity with torch DDP + the unsharded optimizer ---------------------------------------------------
+
+def _mlp_parity(rank, world):
+    flats = []
+    for name, (optimizer_class, defaults) in OPTIMIZERS.items():  # one launch for both: ranks start slowly
+        pair = ZeroPair(mlp(seed=100 + rank), optimizer_class, defaults)  # rank 0's init wins (DDP broadcast)
+        for step in range(STEPS):
+            pair.step(rank, step)
+        # Consolidated to the last rank (not the default 0): exactly the unsharded optimizer's state_dict.
+        pair.dut_opt.consolidate_state_dict(to=world - 1)
+        if rank == world - 1:
+            assert_state_dicts_match(pair.dut_opt.state_dict(), pair.ref_opt.state_dict(), f"{name} rank {rank}")
+        # The other way: a ZeroRedundancyOptimizer loaded from the unsharded optimizer's state_dict continues
+        # in lock step with it.
+        pair.dut_opt = zero_optimizer()(pair.dut.module.parameters(), optimizer_class, **defaults)
+        pair.dut_opt.load_state_dict(pair.ref_opt.state_dict())
+        for step in range(STEPS, STEPS + 2):
+            pair.step(rank, step)
+        flats.append(flat_params(pair.dut.module))
+    return flats
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_mlp_matches_torch_ddp_with_unsharded_optimizer(ranks, world):
+    """SGD with momentum, then AdamW: 6 steps, consolidated state, 2 more steps after loading the unsharded
+    optimizer's state_dict into a fresh ZeroRedundancyOptimizer."""
+    for flats in zip(*ranks.run(_mlp_parity, world, timeout=60)):
+        assert_ranks_identical(list(flats))
+
+
+# Whether rank r uses head_b at each step: everyone, no one, only rank 0, no one, everyone, all but rank 0.
+_USES_HEAD_B = [lambda r: True, lambda r: False, lambda r: r == 0, lambda r: False, lambda r: True,
+                lambda r: r != 0]
+
+
+def _padding_groups_unused(rank, world):
+    pair = ZeroPair(odd_net(), torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.05}, odd_groups,
+                    find_unused_parameters=True)
+    # An LR scheduler drives both through param_groups (per-group lrs, "initial_lr" added to the groups).
+    schedulers = [torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.8 ** step)
+                  for opt in (pair.ref_opt, pair.dut_opt)]
+    for step, uses in enumerate(_USES_HEAD_B):
+        before = [p.detach().clone() for p in pair.dut.module.head_b.parameters()]
+        pair.step(rank, step, use_b=uses(rank))
+        for scheduler in schedulers:
+            scheduler.step()
+        if not any(uses(r) for r in range(world)):
+            # grad None on every rank: skipped like the unsharded optimizer does (no weight decay applied).
+            for old, p in zip(before, pair.dut.module.head_b.parameters()):
+                assert torch.equal(p.detach(), old), f"step {step}: unused head_b moved"
+    pair.dut_opt.consolidate_state_dict()
+    if rank == 0:
+        assert_state_dicts_match(pair.dut_opt.state_dict(), pair.ref_opt.state_dict(), f"rank {rank}")
+    return flat_params(pair.dut.module)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_padding_param_groups_frozen_and_unused_parameters(ranks, world):
+    """127 trainable parameters (padded), two groups with their own options and an LR scheduler, a frozen
+    parameter, a head with grad None on some steps (find_unused_parameters=True)."""
+    assert_ranks_identical(ranks.run(_padding_groups_unused, world, timeout=60))
+
+
+# Every optimizer ZeroRedundancyOptimizer calls exact, with options that exercise its state.
+ELEMENTWISE_CASES = [
+    (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9, "nesterov": True, "weight_decay": 0.01}),
+    (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9, "dampening": 0.1}),
+    (torch.optim.Adam, {"lr": 1e-2, "amsgrad": True, "weight_decay": 0.01}),
+    (torch.optim.Adam, {"lr": 1e-2, "foreach": True}),
+    (torch.optim.AdamW, {"lr": 1e-2, "fused": True}),
+    (torch.optim.Adamax, {"lr": 1e-2, "weight_decay": 0.01}),
+    (torch.optim.NAdam, {"lr": 1e-2, "momentum_decay": 4e-3}),
+    (torch.optim.RAdam, {"lr": 1e-2}),  # the rectified update starts after step 5
+    (torch.optim.RMSprop, {"lr": 1e-2, "centered": True, "momentum": 0.9}),
+    (torch.optim.Adagrad, {"lr": 0.1, "lr_decay": 0.01, "initial_accumulator_value": 0.1}),
+    (torch.optim.Adadelta, {"lr": 1.0}),
+    (torch.optim.ASGD, {"lr": 1e-2, "t0": 2}),
+    (torch.optim.Rprop, {"lr": 1e-2}),
+]
+
+
+def _every_elementwise_optimizer(rank, world):
+    from shardkit.zero import ELEMENTWISE_OPTIMIZERS
+
+    assert {cls for cls, _ in ELEMENTWISE_CASES} == set(ELEMENTWISE_OPTIMIZERS)
+    # 94 elements: a 0-dim parameter, parameters split across slices, 2 elements of padding at world 3.
+    shapes = [(7, 8), (5,), (), (4, 7), (4,)]
+    for cls, defaults in ELEMENTWISE_CASES:
+        torch.manual_seed(0)
+        ref = [nn.Parameter(torch.randn(shape)) for shape in shapes]
+        dut = [nn.Parameter(p.detach().clone()) for p in ref]
+        ref_opt, dut_opt = cls(ref, **defaults), zero_optimizer()(dut, cls, **defaults)
+        where = f"rank {rank} {cls.__name__}({defaults})"
+        for step in range(7):
+            g = torch.Generator().manual_seed(step)  # the same "allreduced" gradients on every rank
+            for a, b in zip(ref, dut):
+                a.grad = torch.randn(a.shape, generator=g)
+                b.grad = a.grad.clone()
+            if step == 3:
+                ref[1].grad = dut[1].grad = None  # skipped by both
+            ref_opt.step()
+            dut_opt.step()
+            for i, (a, b) in enumerate(zip(ref, dut)):
+                assert_close(b, a, f"{where} step {step} parameter {i}")
+        dut_opt.consolidate_state_dict()
+        if rank == 0:
+            assert_state_dicts_match(dut_opt.state_dict(), ref_opt.state_dict(), where)
+        # Round trip: a fresh one loaded from the unsharded state continues identically.
+        fresh = zero_optimizer()(dut, cls, **defaults)
+        fresh.load_state_dict(ref_opt.state_dict())
+        for opt in (ref_opt, fresh):
+            opt.step()
+        for i, (a, b) in enumerate(zip(ref, dut)):
+            assert_close(b, a, f"{where} after load_state_dict, parameter {i}")
+
+
+def test_every_elementwise_optimizer_matches_unsharded(ranks):
+    ranks.run(_every_elementwise_optimizer, 3, timeout=60)
+
+
+# --- 2. optimizer-state bytes: 1/N of the unsharded ones, + padding ---------------------------------------
+
+def _state_bytes(rank, world):
+    """World 3 on WORLD, and world 2 on the process group of ranks 0 and 1 (the process_group argument)."""
+    from shardkit import estimate
+
+    pair_group = dist.new_group([0, 1])  # every rank creates it; rank 2 is not in it
+    out = {}
+    for n, group in ((3, None), (2, pair_group)):
+        if rank >= n:
+            continue
+        for name, module in (("mlp", mlp()), ("odd_net", odd_net())):
+            trainable = [p for p in module.parameters() if p.requires_grad]
+            plain = torch.optim.Adam(trainable, lr=1e-3)
+            zero = zero_optimizer()(trainable, torch.optim.Adam, group, lr=1e-3)
+            assert (zero.world_size, zero.rank) == (n, rank)
+            for p in trainable:
+                p.grad = torch.ones_like(p)
+            plain.step()  # state allocated for every parameter
+            zero.step()
+            numel = sum(p.numel() for p in trainable)
+            states = estimate.model_states(numel, n, "fp32", "adam")
+            out[n, name] = {"numel": numel, "unsharded": local_state_bytes(plain),
+                            "local": local_state_bytes(zero.optim), "staging": sum(s.staging.numel() for s in zero._spaces),
+                            "zero1": states["zero1"].optimizer_bytes, "ddp": states["ddp"].optimizer_bytes}
+    return out
+
+
+def test_optimizer_state_bytes_are_one_nth(ranks):
+    results = ranks.run(_state_bytes, 3, timeout=60)
+    for world in WORLDS:
+        for name in ("mlp", "odd_net"):
+            rows = [r[world, name] for r in results[:world]]
+            numel = rows[0]["numel"]
+            padded = math.ceil(numel / world) * world
+            assert rows[0]["unsharded"] == 8 * numel == rows[0]["ddp"]  # fp32 Adam: m + v = 8 bytes/param
+            for rank, row in enumerate(rows):
+                where = f"world {world} {name} rank {rank}"
+                owned = min(numel, (rank + 1) * padded // world) - min(numel, rank * padded // world)
+                assert row["staging"] == padded // world, f"{where}: shard of {row['staging']} elements"
+                # Exactly the owned elements: 8 * padded / N, less the padding this rank holds (no state for it).
+                assert row["local"] == 8 * owned, f"{where}: {row['local']} bytes, expected 8 * {owned}"
+                assert row["local"] == pytest.approx(row["zero1"], abs=8 * (padded - numel))  # estimate: o * Psi / N
+            assert max(r["local"] for r in rows) == 8 * padded // world
+            assert sum(r["local"] for r in rows) == rows[0]["unsharded"]  # nothing stored twice
+        # mlp's 1,476 parameters divide evenly: every rank holds exactly estimate's ZeRO-1 optimizer figure.
+        mlp_rows = [r[world, "mlp"] for r in results[:world]]
+        assert {r["local"] for r in mlp_rows} == {mlp_rows[0]["zero1"]} == {8 * 1476 // world}
+        assert (1476 % world, 127 % world) == (0, 1)  # self-check: one model padded, one not
+
+
+# --- 3. checkpoint -> reload -> identical continuation -------------------------------------------------------
+
+def _checkpoint_resume(rank, world, workdir):
+    path = Path(workdir) / "checkpoint.pt"
+    Ddp, Zero, k = shardkit_ddp(), zero_optimizer(), 3
+
+    def train(model, opt, steps):
+        for step in steps:
+            opt.zero_grad()
+            x, y = batch(rank, step)
+            loss_fn(model(x), y).backward()
+            opt.step()
+
+    model = Ddp(mlp(seed=0), zero_stage=ZERO_STAGE)
+    opt = Zero(model.parameters(), torch.optim.AdamW, lr=1e-2, weight_decay=0.01)
+    train(model, opt, range(k))
+    opt.consolidate_state_dict(to=0)
+    if rank == 0:
+        torch.save({"model": model.module.state_dict(), "optim": opt.state_dict()}, path)
+    dist.barrier()
+    train(model, opt, range(k, 2 * k))
+    opt.consolidate_state_dict(to=0)
+    uninterrupted = (list(model.module.parameters()), opt.state_dict() if rank == 0 else None)
+
+    checkpoint = torch.load(path)
+    fresh_model = Ddp(mlp(seed=7), zero_stage=ZERO_STAGE)  # different init: everything must come from the checkpoint
+    fresh_model.module.load_state_dict(checkpoint["model"])
+    fresh_opt = Zero(fresh_model.parameters(), torch.optim.AdamW, lr=0.5)  # options too
+    fresh_opt.load_state_dict(checkpoint["optim"])
+    train(fresh_model, fresh_opt, range(k, 2 * k))
+    for i, (a, b) in enumerate(zip(uninterrupted[0], fresh_model.module.parameters())):
+        assert torch.equal(a, b), f"rank {rank}: parameter {i} differs after resuming"
+    fresh_opt.consolidate_state_dict(to=0)
+    if rank == 0:
+        assert_state_dicts_match(fresh_opt.state_dict(), uninterrupted[1], "resumed vs uninterrupted", exact=True)
+        # The checkpoint is an ordinary AdamW state_dict: the unsharded optimizer loads it as is.
+        plain = torch.optim.AdamW(mlp().parameters())
+        plain.load_state_dict(checkpoint["optim"])
+        assert_state_dicts_match(plain.state_dict(), checkpoint["optim"], "unsharded AdamW", exact=True)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_checkpoint_resume_is_bit_identical(ranks, world):
+    ranks.run(_checkpoint_resume, world, str(ranks.workdir), timeout=60)
+
+
+# --- 4. errors and warnings -----------------------------------------------------------------------------------
+
+def _errors(rank, world):
+    Zero = zero_optimizer()
+    model = mlp()
+    opt = Zero(model.parameters(), torch.optim.SGD, lr=0.1, momentum=0.9)
+    messages = {}
+
+    def error_of(fn, kind=RuntimeError):
+        try:
+            fn()
+        except kind as e:
+            return str(e)
+        raise AssertionError(f"rank {rank}: {fn} did not raise {kind.__name__}")
+
+    messages["before"] = error_of(opt.state_dict)
+    opt.consolidate_state_dict(to=1)
+    if rank == 1:
+        opt.state_dict()
+    else:
+        messages["elsewhere"] = error_of(opt.state_dict)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    if rank == 1:
+        messages["stale"] = error_of(opt.state_dict)
+    # step(closure): called once, its loss returned.
+    x, y = batch(rank, 0)
+
+    def closure():
+        opt.zero_grad()
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        return loss
+
+    loss = opt.step(closure)
+    assert isinstance(loss, torch.Tensor) and loss.requires_grad, loss
+    messages["bad_to"] = error_of(lambda: opt.consolidate_state_dict(to=world), ValueError)
+    messages["add_group"] = error_of(lambda: opt.add_param_group({"params": [nn.Parameter(torch.ones(2))]}),
+                                     NotImplementedError)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        Zero(model.parameters(), torch.optim.AdamW, lr=1e-3)
+        Zero(model.parameters(), torch.optim.Adafactor, lr=1e-2)
+        Zero(model.parameters(), torch.optim.Adafactor, lr=1e-2)  # warned once per class
+    messages["warnings"] = [str(w.message) for w in caught if "ZeroRedundancyOptimizer" in str(w.message)]
+
+    # Ranks given different parameters are told so, on every rank.
+    params = mlp().parameters() if rank == 0 else nn.Linear(IN, 3).parameters()
+    messages["mismatch"] = error_of(lambda: Zero(params, torch.optim.SGD, lr=0.1))
+    return messages
+
+
+def test_errors_and_warnings(ranks):
+    results = ranks.run(_errors, 2, timeout=60)
+    for rank, m in enumerate(results):
+        assert f"rank {rank}" in m["before"] and "consolidate_state_dict(to=" in m["before"], m["before"]
+        assert "0..1" in m["bad_to"] and "got 2" in m["bad_to"], m["bad_to"]
+        assert "add_param_group" in m["add_group"], m["add_group"]
+        assert f"rank {rank}" in m["mismatch"] and "different parameters" in m["mismatch"], m["mismatch"]
+        assert len(m["warnings"]) == 1 and "Adafactor" in m["warnings"][0], m["warnings"]
+    assert "rank 0" in results[0]["elsewhere"] and "consolidated to rank 1" in results[0]["elsewhere"]
+    assert "rank 1" in results[1]["stale"] and "stepped since" in results[1]["stale"]
