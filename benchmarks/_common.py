@@ -348,3 +348,89 @@ def plot_panels(path: Path, panels: Mapping[str, Sequence[Series]], *, xlabel: s
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+# --- memory ------------------------------------------------------------------------------------------------
+
+def unique_storage_bytes(tensors: Any, exclude: Any = ()) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (None entries skipped), skipping those of ``exclude``.
+
+    Views of one flat buffer count once, with the buffer's full size: the memory really allocated, not the
+    sum of the views' sizes.
+    """
+    skip = {t.untyped_storage().data_ptr() for t in exclude if t is not None}
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if t is None:
+            continue
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in skip:
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def rss_parts_bytes() -> dict[str, int]:
+    """This process's resident memory now by kind (/proc/self/status RssAnon, RssFile, RssShmem; Linux only).
+
+    ``anon`` is private heap (tensors), ``shmem`` shared-memory segments this process touched, ``file``
+    mapped files — mostly library code paged in as kernels are first used, which is no model memory.
+    """
+    parts: dict[str, int] = {}
+    try:
+        for entry in Path("/proc/self/status").read_text().splitlines():
+            for field, name in (("RssAnon:", "anon"), ("RssFile:", "file"), ("RssShmem:", "shmem")):
+                if entry.startswith(field):
+                    parts[name] = int(entry.split()[1]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return parts
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process so far (getrusage ru_maxrss; monotone over the process's life)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+def plot_bar_panels(path: Path, panels: Mapping[str, tuple[Sequence[str], Mapping[str, Sequence[float]]]], *,
+                    ylabels: Mapping[str, str], suptitle: str = "") -> Path | None:
+    """One bar chart per panel, side by side: ``{title: (categories, {segment: values per category})}``.
+
+    Several segments stack on one bar (e.g. parameters, gradients, optimizer state), labelled with its total;
+    NaN values draw no bar.
+    Returns the path, or None when matplotlib is missing.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: skipping the plot (pip install matplotlib)")
+        return None
+
+    fig, axes = plt.subplots(1, len(panels), figsize=(7.0 * len(panels), 5.5), squeeze=False)
+    for ax, (title, (categories, segments)) in zip(axes[0], panels.items()):
+        xs = list(range(len(categories)))
+        bottom = [0.0] * len(categories)
+        for i, (label, values) in enumerate(segments.items()):
+            heights = [0.0 if v != v else v for v in values]  # NaN -> no bar
+            ax.bar(xs, heights, bottom=bottom, label=label, color=plt.get_cmap("tab10")(i % 10))
+            bottom = [b + h for b, h in zip(bottom, heights)]
+        for x, total in zip(xs, bottom):
+            if total > 0:
+                ax.annotate(f"{total:.0f}", (x, total), ha="center", va="bottom", fontsize=7)
+        ax.set_ylim(0, max(bottom, default=0.0) * (1.45 if len(segments) > 1 else 1.12) or 1.0)  # room for the legend
+        ax.set_xticks(xs)
+        ax.set_xticklabels(categories, rotation=30, ha="right", fontsize=8)
+        ax.set_title(title)
+        ax.set_ylabel(ylabels.get(title, ""))
+        ax.grid(True, axis="y", alpha=0.3)
+        if len(segments) > 1:
+            ax.legend(fontsize=8, ncol=2, loc="upper center")
+    if suptitle:
+        fig.suptitle(suptitle)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -68,6 +68,12 @@ ProcessGroupShardkit::ProcessGroupShardkit(int rank, int size, const Config& con
 
 ProcessGroupShardkit::~ProcessGroupShardkit() = default;
 
+void ProcessGroupShardkit::shutdown() {
+  queue_.stop();
+  if (fallback_) fallback_->shutdown();
+  if (inter_host_) inter_host_->shutdown();
+}
+
 std::chrono::milliseconds ProcessGroupShardkit::op_timeout(std::chrono::milliseconds requested) const {
   return requested == c10d::kUnsetTimeout ? timeout_ : requested;
 }

@@ -44,6 +44,8 @@ class ProcessGroupShardkit : public c10d::Backend {
   ~ProcessGroupShardkit() override;
 
   const std::string getBackendName() const override { return "shardkit"; }
+  // destroy_process_group(): finishes queued work, stops the worker thread and the inner gloo backends.
+  void shutdown() override;
   void setTimeout(std::chrono::milliseconds timeout) override { timeout_ = timeout; }
 
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,

@@ -1,5 +1,7 @@
 #include "comm/work_queue.h"
 
+#include <stdexcept>
+
 namespace shardkit::comm {
 
 ShardkitWork::ShardkitWork(int rank, c10d::OpType type, const char* profiling_title, std::vector<at::Tensor> outputs)
@@ -19,14 +21,26 @@ void ShardkitWork::fail(std::exception_ptr error) {
 
 WorkQueue::WorkQueue() : worker_([this] { run(); }) {}
 
-WorkQueue::~WorkQueue() {
+WorkQueue::~WorkQueue() { stop(); }
+
+void WorkQueue::stop() {
   {
     std::lock_guard<std::mutex> lock(mutex_);
+    if (stopped_) return;
     stopping_ = true;
   }
   ready_.notify_one();
-  worker_.join();
+  if (!on_worker()) worker_.join();
+  std::lock_guard<std::mutex> lock(mutex_);
+  stopped_ = true;
 }
+
+namespace {
+void fail_stopped(ShardkitWork& work) {
+  work.fail(std::make_exception_ptr(
+      std::runtime_error("shardkit: the process group was shut down (destroy_process_group); no collective can run")));
+}
+}  // namespace
 
 void WorkQueue::enqueue(c10::intrusive_ptr<ShardkitWork> work, std::function<void()> body) {
   if (on_worker()) {  // issued from a future callback: run now (see the header)
@@ -35,6 +49,10 @@ void WorkQueue::enqueue(c10::intrusive_ptr<ShardkitWork> work, std::function<voi
   }
   {
     std::lock_guard<std::mutex> lock(mutex_);
+    if (stopping_) {
+      fail_stopped(*work);
+      return;
+    }
     items_.push_back({std::move(work), std::move(body)});
   }
   ready_.notify_one();
@@ -47,6 +65,10 @@ void WorkQueue::run_or_enqueue(c10::intrusive_ptr<ShardkitWork> work, std::funct
   }
   {
     std::lock_guard<std::mutex> lock(mutex_);
+    if (stopping_) {
+      fail_stopped(*work);
+      return;
+    }
     if (!items_.empty() || busy_) {
       items_.push_back({std::move(work), std::move(body)});
       ready_.notify_one();

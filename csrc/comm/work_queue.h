@@ -42,7 +42,12 @@ class ShardkitWork : public c10d::Work {
 class WorkQueue {
  public:
   WorkQueue();
-  ~WorkQueue();  // drains what is queued, then joins the worker
+  ~WorkQueue();  // stop()
+
+  // Runs what is queued, then joins the worker (idempotent). Work arriving afterwards fails at once.
+  // Called by the backend's shutdown(), so that no thread of ours outlives destroy_process_group() into
+  // interpreter shutdown, where a thread touching Python is terminated.
+  void stop();
 
   // Runs `body` on the worker thread after everything queued before it, then completes `work`
   // (or fails it with whatever `body` threw).
@@ -65,6 +70,7 @@ class WorkQueue {
   std::condition_variable ready_;
   std::deque<Item> items_;
   bool stopping_ = false;
+  bool stopped_ = false;  // joined: nothing runs any more
   bool busy_ = false;  // an item is running (on the worker or inline); the next waits for it
   std::thread worker_;
 };
