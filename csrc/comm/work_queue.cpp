@@ -43,38 +43,38 @@ void fail_stopped(ShardkitWork& work) {
 }  // namespace
 
 void WorkQueue::enqueue(c10::intrusive_ptr<ShardkitWork> work, std::function<void()> body) {
+  submit(std::move(work), std::move(body), /*may_run_inline=*/false);
+}
+
+void WorkQueue::run_or_enqueue(c10::intrusive_ptr<ShardkitWork> work, std::function<void()> body) {
+  submit(std::move(work), std::move(body), /*may_run_inline=*/true);
+}
+
+void WorkQueue::submit(c10::intrusive_ptr<ShardkitWork> work, std::function<void()> body, bool may_run_inline) {
   if (on_worker()) {  // issued from a future callback: run now (see the header)
     execute(*work, body);
     return;
   }
+  bool stopped = false;
+  bool run_here = false;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (stopping_) {
-      fail_stopped(*work);
-      return;
+      stopped = true;
+    } else if (may_run_inline && items_.empty() && !busy_) {
+      busy_ = true;
+      run_here = true;
+    } else {
+      items_.push_back({std::move(work), std::move(body)});
     }
-    items_.push_back({std::move(work), std::move(body)});
   }
-  ready_.notify_one();
-}
-
-void WorkQueue::run_or_enqueue(c10::intrusive_ptr<ShardkitWork> work, std::function<void()> body) {
-  if (on_worker()) {
-    execute(*work, body);
+  if (stopped) {  // outside the lock: failing runs the future's callbacks, which may submit again
+    fail_stopped(*work);
     return;
   }
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (stopping_) {
-      fail_stopped(*work);
-      return;
-    }
-    if (!items_.empty() || busy_) {
-      items_.push_back({std::move(work), std::move(body)});
-      ready_.notify_one();
-      return;
-    }
-    busy_ = true;
+  if (!run_here) {
+    ready_.notify_one();
+    return;
   }
   execute(*work, body);
   bool queued_meanwhile = false;

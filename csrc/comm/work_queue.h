@@ -62,6 +62,7 @@ class WorkQueue {
     c10::intrusive_ptr<ShardkitWork> work;
     std::function<void()> body;
   };
+  void submit(c10::intrusive_ptr<ShardkitWork> work, std::function<void()> body, bool may_run_inline);
   void run();
   static void execute(ShardkitWork& work, const std::function<void()>& body);
   bool on_worker() const { return std::this_thread::get_id() == worker_.get_id(); }
