@@ -341,13 +341,7 @@ def plot_panels(path: Path, panels: Mapping[str, Sequence[Series]], *, xlabel: s
         ax.set_ylabel(ylabel)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7, ncol=2)
-    if suptitle:
-        fig.suptitle(suptitle)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save_figure(fig, path, suptitle)
 
 
 # --- memory ------------------------------------------------------------------------------------------------
@@ -427,6 +421,13 @@ def plot_bar_panels(path: Path, panels: Mapping[str, tuple[Sequence[str], Mappin
         ax.grid(True, axis="y", alpha=0.3)
         if len(segments) > 1:
             ax.legend(fontsize=8, ncol=2, loc="upper center")
+    return _save_figure(fig, path, suptitle)
+
+
+def _save_figure(fig, path: Path, suptitle: str | None) -> Path:
+    """Title, lay out, write (creating the folder) and close a matplotlib figure."""
+    import matplotlib.pyplot as plt
+
     if suptitle:
         fig.suptitle(suptitle)
     fig.tight_layout()

@@ -202,7 +202,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::reduce(std::vector<at::Tens
                     with_contiguous(tensor, [&](at::Tensor& t) { reduce_tensor(t, dtype, spec, root); });
                   } else {
                     // Non-root tensors stay as they are: reduce a scaled/contiguous copy if needed.
-                    at::Tensor staged = (spec.premultiply || !tensor.is_contiguous()) ? tensor.contiguous().clone() : tensor;
+                    at::Tensor staged = spec.premultiply ? tensor.clone(at::MemoryFormat::Contiguous) : tensor.contiguous();
                     reduce_tensor(staged, dtype, spec, root);
                   }
                 });

@@ -142,10 +142,11 @@ void Reducer::prepare_for_backward() {
       if (!present[i]) order.push_back(i);
     }
     at::Tensor agreed = at::empty({static_cast<int64_t>(order.size())}, at::kLong);
-    for (size_t i = 0; i < order.size(); ++i) agreed[static_cast<int64_t>(i)] = static_cast<int64_t>(order[i]);
+    int64_t* slots = agreed.data_ptr<int64_t>();
+    for (size_t i = 0; i < order.size(); ++i) slots[i] = static_cast<int64_t>(order[i]);
     std::vector<at::Tensor> payload{agreed};
     process_group_->broadcast(payload)->wait();
-    for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<size_t>(agreed[static_cast<int64_t>(i)].item<int64_t>());
+    for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<size_t>(slots[i]);
     build_buckets(core::assign_buckets(param_shapes(), order, options_.first_bucket_bytes, options_.bucket_bytes_cap));
     rebuilt_ = true;
   }
@@ -258,6 +259,7 @@ void Reducer::finalize() {
     }
     at::Tensor result = comm_hook_ ? comm_hook_->parseHookResult(future->value()) : bucket.buffer;
     const bool average = comm_hook_ == nullptr;  // a hook does its own division, as in torch
+    const at::Tensor divisor = average ? at::scalar_tensor(world, result.options()) : at::Tensor();
     if (options_.gradient_as_bucket_view) {
       if (!result.is_same(bucket.buffer)) bucket.buffer.copy_(result);
       if (average) bucket.buffer.div_(world);
@@ -275,7 +277,7 @@ void Reducer::finalize() {
                                .view(params_[index].sizes());
       if (!grad.defined()) grad = at::empty_like(params_[index]);
       if (average) {
-        at::div_out(grad, reduced, at::scalar_tensor(world, reduced.options()));  // copy-back fused with the average
+        at::div_out(grad, reduced, divisor);  // copy-back fused with the average
       } else {
         grad.copy_(reduced);
       }
