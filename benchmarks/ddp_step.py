@@ -31,8 +31,9 @@ and the reported step time is the median over the timed rounds.
 Memory, per rank, primary figure: bytes of the real tensors after one more (untimed) step, sampled after
 backward and after optimizer.step, each storage counted once —
   parameters;
-  gradients: the .grad tensors;
-  DDP buckets: shardkit's reducer's flat buffers, sized from its bucket layout; torch DDP keeps its buckets
+  gradients: the .grad tensors, and a ZeRO-2 optimizer's gradient shards (``gradient_shards``);
+  DDP buckets: shardkit's reducer's flat buffers that exist after the step (``reducer.bucket_buffers()``;
+    under zero_stage=2 they exist only during backward); torch DDP keeps its buckets
     internal: by its documented behaviour they hold a copy of every gradient unless
     gradient_as_bucket_view=True (not used here; torch's logger reports their sizes, checked against that);
   optimizer state: every tensor in optimizer.state, and in the inner optimizer of a ZeRO wrapper;
@@ -287,7 +288,8 @@ def measure_memory(built: Built, batch: tuple[torch.Tensor, torch.Tensor]) -> di
     seen = {"grads": 0, "opt_state": 0, "opt_params": 0}
 
     def sample() -> None:
-        now = {"grads": unique_storage_bytes([p.grad for p in params]),
+        shards = list(getattr(built.optimizer, "gradient_shards", []))  # ZeRO-2 keeps gradients there
+        now = {"grads": unique_storage_bytes([p.grad for p in params] + shards),
                "opt_state": unique_storage_bytes(optimizer_state_tensors(built.optimizer), exclude=params),
                "opt_params": unique_storage_bytes(optimizer_param_tensors(built.optimizer), exclude=params)}
         for field, value in now.items():

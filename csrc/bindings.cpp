@@ -45,23 +45,31 @@ PYBIND11_MODULE(_C, m) {
   py::class_<Reducer, std::shared_ptr<Reducer>>(m, "Reducer")
       .def(py::init([](std::vector<at::Tensor> params, std::vector<std::string> names,
                        c10::intrusive_ptr<c10d::ProcessGroup> process_group, size_t bucket_bytes_cap,
-                       size_t first_bucket_bytes, bool find_unused_parameters, bool gradient_as_bucket_view) {
+                       size_t first_bucket_bytes, bool find_unused_parameters, bool gradient_as_bucket_view,
+                       bool shard_gradients) {
              Reducer::Options options;
              options.bucket_bytes_cap = bucket_bytes_cap;
              options.first_bucket_bytes = first_bucket_bytes;
              options.find_unused_parameters = find_unused_parameters;
              options.gradient_as_bucket_view = gradient_as_bucket_view;
+             options.shard_gradients = shard_gradients;
              return std::make_shared<Reducer>(std::move(params), std::move(names), std::move(process_group), options);
            }),
            py::arg("params"), py::arg("names"), py::arg("process_group"), py::arg("bucket_bytes_cap"),
-           py::arg("first_bucket_bytes"), py::arg("find_unused_parameters"), py::arg("gradient_as_bucket_view"))
+           py::arg("first_bucket_bytes"), py::arg("find_unused_parameters"), py::arg("gradient_as_bucket_view"),
+           py::arg("shard_gradients") = false)
       .def("prepare_for_backward", &Reducer::prepare_for_backward, py::call_guard<py::gil_scoped_release>())
       .def("register_comm_hook",
            [](Reducer& reducer, py::object state, py::object hook) {
              reducer.register_comm_hook(std::make_unique<c10d::PythonCommHook>(std::move(state), std::move(hook)));
            },
            py::arg("state"), py::arg("hook"))
-      .def("bucket_indices", &Reducer::bucket_indices);
+      .def("bucket_indices", &Reducer::bucket_indices)
+      .def("bucket_buffers", &Reducer::bucket_buffers)
+      .def("set_gradient_shards", &Reducer::set_gradient_shards, py::arg("shards"), py::arg("space"),
+           py::arg("flat_offset"))
+      .def("shard_gradient_defined", &Reducer::shard_gradient_defined)
+      .def("clear_gradient_shards", &Reducer::clear_gradient_shards, py::arg("set_to_none"));
 
   m.def("reduce_isa", &shardkit::core::reduce_isa, "Vector ISA the reduction loops dispatched to at runtime.");
 #ifdef SHARDKIT_WITH_CUDA

@@ -36,6 +36,9 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
     TORCH_CHECK(param.layout() == at::kStrided, where(), "parameter ", names_[i], " is not dense (sparse gradients "
                 "are not supported by shardkit DDP)");
   }
+  TORCH_CHECK(!(options_.shard_gradients && options_.gradient_as_bucket_view), where(),
+              "gradient_as_bucket_view=True cannot be combined with zero_stage=2: ZeRO-2 keeps no whole gradients "
+              "(each rank keeps only its shard), so there are no .grad tensors to make bucket views");
   // The first iteration's layout follows torch's DDP: buckets filled in registration order, launched last
   // bucket first (gradients arrive roughly in reverse). Unless unused parameters must be expected, that
   // first layout is one bucket per dtype, and the real one is built from the observed arrival order.
@@ -84,6 +87,7 @@ void Reducer::build_buckets(const std::vector<std::vector<size_t>>& assignment) 
   for (size_t b = 0; b < assignment.size(); ++b) {
     Bucket& bucket = buckets[b];
     bucket.members = assignment[b];
+    if (shards_) shards_->sort_members(bucket.members);
     size_t total = 0;
     for (size_t position = 0; position < bucket.members.size(); ++position) {
       const size_t index = bucket.members[position];
@@ -92,8 +96,9 @@ void Reducer::build_buckets(const std::vector<std::vector<size_t>>& assignment) 
       total += bucket.lengths.back();
       slots_[index] = {b, position};
     }
-    const auto& first = params_[bucket.members.front()];
-    bucket.buffer = at::zeros({static_cast<int64_t>(total)}, first.options().requires_grad(false));
+    if (shards_) bucket.owners = shards_->owner_ranges(bucket.members, bucket.offsets, bucket.lengths);
+    // Under ZeRO-2 buffers exist only during a backward (bucket_view() allocates them).
+    if (!options_.shard_gradients) bucket.buffer = allocate_buffer(bucket);
   }
   buckets_ = std::move(buckets);
   if (options_.gradient_as_bucket_view) {
@@ -107,9 +112,15 @@ void Reducer::build_buckets(const std::vector<std::vector<size_t>>& assignment) 
   }
 }
 
+at::Tensor Reducer::allocate_buffer(const Bucket& bucket) const {
+  const size_t total = bucket.offsets.back() + bucket.lengths.back();
+  return at::zeros({static_cast<int64_t>(total)}, params_[bucket.members.front()].options().requires_grad(false));
+}
+
 at::Tensor Reducer::bucket_view(size_t index) {
   const Slot& slot = slots_[index];
-  const Bucket& bucket = buckets_[slot.bucket];
+  Bucket& bucket = buckets_[slot.bucket];
+  if (!bucket.buffer.defined()) bucket.buffer = allocate_buffer(bucket);
   return bucket.buffer.narrow(0, static_cast<int64_t>(bucket.offsets[slot.position]),
                               static_cast<int64_t>(bucket.lengths[slot.position]))
       .view(params_[index].sizes());
@@ -119,6 +130,38 @@ std::vector<std::vector<size_t>> Reducer::bucket_indices() const {
   std::vector<std::vector<size_t>> out;
   for (const auto& bucket : buckets_) out.push_back(bucket.members);
   return out;
+}
+
+std::vector<at::Tensor> Reducer::bucket_buffers() const {
+  std::vector<at::Tensor> out;
+  for (const auto& bucket : buckets_) {
+    if (bucket.buffer.defined()) out.push_back(bucket.buffer);
+  }
+  return out;
+}
+
+void Reducer::set_gradient_shards(std::vector<at::Tensor> shards, std::vector<int64_t> space,
+                                  std::vector<int64_t> flat_offset) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(options_.shard_gradients, where(), "gradient shards are only used with zero_stage=2");
+  TORCH_CHECK(shards_ == nullptr, where(), "zero_stage=2: a ZeroRedundancyOptimizer was already attached to this "
+              "model's gradients; build one optimizer per model");
+  TORCH_CHECK(!callback_queued_, where(), "zero_stage=2: the optimizer was attached during a backward");
+  shards_ = std::make_unique<GradientShards>(params_, names_, std::move(shards), std::move(space),
+                                             std::move(flat_offset), process_group_->getRank(),
+                                             process_group_->getSize(), where());
+  build_buckets(bucket_indices());  // the same buckets, members now in flat order, owners known
+}
+
+std::vector<bool> Reducer::shard_gradient_defined() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(shards_ != nullptr, where(), "no gradient shards: zero_stage=2 with a ZeroRedundancyOptimizer only");
+  return shards_->defined();
+}
+
+void Reducer::clear_gradient_shards(bool set_to_none) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (shards_) shards_->clear(set_to_none);
 }
 
 void Reducer::register_comm_hook(std::unique_ptr<c10d::CommHookInterface> hook) {
@@ -131,6 +174,9 @@ void Reducer::register_comm_hook(std::unique_ptr<c10d::CommHookInterface> hook) 
 void Reducer::prepare_for_backward() {
   std::lock_guard<std::mutex> lock(mutex_);
   TORCH_CHECK(!callback_queued_, where(), "the previous backward has not finished its gradient reduction");
+  TORCH_CHECK(!options_.shard_gradients || shards_, where(), "zero_stage=2 keeps each rank's gradient shard in "
+              "shardkit.ZeroRedundancyOptimizer: construct ZeroRedundancyOptimizer(model.parameters(), "
+              "optimizer_class, ...) before the first forward");
   if (iteration_ == 1 && !rebuilt_ && !options_.find_unused_parameters) {
     // Rebuild once from the arrival order of the first iteration; rank 0's order wins so that every rank
     // builds identical buckets (they launch collectives bucket by bucket). Parameters that never arrived
@@ -158,7 +204,7 @@ void Reducer::reset_iteration() {
   std::fill(ready_.begin(), ready_.end(), false);
   for (auto& bucket : buckets_) {
     bucket.pending = bucket.members.size();
-    bucket.future.reset();
+    bucket.futures.clear();
   }
   next_launch_ = 0;
   armed_ = false;
@@ -185,6 +231,7 @@ void Reducer::mark_ready(size_t index) {
     }
   } else {
     view.copy_(grad);
+    if (shards_) grad.reset();  // ZeRO-2: the bucket holds it now; only the owned shard outlives backward
   }
   Bucket& bucket = buckets_[slots_[index].bucket];
   if (--bucket.pending == 0) launch_ready_buckets();
@@ -205,10 +252,18 @@ void Reducer::launch(size_t bucket_index) {
     }
     c10d::GradBucket grad_bucket(bucket_index, buckets_.size(), bucket.buffer, bucket.offsets, bucket.lengths, sizes,
                                  members, std::nullopt);
-    bucket.future = comm_hook_->runHook(grad_bucket);
+    bucket.futures.push_back(comm_hook_->runHook(grad_bucket));
+  } else if (shards_) {
+    for (const auto& owner : bucket.owners) {  // every rank issues the same reduces in the same order
+      std::vector<at::Tensor> payload{
+          bucket.buffer.narrow(0, static_cast<int64_t>(owner.begin), static_cast<int64_t>(owner.length))};
+      c10d::ReduceOptions to_owner;
+      to_owner.rootRank = owner.rank;
+      bucket.futures.push_back(process_group_->reduce(payload, to_owner)->getFuture());
+    }
   } else {
     std::vector<at::Tensor> payload{bucket.buffer};
-    bucket.future = process_group_->allreduce(payload)->getFuture();
+    bucket.futures.push_back(process_group_->allreduce(payload)->getFuture());
   }
 }
 
@@ -247,44 +302,55 @@ void Reducer::finalize() {
     }
   }
 
-  const double world = static_cast<double>(process_group_->getSize());
-  for (size_t b = 0; b < buckets_.size(); ++b) {
-    Bucket& bucket = buckets_[b];
-    TORCH_INTERNAL_ASSERT(bucket.future, "bucket ", b, " was never launched");
-    const auto future = bucket.future;
-    future->wait();
-    if (future->hasError()) {
-      reset_iteration();
-      future->value();  // rethrows the collective's error
+  TORCH_INTERNAL_ASSERT(next_launch_ == buckets_.size(), "only ", next_launch_, " of ", buckets_.size(),
+                        " buckets were launched");
+  for (Bucket& bucket : buckets_) {
+    for (const auto& future : bucket.futures) {
+      future->wait();
+      if (future->hasError()) {
+        reset_iteration();
+        future->value();  // rethrows the collective's error
+      }
     }
-    at::Tensor result = comm_hook_ ? comm_hook_->parseHookResult(future->value()) : bucket.buffer;
     const bool average = comm_hook_ == nullptr;  // a hook does its own division, as in torch
-    const at::Tensor divisor = average ? at::scalar_tensor(world, result.options()) : at::Tensor();
-    if (options_.gradient_as_bucket_view) {
-      if (!result.is_same(bucket.buffer)) bucket.buffer.copy_(result);
-      if (average) bucket.buffer.div_(world);
-    }
-    for (size_t position = 0; position < bucket.members.size(); ++position) {
-      const size_t index = bucket.members[position];
-      if (!globally_used.empty() && globally_used[index] == 0) continue;  // unused everywhere: .grad untouched
-      at::Tensor& grad = params_[index].mutable_grad();
-      if (options_.gradient_as_bucket_view) {
-        if (!grad.defined()) grad = bucket_view(index);
-        continue;
-      }
-      at::Tensor reduced = result.narrow(0, static_cast<int64_t>(bucket.offsets[position]),
-                                         static_cast<int64_t>(bucket.lengths[position]))
-                               .view(params_[index].sizes());
-      if (!grad.defined()) grad = at::empty_like(params_[index]);
-      if (average) {
-        at::div_out(grad, reduced, divisor);  // copy-back fused with the average
-      } else {
-        grad.copy_(reduced);
-      }
-    }
+    at::Tensor result = average ? bucket.buffer : comm_hook_->parseHookResult(bucket.futures.front()->value());
+    finalize_bucket(bucket, result, average, globally_used);
   }
   ++iteration_;
   reset_iteration();
+}
+
+void Reducer::finalize_bucket(Bucket& bucket, const at::Tensor& result, bool average,
+                              const std::vector<int32_t>& globally_used) {
+  const double world = static_cast<double>(process_group_->getSize());
+  const at::Tensor divisor = average ? at::scalar_tensor(world, result.options()) : at::Tensor();
+  if (options_.gradient_as_bucket_view) {
+    if (!result.is_same(bucket.buffer)) bucket.buffer.copy_(result);
+    if (average) bucket.buffer.div_(world);
+  }
+  for (size_t position = 0; position < bucket.members.size(); ++position) {
+    const size_t index = bucket.members[position];
+    if (!globally_used.empty() && globally_used[index] == 0) continue;  // unused everywhere: .grad untouched
+    at::Tensor reduced = result.narrow(0, static_cast<int64_t>(bucket.offsets[position]),
+                                       static_cast<int64_t>(bucket.lengths[position]));
+    if (shards_) {
+      shards_->take(index, reduced, divisor);  // reads only this rank's share, the part its reduce filled
+      continue;
+    }
+    at::Tensor& grad = params_[index].mutable_grad();
+    if (options_.gradient_as_bucket_view) {
+      if (!grad.defined()) grad = bucket_view(index);
+      continue;
+    }
+    reduced = reduced.view(params_[index].sizes());
+    if (!grad.defined()) grad = at::empty_like(params_[index]);
+    if (average) {
+      at::div_out(grad, reduced, divisor);  // copy-back fused with the average
+    } else {
+      grad.copy_(reduced);
+    }
+  }
+  if (shards_) bucket.buffer = at::Tensor();  // ZeRO-2: buffers live only during backward
 }
 
 }  // namespace shardkit::ddp

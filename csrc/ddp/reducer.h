@@ -16,6 +16,13 @@
 // same pass). With `gradient_as_bucket_view`, .grad tensors are views of the buckets and no copy-back
 // happens. Parameters that got no gradient are either unused-parameter zeros (find_unused_parameters; a
 // parameter unused on every rank keeps its .grad untouched) or a clear error naming them.
+//
+// ZeRO-2 (Options::shard_gradients). The optimizer hands over its partition (set_gradient_shards) before
+// the first synchronised backward. Bucket buffers then exist only while a backward runs: each gradient is
+// copied into its bucket and its .grad freed at once; a bucket's members are ordered by flat offset, so
+// each rank's share is one contiguous range, and the bucket is reduced with one `reduce` per owner
+// instead of an allreduce (a comm hook, if registered, runs as usual and each rank keeps its share of the
+// result). finalize() moves each rank's share, averaged, into GradientShards and drops the buffers.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -29,6 +36,7 @@
 
 #include "compat.h"
 #include "core/bucket_assignment.h"
+#include "ddp/gradient_shards.h"
 
 namespace shardkit::ddp {
 
@@ -39,6 +47,7 @@ class Reducer {
     size_t first_bucket_bytes = 1u << 20;
     bool find_unused_parameters = false;
     bool gradient_as_bucket_view = false;
+    bool shard_gradients = false;  // ZeRO-2: see set_gradient_shards()
   };
 
   // `names[i]` names `params[i]` in error messages. Installs the gradient hooks.
@@ -55,6 +64,17 @@ class Reducer {
   void register_comm_hook(std::unique_ptr<c10d::CommHookInterface> hook);
   // Parameter indices per bucket, in launch order (for tests and introspection).
   std::vector<std::vector<size_t>> bucket_indices() const;
+  // The bucket buffers that exist now (under ZeRO-2 none between backwards), for memory accounting.
+  std::vector<at::Tensor> bucket_buffers() const;
+
+  // ZeRO-2 only. Adopts the optimizer's partition (see GradientShards for the arguments' meaning); may be
+  // called once, before the first synchronised backward.
+  void set_gradient_shards(std::vector<at::Tensor> shards, std::vector<int64_t> space,
+                           std::vector<int64_t> flat_offset);
+  // Per parameter: whether its gradient shard holds a gradient (the ZeRO-2 counterpart of `.grad is not None`).
+  std::vector<bool> shard_gradient_defined();
+  // optimizer.zero_grad() under ZeRO-2.
+  void clear_gradient_shards(bool set_to_none);
 
  private:
   struct Bucket {
@@ -63,7 +83,9 @@ class Reducer {
     std::vector<size_t> offsets;       // element offset of each member in `buffer`
     std::vector<size_t> lengths;       // elements of each member
     size_t pending = 0;                // members whose gradient has not arrived in this backward
-    c10::intrusive_ptr<c10::ivalue::Future> future;
+    std::vector<GradientShards::OwnerRange> owners;  // ZeRO-2: each rank's share of the buffer
+    // The reduction in flight: the allreduce's or the hook's future, or under ZeRO-2 one `reduce` per owner.
+    std::vector<c10::intrusive_ptr<c10::ivalue::Future>> futures;
   };
   struct Slot {
     size_t bucket = 0;
@@ -78,7 +100,10 @@ class Reducer {
   void launch(size_t bucket_index);
   void finalize();  // the end-of-backward callback
   void reset_iteration();
-  at::Tensor bucket_view(size_t index);
+  at::Tensor allocate_buffer(const Bucket& bucket) const;
+  at::Tensor bucket_view(size_t index);  // allocates the bucket's buffer if it was dropped (ZeRO-2)
+  void finalize_bucket(Bucket& bucket, const at::Tensor& result, bool average,
+                       const std::vector<int32_t>& globally_used);
   std::string where() const;
 
   std::vector<at::Tensor> params_;
@@ -86,6 +111,7 @@ class Reducer {
   c10::intrusive_ptr<c10d::ProcessGroup> process_group_;
   Options options_;
   std::unique_ptr<c10d::CommHookInterface> comm_hook_;
+  std::unique_ptr<GradientShards> shards_;  // ZeRO-2, once the optimizer has handed its partition over
 
   std::vector<Bucket> buckets_;
   std::vector<Slot> slots_;  // per parameter

@@ -9,6 +9,7 @@ Everything per parameter or per bucket during training happens in C++; this modu
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Any, Callable, Iterator
 
 import torch
@@ -25,10 +26,17 @@ _BROADCAST_BUCKET_BYTES = 250 << 20
 class DistributedDataParallel(nn.Module):
     """Data parallelism with torch DDP's arguments and semantics; see torch.nn.parallel.DistributedDataParallel.
 
-    ``zero_stage`` (0, 1, 2) selects ZeRO partitioning of optimizer state (1) and gradients (2). With 1 the
-    reducer allreduces gradients exactly as with 0 and the optimizer state is sharded by using
-    ``shardkit.ZeroRedundancyOptimizer`` as the optimizer (with a plain optimizer, 1 behaves as 0). 2 is not
-    implemented yet and raises NotImplementedError.
+    ``zero_stage`` (0, 1, 2) selects ZeRO partitioning of optimizer state (1) and gradients (2); both take
+    ``shardkit.ZeroRedundancyOptimizer`` as the optimizer, built over this model's parameters.
+
+    - 1: gradients are allreduced exactly as with 0 (every rank gets whole averaged ``.grad``); the optimizer
+      keeps state for its 1/N slice and all-gathers the updated parameters. With a plain optimizer, 1 is 0.
+    - 2: each bucket is reduced to the ranks that own its elements (one ``reduce`` per owner), each rank keeps
+      only its slice of the averaged gradients, in the optimizer's gradient shard, and ``.grad`` stays None.
+      Gradients accumulate in the shard across synchronised backwards until ``optimizer.zero_grad()`` (or
+      this module's ``zero_grad()``), as ``.grad`` would; clip with ``optimizer.clip_grad_norm_``
+      (``torch.nn.utils.clip_grad_norm_`` sees no ``.grad`` here). The optimizer must be built before the
+      first forward; ``gradient_as_bucket_view`` does not apply and is refused.
     """
 
     def __init__(
@@ -48,9 +56,6 @@ class DistributedDataParallel(nn.Module):
         super().__init__()
         if zero_stage not in (0, 1, 2):
             raise ValueError(f"zero_stage must be 0, 1 or 2, got {zero_stage!r}")
-        if zero_stage == 2:
-            raise NotImplementedError("shardkit.DistributedDataParallel: zero_stage=2 (ZeRO-2, gradient partitioning) "
-                                      "is not implemented yet; use zero_stage=0 or 1")
         if bucket_cap_mb is not None and bucket_cap_mb <= 0:
             raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb!r}")
         self.module = module
@@ -73,7 +78,14 @@ class DistributedDataParallel(nn.Module):
         cap_bytes = max(1, int((bucket_cap_mb if bucket_cap_mb is not None else _DEFAULT_BUCKET_CAP_MB) * 1024 * 1024))
         first_bytes = _FIRST_BUCKET_BYTES if bucket_cap_mb is None else cap_bytes
         self.reducer = _C.Reducer([p for _, p in named], [name for name, _ in named], self.process_group,
-                                  cap_bytes, first_bytes, find_unused_parameters, gradient_as_bucket_view)
+                                  cap_bytes, first_bytes, find_unused_parameters, gradient_as_bucket_view,
+                                  shard_gradients=zero_stage == 2)
+        self._reducer_params = [p for _, p in named]
+        self._reducer_names = [name for name, _ in named]
+        if zero_stage == 2:
+            # How shardkit.ZeroRedundancyOptimizer, built over these parameters, finds the reducer it must feed.
+            for _, p in named:
+                p._shardkit_zero2_ddp = weakref.ref(self)
         # Buffers are broadcast before a forward that follows a synchronised training forward (torch's rule).
         self.require_forward_param_sync = True
         self._hook_registered = False
@@ -136,6 +148,33 @@ class DistributedDataParallel(nn.Module):
             yield
         finally:
             self.require_backward_grad_sync = previous
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """nn.Module.zero_grad; with zero_stage=2 it also clears the gradient shards."""
+        super().zero_grad(set_to_none)
+        if self.zero_stage == 2:
+            self.reducer.clear_gradient_shards(set_to_none)
+
+    def _adopt_partition(self, place: dict[int, tuple[int, int]], shards: list[torch.Tensor],
+                         process_group: dist.ProcessGroup | None) -> list[int]:
+        """zero_stage=2: the optimizer's partition (``place[id(param)] = (space, flat offset)``, ``shards`` this
+        rank's gradient shard of each space) becomes where the reducer writes. Returns the reducer's index
+        of every parameter, keyed as ``place`` is, in ``place``'s order."""
+        rank = dist.get_rank(self.process_group)
+        mine = dist.get_process_group_ranks(self.process_group)
+        theirs = dist.get_process_group_ranks(process_group if process_group is not None else dist.group.WORLD)
+        if mine != theirs:
+            raise ValueError(f"ZeroRedundancyOptimizer (rank {rank}): zero_stage=2 needs the optimizer on the DDP "
+                             f"model's process group (ranks {mine}), got one over ranks {theirs}")
+        missing = [name for name, p in zip(self._reducer_names, self._reducer_params) if id(p) not in place]
+        if missing or len(place) != len(self._reducer_params):
+            raise ValueError(f"ZeroRedundancyOptimizer (rank {rank}): with zero_stage=2 the optimizer must hold exactly "
+                             f"the DDP model's trainable parameters; missing: {missing or 'none'}, "
+                             f"{len(place) - len(self._reducer_params) + len(missing)} not the model's")
+        self.reducer.set_gradient_shards(shards, [place[id(p)][0] for p in self._reducer_params],
+                                         [place[id(p)][1] for p in self._reducer_params])
+        index_of = {id(p): i for i, p in enumerate(self._reducer_params)}
+        return [index_of[key] for key in place]
 
     def register_comm_hook(self, state: object, hook: Callable[..., torch.futures.Future]) -> None:
         """torch DDP's comm-hook API: ``hook(state, bucket) -> Future[Tensor]`` replaces the allreduce of each

@@ -1,8 +1,12 @@
-"""shardkit.ZeroRedundancyOptimizer: ZeRO-1, optimizer state sharded across the data-parallel ranks.
+"""shardkit.ZeroRedundancyOptimizer: optimizer state (ZeRO-1) and gradients (ZeRO-2) sharded across ranks.
 
 torch's constructor (``ZeroRedundancyOptimizer(params, optimizer_class, process_group=None, **defaults)``)
-and methods, DeepSpeed's partitioning. Gradients are allreduced as usual (DDP); each rank then steps the
-optimizer only for its slice of the parameters, and the updated slices are all-gathered.
+and methods, DeepSpeed's partitioning. ZeRO-1 (a plain DDP, or shardkit's with zero_stage 0/1): gradients
+are allreduced as usual; each rank then steps the optimizer only for its slice of the parameters, and the
+updated slices are all-gathered. ZeRO-2 (built over a ``shardkit.DistributedDataParallel(zero_stage=2)``
+model): the optimizer also owns a gradient shard per dtype, laid out like ``staging``, and hands the
+partition to the DDP's reducer, which reduces each bucket straight into the owners' shards; ``.grad``
+stays None and the pieces step from their views of the shard.
 
 Partitioning (DeepSpeed's flat layout, not torch's whole-parameter assignment)::
 
@@ -21,7 +25,8 @@ decay, no momentum, no state, no step count), and its step count stays its own.
 step():
   1. copy each owned piece of the parameters into ``staging`` (parameters are the source of truth, so
      model.load_state_dict or a DDP broadcast between steps is picked up);
-  2. point each piece's ``.grad`` at the owned part of ``param.grad`` (a view, no copy);
+  2. point each piece's ``.grad`` at the owned part of ``param.grad`` (a view, no copy), or under ZeRO-2 at
+     its view of the gradient shard (None if the reducer left that parameter without a gradient);
   3. ``self.optim.step()`` updates ``staging``;
   4. one all-gather (``all_gather_into_tensor``) per dtype gathers every rank's ``staging`` into a transient flat
      buffer, whose pieces are copied back into the parameters: every rank ends with identical parameters.
@@ -80,6 +85,8 @@ class _Piece:
     start: int  # first owned element of the flattened parameter
     numel: int
     leaf: nn.Parameter  # a view into staging: the parameter's shape if whole, else 1-D
+    grad_view: torch.Tensor | None = None  # ZeRO-2: the same elements of the space's gradient shard
+    ddp_index: int = -1  # ZeRO-2: the parameter's index in the DDP reducer
 
     @property
     def whole(self) -> bool:
@@ -95,6 +102,7 @@ class _FlatSpace:
     numel: int  # real elements
     shard_numel: int  # S = ceil(numel / N)
     staging: torch.Tensor  # this rank's slice [rank * S, (rank + 1) * S)
+    grad_shard: torch.Tensor | None = None  # ZeRO-2: the averaged gradients of that slice, written by the reducer
 
 
 class ZeroRedundancyOptimizer(Optimizer):
@@ -145,7 +153,38 @@ class ZeroRedundancyOptimizer(Optimizer):
                     outer.setdefault(key, value)
         self._consolidated: dict[int, dict[str, Any]] | None = None  # per-parameter state, on rank `to`
         self._consolidated_to: int | None = None
+        self._zero2_ddp = self._attach_to_zero2_ddp(trainable)
         self._initialized = True
+
+    def _attach_to_zero2_ddp(self, trainable: list[torch.Tensor]):
+        """If the parameters belong to a shardkit DDP with zero_stage=2: allocate the gradient shards and give
+        the DDP's reducer the partition. Returns that DDP (None for ZeRO-1)."""
+        wrappers = {ref() for ref in (getattr(p, "_shardkit_zero2_ddp", None) for p in trainable) if ref is not None}
+        if not wrappers:
+            return None
+        ddp = wrappers.pop()
+        if wrappers or ddp is None:
+            raise ValueError(f"ZeroRedundancyOptimizer (rank {self.rank}): the parameters belong to more than one "
+                             "zero_stage=2 DistributedDataParallel; build one optimizer per model")
+        place: dict[int, tuple[int, int]] = {}
+        for s, space in enumerate(self._spaces):
+            space.grad_shard = torch.zeros_like(space.staging)
+            for p, offset in space.params:
+                place[id(p)] = (s, offset)
+        reducer_index = dict(zip(place, ddp._adopt_partition(place, [space.grad_shard for space in self._spaces],
+                                                             self.process_group)))
+        space_of = {space.dtype: space for space in self._spaces}
+        for piece in self._pieces:
+            space = space_of[piece.param.dtype]
+            offset = place[id(piece.param)][1] + piece.start - self.rank * space.shard_numel
+            piece.grad_view = space.grad_shard[offset:offset + piece.numel].view(piece.leaf.shape)
+            piece.ddp_index = reducer_index[id(piece.param)]
+        return ddp
+
+    @property
+    def gradient_shards(self) -> list[torch.Tensor]:
+        """ZeRO-2: this rank's flat gradient shard of each dtype (empty under ZeRO-1, where grads are ``.grad``)."""
+        return [space.grad_shard for space in self._spaces if space.grad_shard is not None]
 
     # --- partition ------------------------------------------------------------------------------------
     def _partition(self) -> tuple[list[_FlatSpace], list[_Piece]]:
@@ -204,15 +243,10 @@ class ZeroRedundancyOptimizer(Optimizer):
         self._consolidated = None  # a consolidated state is stale once the optimizer has stepped
         with torch.no_grad():
             self._sync_options()
-            for piece in self._pieces:
+            for piece, grad in zip(self._pieces, self._owned_grads()):
                 flat = piece.param.detach().reshape(-1)
                 piece.leaf.view(-1).copy_(flat[piece.start:piece.start + piece.numel])
-                grad = piece.param.grad
-                if grad is not None and grad.is_sparse:
-                    raise RuntimeError(f"ZeroRedundancyOptimizer (rank {self.rank}): parameter {piece.index} "
-                                       "has a sparse gradient; only dense gradients can be sharded")
-                piece.leaf.grad = grad if grad is None or piece.whole else \
-                    grad.reshape(-1)[piece.start:piece.start + piece.numel]
+                piece.leaf.grad = grad
             try:
                 self.optim.step()
             finally:
@@ -220,6 +254,56 @@ class ZeroRedundancyOptimizer(Optimizer):
                     piece.leaf.grad = None
             self._all_gather_parameters()
         return loss
+
+    def _owned_grads(self) -> list[torch.Tensor | None]:
+        """Per piece, its gradient with the leaf's shape: a view of ``param.grad`` (ZeRO-1) or of the gradient
+        shard (ZeRO-2); None where the parameter has no gradient."""
+        if self._zero2_ddp is not None:
+            defined = self._zero2_ddp.reducer.shard_gradient_defined()
+            return [piece.grad_view if defined[piece.ddp_index] else None for piece in self._pieces]
+        grads = []
+        for piece in self._pieces:
+            grad = piece.param.grad
+            if grad is not None and grad.is_sparse:
+                raise RuntimeError(f"ZeroRedundancyOptimizer (rank {self.rank}): parameter {piece.index} "
+                                   "has a sparse gradient; only dense gradients can be sharded")
+            grads.append(grad if grad is None or piece.whole else
+                         grad.reshape(-1)[piece.start:piece.start + piece.numel])
+        return grads
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Optimizer.zero_grad on the model's parameters; under ZeRO-2 it also clears the gradient shards."""
+        super().zero_grad(set_to_none)
+        if self._zero2_ddp is not None:
+            self._zero2_ddp.reducer.clear_gradient_shards(set_to_none)
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """torch.nn.utils.clip_grad_norm_ over every parameter this optimizer steps, computed from the shards
+        (a collective: call on every rank). Returns the total norm; scales the gradients by
+        ``max_norm / (total + 1e-6)`` when that is below 1. Under ZeRO-1 the whole ``.grad`` tensors are
+        scaled (every rank holds them); under ZeRO-2 the gradient shards."""
+        norm_type = float(norm_type)
+        owned = [g for g in self._owned_grads() if g is not None]
+        device = self._spaces[0].staging.device if self._spaces else torch.device("cpu")
+        if norm_type == math.inf:
+            local = max((g.abs().max().float() for g in owned), default=torch.zeros((), device=device))
+            local = local.reshape(1).clone()
+            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.process_group)
+            total = local[0]
+        else:
+            local = sum((torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) ** norm_type for g in owned),
+                        torch.zeros((), device=device)).reshape(1)
+            dist.all_reduce(local, op=dist.ReduceOp.SUM, group=self.process_group)
+            total = local[0] ** (1.0 / norm_type)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        if self._zero2_ddp is not None:
+            targets = self.gradient_shards
+        else:
+            targets = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
+        for g in targets:
+            g.mul_(coef.to(g.dtype))
+        return total
 
     def _all_gather_parameters(self) -> None:
         """One all-gather (all_gather_into_tensor) per dtype, all in flight together; then copy into the parameters."""

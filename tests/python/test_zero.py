@@ -1,11 +1,13 @@
-"""shardkit.ZeroRedundancyOptimizer (ZeRO-1) against torch DDP + the unsharded optimizer.
+"""shardkit.ZeroRedundancyOptimizer (ZeRO-1 and, with shardkit DDP's zero_stage=2, ZeRO-2) against torch DDP +
+the unsharded optimizer.
 
 Approach: on every rank one seeded module is deep-copied into torch's DDP with a plain optimizer (the
 oracle) and into shardkit's DDP with ZeroRedundancyOptimizer over the same optimizer class; both are trained
 in lock step on the same per-rank batches (ddp_cases.batch: ranks differ in data and batch size) and the
-parameters are compared after every step (fp32: rtol 1e-5, atol 1e-6). shardkit's DDP runs with
-zero_stage=ZERO_STAGE (0 for now): ZeRO-1 needs no reducer change (gradients are allreduced as in stage 0;
-the optimizer does the sharding), so zero_stage=1 differs only in the flag.
+parameters are compared after every step (fp32: rtol 1e-5, atol 1e-6). Each parity test runs with
+shardkit DDP's zero_stage 1 (gradients allreduced, the optimizer shards its state) and 2 (each bucket
+reduced to its owners; the gradients compared are then this rank's gradient shard against the owned slice
+of torch's .grad, and every .grad must be None).
 
 What each test can catch:
 - parity: a shard stepped with the wrong gradient slice, a piece written back to the wrong place, padding
@@ -15,7 +17,9 @@ What each test can catch:
 - consolidated state: anything but exactly the unsharded optimizer's state_dict (indices, shapes, split
   parameters stitched back in the wrong order, scalars such as Adam's step, param_groups options);
 - checkpoint: a resumed run that is not bit-identical to the uninterrupted one;
-- errors: state_dict() that silently returns nothing or stale state.
+- errors: state_dict() that silently returns nothing or stale state;
+- ZeRO-2 memory: any whole gradient or bucket buffer left alive after backward, a shard of the wrong size;
+- ZeRO-2 accumulation: a shard overwritten (not added to) by a second backward, or not cleared by zero_grad.
 
 The models are tiny (< 1,500 parameters); mlp() has 1,476 parameters (divisible by 2 and 3), odd_net()
 127 trainable (127 = 6*21 + 1: padded for both world sizes, and a parameter straddles every slice boundary).
@@ -37,9 +41,8 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from ddp_cases import IN, OUT, assert_close, assert_modules_match, batch, loss_fn, mlp, shardkit_ddp
 
 WORLDS = [2, 3]
+STAGES = [1, 2]
 STEPS = 6
-# ZeRO-1 leaves the reducer as in stage 0; set to 1 once shardkit.DistributedDataParallel accepts zero_stage=1.
-ZERO_STAGE = 1
 
 
 def zero_optimizer() -> type:
@@ -86,28 +89,55 @@ OPTIMIZERS = {
 # --- helpers --------------------------------------------------------------------------------------------
 
 class ZeroPair:
-    """torch DDP + ``optimizer_class`` (the oracle) and shardkit DDP + ZeroRedundancyOptimizer(optimizer_class)."""
+    """torch DDP + ``optimizer_class`` (the oracle) and shardkit DDP(zero_stage=stage) +
+    ZeroRedundancyOptimizer(optimizer_class)."""
 
     def __init__(self, module: nn.Module, optimizer_class, defaults: dict, groups=lambda m: m.parameters(),
-                 **ddp_kwargs) -> None:
+                 stage: int = 1, **ddp_kwargs) -> None:
         self.ref = TorchDDP(copy.deepcopy(module), **ddp_kwargs)
-        self.dut = shardkit_ddp()(copy.deepcopy(module), zero_stage=ZERO_STAGE, **ddp_kwargs)
+        self.dut = shardkit_ddp()(copy.deepcopy(module), zero_stage=stage, **ddp_kwargs)
         self.ref_opt = optimizer_class(groups(self.ref.module), **defaults)
         self.dut_opt = zero_optimizer()(groups(self.dut.module), optimizer_class, **defaults)
+        self.stage = stage
+        self.name = f"{optimizer_class.__name__} zero_stage={stage}"
 
-        self.name = optimizer_class.__name__
+    def backward(self, rank: int, step: int, micro: int = 0, **forward_kwargs) -> None:
+        x, y = batch(rank, step, micro)
+        for model in (self.ref, self.dut):
+            loss_fn(model(x, **forward_kwargs), y).backward()
+
+    def check_grads(self, where: str) -> None:
+        if self.stage == 2:
+            assert_shard_grads_match(self.ref_opt, self.dut_opt, where)
+        else:
+            assert_modules_match(self.ref.module, self.dut.module, where, grads=True)
 
     def step(self, rank: int, step: int, **forward_kwargs) -> None:
         self.ref_opt.zero_grad()
         self.dut_opt.zero_grad()
-        x, y = batch(rank, step)
-        for model in (self.ref, self.dut):
-            loss_fn(model(x, **forward_kwargs), y).backward()
+        self.backward(rank, step, **forward_kwargs)
         where = f"{self.name} rank {rank} step {step}"
-        assert_modules_match(self.ref.module, self.dut.module, f"{where} after backward", grads=True)
+        self.check_grads(f"{where} after backward")
         self.ref_opt.step()
         self.dut_opt.step()
         assert_modules_match(self.ref.module, self.dut.module, f"{where} after optimizer step")
+
+
+def assert_shard_grads_match(ref_opt: torch.optim.Optimizer, zero, where: str) -> None:
+    """ZeRO-2: every .grad of the model is None, and each piece's view of the gradient shard equals the owned
+    slice of torch's .grad (or the parameter has no gradient on either side)."""
+    for group in zero.param_groups:
+        for i, p in enumerate(group["params"]):
+            assert p.grad is None, f"{where}: parameter {i} kept a whole .grad under zero_stage=2"
+    ref_params = [p for group in ref_opt.param_groups for p in group["params"]]
+    defined = zero._zero2_ddp.reducer.shard_gradient_defined()
+    for piece in zero._pieces:
+        want = ref_params[piece.index].grad
+        has = defined[piece.ddp_index]
+        assert has == (want is not None), f"{where}: parameter {piece.index} has a gradient in {'shardkit' if has else 'torch'} only"
+        if want is not None:
+            owned = want.reshape(-1)[piece.start:piece.start + piece.numel].view(piece.leaf.shape)
+            assert_close(piece.grad_view, owned, f"{where}: parameter {piece.index} gradient shard")
 
 
 def flat_params(module: nn.Module) -> list[float]:
@@ -151,10 +181,10 @@ def local_state_bytes(optimizer: torch.optim.Optimizer) -> int:
 
 # --- 1. parity with torch DDP + the unsharded optimizer ---------------------------------------------------
 
-def _mlp_parity(rank, world):
+def _mlp_parity(rank, world, stage):
     flats = []
     for name, (optimizer_class, defaults) in OPTIMIZERS.items():  # one launch for both: ranks start slowly
-        pair = ZeroPair(mlp(seed=100 + rank), optimizer_class, defaults)  # rank 0's init wins (DDP broadcast)
+        pair = ZeroPair(mlp(seed=100 + rank), optimizer_class, defaults, stage=stage)  # rank 0's init wins
         for step in range(STEPS):
             pair.step(rank, step)
         # Consolidated to the last rank (not the default 0): exactly the unsharded optimizer's state_dict.
@@ -163,6 +193,8 @@ def _mlp_parity(rank, world):
             assert_state_dicts_match(pair.dut_opt.state_dict(), pair.ref_opt.state_dict(), f"{name} rank {rank}")
         # The other way: a ZeroRedundancyOptimizer loaded from the unsharded optimizer's state_dict continues
         # in lock step with it.
+        if stage == 2:  # one optimizer per zero_stage=2 model: a fresh model too
+            pair.dut = shardkit_ddp()(copy.deepcopy(pair.dut.module), zero_stage=stage)
         pair.dut_opt = zero_optimizer()(pair.dut.module.parameters(), optimizer_class, **defaults)
         pair.dut_opt.load_state_dict(pair.ref_opt.state_dict())
         for step in range(STEPS, STEPS + 2):
@@ -171,11 +203,12 @@ def _mlp_parity(rank, world):
     return flats
 
 
+@pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize("world", WORLDS)
-def test_mlp_matches_torch_ddp_with_unsharded_optimizer(ranks, world):
+def test_mlp_matches_torch_ddp_with_unsharded_optimizer(ranks, world, stage):
     """SGD with momentum, then AdamW: 6 steps, consolidated state, 2 more steps after loading the unsharded
     optimizer's state_dict into a fresh ZeroRedundancyOptimizer."""
-    for flats in zip(*ranks.run(_mlp_parity, world, timeout=60)):
+    for flats in zip(*ranks.run(_mlp_parity, world, stage, timeout=60)):
         assert_ranks_identical(list(flats))
 
 
@@ -184,8 +217,8 @@ _USES_HEAD_B = [lambda r: True, lambda r: False, lambda r: r == 0, lambda r: Fal
                 lambda r: r != 0]
 
 
-def _padding_groups_unused(rank, world):
-    pair = ZeroPair(odd_net(), torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.05}, odd_groups,
+def _padding_groups_unused(rank, world, stage):
+    pair = ZeroPair(odd_net(), torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.05}, odd_groups, stage=stage,
                     find_unused_parameters=True)
     # An LR scheduler drives both through param_groups (per-group lrs, "initial_lr" added to the groups).
     schedulers = [torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.8 ** step)
@@ -205,11 +238,12 @@ def _padding_groups_unused(rank, world):
     return flat_params(pair.dut.module)
 
 
+@pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize("world", WORLDS)
-def test_padding_param_groups_frozen_and_unused_parameters(ranks, world):
+def test_padding_param_groups_frozen_and_unused_parameters(ranks, world, stage):
     """127 trainable parameters (padded), two groups with their own options and an LR scheduler, a frozen
     parameter, a head with grad None on some steps (find_unused_parameters=True)."""
-    assert_ranks_identical(ranks.run(_padding_groups_unused, world, timeout=60))
+    assert_ranks_identical(ranks.run(_padding_groups_unused, world, stage, timeout=60))
 
 
 # Every optimizer ZeroRedundancyOptimizer calls exact, with options that exercise its state.
@@ -322,7 +356,7 @@ def test_optimizer_state_bytes_are_one_nth(ranks):
 
 # --- 3. checkpoint -> reload -> identical continuation -------------------------------------------------------
 
-def _checkpoint_resume(rank, world, workdir):
+def _checkpoint_resume(rank, world, stage, workdir):
     path = Path(workdir) / "checkpoint.pt"
     Ddp, Zero, k = shardkit_ddp(), zero_optimizer(), 3
 
@@ -333,7 +367,7 @@ def _checkpoint_resume(rank, world, workdir):
             loss_fn(model(x), y).backward()
             opt.step()
 
-    model = Ddp(mlp(seed=0), zero_stage=ZERO_STAGE)
+    model = Ddp(mlp(seed=0), zero_stage=stage)
     opt = Zero(model.parameters(), torch.optim.AdamW, lr=1e-2, weight_decay=0.01)
     train(model, opt, range(k))
     opt.consolidate_state_dict(to=0)
@@ -345,7 +379,7 @@ def _checkpoint_resume(rank, world, workdir):
     uninterrupted = (list(model.module.parameters()), opt.state_dict() if rank == 0 else None)
 
     checkpoint = torch.load(path)
-    fresh_model = Ddp(mlp(seed=7), zero_stage=ZERO_STAGE)  # different init: everything must come from the checkpoint
+    fresh_model = Ddp(mlp(seed=7), zero_stage=stage)  # different init: everything must come from the checkpoint
     fresh_model.module.load_state_dict(checkpoint["model"])
     fresh_opt = Zero(fresh_model.parameters(), torch.optim.AdamW, lr=0.5)  # options too
     fresh_opt.load_state_dict(checkpoint["optim"])
@@ -361,12 +395,85 @@ def _checkpoint_resume(rank, world, workdir):
         assert_state_dicts_match(plain.state_dict(), checkpoint["optim"], "unsharded AdamW", exact=True)
 
 
+@pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize("world", WORLDS)
-def test_checkpoint_resume_is_bit_identical(ranks, world):
-    ranks.run(_checkpoint_resume, world, str(ranks.workdir), timeout=60)
+def test_checkpoint_resume_is_bit_identical(ranks, world, stage):
+    ranks.run(_checkpoint_resume, world, stage, str(ranks.workdir), timeout=60)
 
 
-# --- 4. errors and warnings -----------------------------------------------------------------------------------
+# --- 4. ZeRO-2: gradient memory, accumulation, clipping, comm hooks, errors -----------------------------------
+
+def _zero2_specifics(rank, world):
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    Ddp, Zero = shardkit_ddp(), zero_optimizer()
+    # Every parameter in a bucket of its own (a 1 kB cap), so buckets straddle slice boundaries and some are
+    # reduced to two owners; torch's DDP gets the same cap.
+    pair = ZeroPair(mlp(), torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}, stage=2, bucket_cap_mb=0.001)
+    shard = math.ceil(1476 / world)
+    for step in range(4):
+        where = f"rank {rank} step {step}"
+        pair.ref_opt.zero_grad()
+        pair.dut_opt.zero_grad()
+        with pair.ref.no_sync(), pair.dut.no_sync():  # accumulated locally in .grad, as in torch
+            pair.backward(rank, step, micro=0)
+        pair.backward(rank, step, micro=1)  # synchronised: includes the no_sync gradients
+        pair.backward(rank, step, micro=2)  # a second synchronised backward adds to the shard, as to .grad
+        pair.check_grads(f"{where} after accumulation")
+        # Between backwards only the shard is left: no .grad, no bucket buffer, S elements of fp32.
+        assert pair.dut.reducer.bucket_buffers() == [], f"{where}: bucket buffers outlived backward"
+        assert [t.numel() * t.element_size() for t in pair.dut_opt.gradient_shards] == [4 * shard], where
+        want = torch.nn.utils.clip_grad_norm_(pair.ref.module.parameters(), max_norm=0.05)
+        got = pair.dut_opt.clip_grad_norm_(max_norm=0.05)
+        assert_close(got, want, f"{where}: clip_grad_norm_ total norm")
+        assert want > 0.05, f"{where}: the test's max_norm no longer clips ({want})"
+        pair.check_grads(f"{where} after clipping")
+        pair.ref_opt.step()
+        pair.dut_opt.step()
+        assert_modules_match(pair.ref.module, pair.dut.module, f"{where} after optimizer step")
+
+    # zero_grad(set_to_none=False) keeps the gradients defined, at zero (momentum still applies, as in torch).
+    pair.ref_opt.zero_grad(set_to_none=False)
+    pair.dut_opt.zero_grad(set_to_none=False)
+    pair.check_grads(f"rank {rank} after zero_grad(set_to_none=False)")
+
+    # A comm hook (torch's allreduce_hook) still runs under zero_stage=2; each rank keeps its share.
+    hooked = ZeroPair(mlp(seed=3), torch.optim.AdamW, {"lr": 1e-2}, stage=2)
+    for model in (hooked.ref, hooked.dut):
+        model.register_comm_hook(None, default_hooks.allreduce_hook)
+    for step in range(3):
+        hooked.step(rank, step)
+
+    errors = {}
+
+    def error_of(fn, kind):
+        try:
+            fn()
+        except kind as e:
+            return str(e)
+        raise AssertionError(f"rank {rank}: {fn} did not raise {kind.__name__}")
+
+    errors["bucket_view"] = error_of(lambda: Ddp(mlp(), zero_stage=2, gradient_as_bucket_view=True), RuntimeError)
+    orphan = Ddp(mlp(), zero_stage=2)
+    x, y = batch(rank, 0)
+    errors["no_optimizer"] = error_of(lambda: orphan(x), RuntimeError)
+    partial = Ddp(mlp(), zero_stage=2)
+    errors["subset"] = error_of(lambda: Zero(list(partial.parameters())[:-2], torch.optim.SGD, lr=0.1), ValueError)
+    twice = Ddp(mlp(), zero_stage=2)
+    Zero(twice.parameters(), torch.optim.SGD, lr=0.1)
+    errors["twice"] = error_of(lambda: Zero(twice.parameters(), torch.optim.SGD, lr=0.1), RuntimeError)
+    return errors
+
+
+def test_zero2_memory_accumulation_clipping_hooks_and_errors(ranks):
+    for rank, errors in enumerate(ranks.run(_zero2_specifics, 3, timeout=90)):
+        assert f"rank {rank}" in errors["bucket_view"] and "gradient_as_bucket_view" in errors["bucket_view"], errors
+        assert f"rank {rank}" in errors["no_optimizer"] and "ZeroRedundancyOptimizer" in errors["no_optimizer"], errors
+        assert f"rank {rank}" in errors["subset"] and "missing: ['4.weight', '4.bias']" in errors["subset"], errors
+        assert f"rank {rank}" in errors["twice"] and "already attached" in errors["twice"], errors
+
+
+# --- 5. errors and warnings -----------------------------------------------------------------------------------
 
 def _errors(rank, world):
     Zero = zero_optimizer()
