@@ -5,8 +5,11 @@
 #include <torch/extension.h>
 
 #include <torch/csrc/distributed/c10d/python_comm_hook.h>
+#include <torch/csrc/distributed/c10d/reducer.hpp>
+#include <torch/csrc/jit/python/pybind_utils.h>
 
 #include "comm/backend.h"
+#include "compress/hooks.h"
 #include "core/reduce.h"
 #include "ddp/reducer.h"
 #ifdef SHARDKIT_WITH_CUDA
@@ -14,6 +17,24 @@
 #endif
 
 namespace py = pybind11;
+
+namespace {
+
+using shardkit::compress::FuturePtr;
+using shardkit::compress::PowerSGDState;
+
+// A C++ hook's Future as the torch.futures.Future a Python comm hook returns.
+template <typename Hook>
+py::object run_hook_for_python(Hook hook) {
+  FuturePtr future;
+  {
+    py::gil_scoped_release no_gil;
+    future = hook();
+  }
+  return torch::jit::toPyObject(c10::IValue(future));
+}
+
+}  // namespace
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "shardkit C++ extension";
@@ -64,12 +85,66 @@ PYBIND11_MODULE(_C, m) {
              reducer.register_comm_hook(std::make_unique<c10d::PythonCommHook>(std::move(state), std::move(hook)));
            },
            py::arg("state"), py::arg("hook"))
+      .def("register_native_comm_hook",
+           [](Reducer& reducer, const std::string& kind, std::shared_ptr<PowerSGDState> state,
+              c10::intrusive_ptr<c10d::ProcessGroup> group) {
+             reducer.register_comm_hook(shardkit::compress::make_native_hook(kind, std::move(state), std::move(group)));
+           },
+           py::arg("kind"), py::arg("state"), py::arg("group"))
       .def("bucket_indices", &Reducer::bucket_indices)
       .def("bucket_buffers", &Reducer::bucket_buffers)
       .def("set_gradient_shards", &Reducer::set_gradient_shards, py::arg("shards"), py::arg("space"),
            py::arg("flat_offset"))
       .def("shard_gradient_defined", &Reducer::shard_gradient_defined)
       .def("clear_gradient_shards", &Reducer::clear_gradient_shards, py::arg("set_to_none"));
+
+  using shardkit::compress::PowerSGDOptions;
+  py::class_<PowerSGDOptions>(m, "PowerSGDOptions")
+      .def(py::init<>())
+      .def_readwrite("matrix_approximation_rank", &PowerSGDOptions::matrix_approximation_rank)
+      .def_readwrite("start_powerSGD_iter", &PowerSGDOptions::start_powerSGD_iter)
+      .def_readwrite("min_compression_rate", &PowerSGDOptions::min_compression_rate)
+      .def_readwrite("use_error_feedback", &PowerSGDOptions::use_error_feedback)
+      .def_readwrite("warm_start", &PowerSGDOptions::warm_start)
+      .def_readwrite("orthogonalization_epsilon", &PowerSGDOptions::orthogonalization_epsilon)
+      .def_readwrite("random_seed", &PowerSGDOptions::random_seed)
+      .def_readwrite("batch_tensors_with_same_shape", &PowerSGDOptions::batch_tensors_with_same_shape);
+  py::class_<PowerSGDState::Snapshot>(m, "PowerSGDSnapshot")
+      .def(py::init<>())
+      .def_readwrite("iter", &PowerSGDState::Snapshot::iter)
+      .def_readwrite("numel_before", &PowerSGDState::Snapshot::numel_before)
+      .def_readwrite("numel_after", &PowerSGDState::Snapshot::numel_after)
+      .def_readwrite("error", &PowerSGDState::Snapshot::error)
+      .def_readwrite("p", &PowerSGDState::Snapshot::p)
+      .def_readwrite("q", &PowerSGDState::Snapshot::q)
+      .def_readwrite("rng_key", &PowerSGDState::Snapshot::rng_key)
+      .def_readwrite("rng_pos", &PowerSGDState::Snapshot::rng_pos);
+  py::class_<PowerSGDState, std::shared_ptr<PowerSGDState>>(m, "PowerSGDState")
+      .def(py::init<c10::intrusive_ptr<c10d::ProcessGroup>, const PowerSGDOptions&>(), py::arg("process_group"),
+           py::arg("options"))
+      .def("powersgd_hook",
+           [](PowerSGDState& state, c10d::GradBucket& bucket) {
+             return run_hook_for_python([&] { return state.powersgd_hook(bucket); });
+           })
+      .def("batched_powersgd_hook",
+           [](PowerSGDState& state, c10d::GradBucket& bucket) {
+             return run_hook_for_python([&] { return state.batched_powersgd_hook(bucket); });
+           })
+      .def("snapshot", &PowerSGDState::snapshot, py::call_guard<py::gil_scoped_release>())
+      .def("restore", &PowerSGDState::restore, py::call_guard<py::gil_scoped_release>())
+      .def("set_process_group", &PowerSGDState::set_process_group)
+      .def_property_readonly("process_group", &PowerSGDState::process_group);
+  m.def("cast_compress_hook",
+        [](c10::intrusive_ptr<c10d::ProcessGroup> group, c10d::GradBucket& bucket, at::ScalarType dtype) {
+          return run_hook_for_python([&] { return shardkit::compress::cast_compress_hook(group, bucket, dtype); });
+        },
+        py::arg("group"), py::arg("bucket"), py::arg("dtype"));
+  m.def("register_native_comm_hook_on_torch_reducer",
+        [](std::shared_ptr<c10d::Reducer> reducer, const std::string& kind, std::shared_ptr<PowerSGDState> state,
+           c10::intrusive_ptr<c10d::ProcessGroup> group) {
+          reducer->register_comm_hook(shardkit::compress::make_native_hook(kind, std::move(state), std::move(group)));
+        },
+        py::arg("reducer"), py::arg("kind"), py::arg("state"), py::arg("group"));
 
   m.def("reduce_isa", &shardkit::core::reduce_isa, "Vector ISA the reduction loops dispatched to at runtime.");
 #ifdef SHARDKIT_WITH_CUDA

@@ -1,0 +1,47 @@
+#include "compress/hooks.h"
+
+namespace shardkit::compress {
+
+FuturePtr cast_compress_hook(const c10::intrusive_ptr<c10d::ProcessGroup>& group, c10d::GradBucket& bucket,
+                             at::ScalarType dtype) {
+  at::Tensor buffer = bucket.getBuffer();
+  TORCH_CHECK(at::isFloatingType(buffer.scalar_type()), "shardkit ", dtype, " compress hook (rank ",
+              group->getRank(), "): bucket ", bucket.getIndex(), " holds ", buffer.scalar_type(),
+              ", not floating-point gradients");
+  at::Tensor compressed = buffer.to(dtype).div_(group->getSize());
+  FuturePtr result = tensor_future(buffer);
+  then_run(allreduce_sum(group, compressed), result, [result, buffer, compressed] {
+    at::Tensor out = buffer;
+    out.copy_(compressed);  // decompress in place: no second full-precision buffer
+    result->markCompleted(c10::IValue(out));
+  });
+  return result;
+}
+
+at::Tensor NativeCommHook::parseHookResult(const c10::IValue& result) {
+  if (result.isTensor()) return result.toTensor();
+  TORCH_INTERNAL_ASSERT(result.isTensorList(), "comm hook ", name_, " returned neither a Tensor nor a TensorList");
+  return result.toTensorVector().at(0);
+}
+
+std::unique_ptr<NativeCommHook> make_native_hook(const std::string& kind, std::shared_ptr<PowerSGDState> state,
+                                                 c10::intrusive_ptr<c10d::ProcessGroup> group) {
+  if (kind == "powersgd" || kind == "batched_powersgd") {
+    TORCH_CHECK(state != nullptr, "shardkit.hooks.register: kind \"", kind, "\" needs a PowerSGDState, got None");
+    if (kind == "powersgd") {
+      return std::make_unique<NativeCommHook>(kind, [state](c10d::GradBucket& b) { return state->powersgd_hook(b); });
+    }
+    return std::make_unique<NativeCommHook>(kind,
+                                            [state](c10d::GradBucket& b) { return state->batched_powersgd_hook(b); });
+  }
+  if (kind == "fp16" || kind == "bf16") {
+    TORCH_CHECK(group, "shardkit.hooks.register: kind \"", kind, "\" needs a process group");
+    const at::ScalarType dtype = kind == "fp16" ? at::kHalf : at::kBFloat16;
+    return std::make_unique<NativeCommHook>(
+        kind, [group, dtype](c10d::GradBucket& b) { return cast_compress_hook(group, b, dtype); });
+  }
+  TORCH_CHECK(false, "shardkit.hooks.register: unknown hook kind \"", kind,
+              "\"; expected \"powersgd\", \"batched_powersgd\", \"fp16\" or \"bf16\"");
+}
+
+}  // namespace shardkit::compress

@@ -1,0 +1,356 @@
+#include "compress/powersgd.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+
+#include <algorithm>
+#include <cmath>
+#include <memory>
+#include <string>
+#include <utility>
+
+namespace shardkit::compress {
+
+namespace {
+
+std::string where(const c10d::ProcessGroup& group) {
+  return "shardkit PowerSGD (rank " + std::to_string(group.getRank()) + "): ";
+}
+
+// One bucket's compression in flight: what every continuation of powersgd_hook needs.
+struct PowerSGDJob {
+  at::Tensor input;          // the bucket buffer; the result is written into it
+  at::Tensor input_copy;     // error feedback: the input before compression
+  std::vector<at::Tensor> uncompressed;  // gradients allreduced as they are
+  at::Tensor uncompressed_memory;        // ... concatenated
+  at::Tensor p_memory, q_memory;         // all P, all Q of the bucket, flat
+  std::vector<at::Tensor> batches, ps, qs;  // b x n x m matrices and their b x n x r, b x m x r factors
+  std::vector<std::vector<at::Tensor>> stacked_from;  // per batch: the gradients stacked into it (if copied)
+  int64_t index = 0;
+  bool last = false;
+};
+
+}  // namespace
+
+void orthogonalize(at::Tensor matrices, double epsilon) {
+  TORCH_INTERNAL_ASSERT(matrices.dim() == 3 && matrices.size(2) <= matrices.size(1), "orthogonalize: sizes ",
+                        matrices.sizes());
+  const int64_t rank = matrices.size(2);
+  const auto dtype = matrices.scalar_type();
+  if (rank <= 2 || dtype == at::kHalf || dtype == at::kBFloat16) {
+    // Gram–Schmidt: normalise column i, then remove its projection from the columns after it.
+    for (int64_t i = 0; i < rank; ++i) {
+      at::Tensor column = matrices.narrow(2, i, 1);
+      at::Tensor norm = at::linalg_vector_norm(column, 2, at::IntArrayRef{1}, /*keepdim=*/true);
+      if (epsilon == 0) {
+        column.div_(norm);
+      } else {
+        column.div_(norm + epsilon);
+      }
+      if (i + 1 < rank) {
+        at::Tensor rest = matrices.narrow(2, i + 1, rank - i - 1);
+        rest.sub_(at::sum(column * rest, at::IntArrayRef{1}, /*keepdim=*/true) * column);
+      }
+    }
+  } else {
+    at::Tensor r = at::empty({matrices.size(0), rank, rank}, matrices.options());
+    at::linalg_qr_out(matrices, r, matrices);
+  }
+}
+
+PowerSGDState::PowerSGDState(c10::intrusive_ptr<c10d::ProcessGroup> process_group, const PowerSGDOptions& options)
+    : process_group_(std::move(process_group)), options_(options), rng_(options.random_seed) {
+  TORCH_CHECK(process_group_, "shardkit PowerSGD: no process group");
+  TORCH_CHECK(!((options_.use_error_feedback || options_.warm_start) && options_.start_powerSGD_iter <= 1),
+              where(*process_group_), "Expect `start_powerSGD_iter` > 1 if `use_error_feedback` or `warm_start` is "
+              "enabled, because PowerSGD can only be applied after the first two iterations in DDP (got ",
+              options_.start_powerSGD_iter, ").");
+  TORCH_CHECK(options_.matrix_approximation_rank >= 1, where(*process_group_),
+              "matrix_approximation_rank must be at least 1, got ", options_.matrix_approximation_rank);
+}
+
+void PowerSGDState::set_process_group(c10::intrusive_ptr<c10d::ProcessGroup> group) {
+  TORCH_CHECK(group, "shardkit PowerSGD: no process group");
+  std::lock_guard<std::mutex> lock(mutex_);
+  process_group_ = std::move(group);
+}
+
+void PowerSGDState::finish_bucket(bool last_bucket) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (last_bucket) ++iter_;
+}
+
+at::Generator PowerSGDState::next_generator() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return at::detail::createCPUGenerator(rng_.randint(1000000000));
+}
+
+FuturePtr PowerSGDState::powersgd_hook(c10d::GradBucket& bucket) {
+  const auto group = process_group_;
+  at::Tensor input = bucket.getBuffer();
+  TORCH_CHECK(at::isFloatingType(input.scalar_type()), where(*group), "PowerSGD compresses floating-point gradients;"
+              " bucket ", bucket.getIndex(), " holds ", input.scalar_type());
+  bool warming_up;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    warming_up = iter_ < options_.start_powerSGD_iter;
+  }
+  if (warming_up) {
+    finish_bucket(bucket.isLast());
+    return allreduce_average(group, input);
+  }
+  auto job = std::make_shared<PowerSGDJob>();
+  job->input = input;
+  job->index = static_cast<int64_t>(bucket.getIndex());
+  job->last = bucket.isLast();
+  const int64_t rank_cap = options_.matrix_approximation_rank;
+  const double epsilon = options_.orthogonalization_epsilon;
+
+  // 1. Error feedback.
+  if (options_.use_error_feedback) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto found = error_.find(job->index);
+    if (found != error_.end()) {
+      input.add_(found->second);
+    } else {
+      error_[job->index] = at::zeros({input.numel()}, input.options());
+    }
+    job->input_copy = input.clone();
+  }
+
+  // 2. Which gradients are worth compressing.
+  std::vector<at::Tensor> to_compress;
+  int64_t total_p = 0, total_q = 0, before = 0, after = 0;
+  for (const at::Tensor& gradient : bucket.getGradients()) {
+    const int64_t n = gradient.dim() == 0 ? 1 : gradient.size(0);
+    const int64_t m = n == 0 ? 0 : gradient.numel() / n;
+    const int64_t r = std::min({n, m, rank_cap});
+    before += n * m;
+    if (static_cast<double>((n + m) * r) * options_.min_compression_rate < static_cast<double>(n * m)) {
+      to_compress.push_back(gradient.view({n, m}));
+      total_p += n * r;
+      total_q += m * r;
+      after += (n + m) * r;
+    } else {
+      job->uncompressed.push_back(gradient);
+      after += n * m;
+    }
+  }
+  std::vector<at::Tensor> flat_uncompressed;
+  for (const auto& gradient : job->uncompressed) flat_uncompressed.push_back(gradient.reshape({-1}));
+  job->uncompressed_memory = flat_uncompressed.empty() ? at::empty({0}, input.options()) : at::cat(flat_uncompressed);
+
+  // 3. P and Q memory (kept across steps with warm start), matrices grouped by shape in order of appearance.
+  bool randomize = false;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    numel_before_ += before;
+    numel_after_ += after;
+    if (!options_.warm_start || p_.find(job->index) == p_.end()) {
+      randomize = true;
+      p_[job->index] = at::empty({total_p}, input.options());
+      q_[job->index] = at::empty({total_q}, input.options());
+    }
+    job->p_memory = p_[job->index];
+    job->q_memory = q_[job->index];
+  }
+  std::vector<std::pair<at::IntArrayRef, std::vector<at::Tensor>>> by_shape;
+  for (const auto& matrix : to_compress) {
+    auto same = std::find_if(by_shape.begin(), by_shape.end(),
+                             [&](const auto& entry) { return entry.first == matrix.sizes(); });
+    if (same == by_shape.end()) {
+      by_shape.emplace_back(matrix.sizes(), std::vector<at::Tensor>{matrix});
+    } else {
+      same->second.push_back(matrix);
+    }
+  }
+  for (auto& [shape, matrices] : by_shape) {
+    if (options_.batch_tensors_with_same_shape && matrices.size() > 1) {
+      job->batches.push_back(at::stack(matrices));
+      job->stacked_from.push_back(matrices);
+    } else if (options_.batch_tensors_with_same_shape) {
+      job->batches.push_back(matrices.front().unsqueeze(0));
+      job->stacked_from.emplace_back();
+    } else {
+      for (const auto& matrix : matrices) {
+        job->batches.push_back(matrix.unsqueeze(0));
+        job->stacked_from.emplace_back();
+      }
+    }
+  }
+  int64_t p_offset = 0, q_offset = 0;
+  for (const auto& batch : job->batches) {
+    const int64_t b = batch.size(0), n = batch.size(1), m = batch.size(2), r = std::min({n, m, rank_cap});
+    job->ps.push_back(job->p_memory.narrow(0, p_offset, b * n * r).view({b, n, r}));
+    job->qs.push_back(job->q_memory.narrow(0, q_offset, b * m * r).view({b, m, r}));
+    p_offset += b * n * r;
+    q_offset += b * m * r;
+  }
+  if (!randomize) {
+    for (auto& q : job->qs) orthogonalize(q, epsilon);
+  } else {
+    at::Generator generator = next_generator();
+    for (auto& q : job->qs) {
+      q.copy_(at::randn(q.sizes(), generator, at::TensorOptions().dtype(q.scalar_type())));
+      orthogonalize(q, epsilon);
+    }
+  }
+  for (size_t i = 0; i < job->batches.size(); ++i) at::bmm_out(job->ps[i], job->batches[i], job->qs[i]);
+
+  // 4-5. Allreduce the uncompressed gradients, then P, then Q; decompress. Each step in a continuation.
+  const auto self = shared_from_this();
+  const int64_t world = group->getSize();
+  FuturePtr result = tensor_future(input);
+  then_run(allreduce_sum(group, job->uncompressed_memory), result, [self, job, group, result, world, epsilon] {
+    job->uncompressed_memory.div_(world);
+    int64_t offset = 0;
+    for (auto& gradient : job->uncompressed) {
+      gradient.copy_(job->uncompressed_memory.narrow(0, offset, gradient.numel()).view_as(gradient));
+      offset += gradient.numel();
+    }
+    // P is not divided by the world size: it is orthogonalised next.
+    then_run(allreduce_sum(group, job->p_memory), result, [self, job, group, result, world, epsilon] {
+      for (auto& p : job->ps) orthogonalize(p, epsilon);
+      for (size_t i = 0; i < job->batches.size(); ++i) {
+        at::bmm_out(job->qs[i], job->batches[i].transpose(1, 2), job->ps[i]);
+      }
+      then_run(allreduce_sum(group, job->q_memory), result, [self, job, result, world] {
+        job->q_memory.div_(world);
+        for (size_t i = 0; i < job->batches.size(); ++i) {
+          at::bmm_out(job->batches[i], job->ps[i], job->qs[i].transpose(1, 2));
+          for (size_t k = 0; k < job->stacked_from[i].size(); ++k) job->stacked_from[i][k].copy_(job->batches[i][k]);
+        }
+        {
+          std::lock_guard<std::mutex> lock(self->mutex_);
+          if (self->options_.use_error_feedback) self->error_[job->index] = job->input_copy - job->input;
+          if (!self->options_.warm_start) {
+            self->p_.clear();
+            self->q_.clear();
+          }
+        }
+        self->finish_bucket(job->last);
+        result->markCompleted(c10::IValue(job->input));
+      });
+    });
+  });
+  return result;
+}
+
+FuturePtr PowerSGDState::batched_powersgd_hook(c10d::GradBucket& bucket) {
+  const auto group = process_group_;
+  at::Tensor input = bucket.getBuffer();
+  TORCH_CHECK(at::isFloatingType(input.scalar_type()), where(*group), "PowerSGD compresses floating-point gradients;"
+              " bucket ", bucket.getIndex(), " holds ", input.scalar_type());
+  bool warming_up;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    warming_up = iter_ < options_.start_powerSGD_iter;
+  }
+  if (warming_up) {
+    finish_bucket(bucket.isLast());
+    return allreduce_average(group, input);
+  }
+  const int64_t index = static_cast<int64_t>(bucket.getIndex());
+  const bool last = bucket.isLast();
+  const int64_t total = input.numel();
+  const int64_t side = static_cast<int64_t>(std::ceil(std::sqrt(static_cast<double>(total))));
+  const int64_t rank = options_.matrix_approximation_rank;
+  TORCH_CHECK(rank <= side, where(*group), "batched PowerSGD: matrix_approximation_rank ", rank, " exceeds the side ",
+              side, " of bucket ", index, "'s square matrix");
+  // The bucket as a zero-padded square matrix (a copy: the bucket buffer itself is never resized).
+  at::Tensor padded = at::zeros({side * side}, input.options());
+  padded.narrow(0, 0, total).copy_(input);
+  at::Tensor padded_copy, p, q;
+  bool randomize = false;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    numel_before_ += total;
+    numel_after_ += side * rank * 2;
+    if (options_.use_error_feedback) {
+      auto found = error_.find(index);
+      if (found != error_.end()) {
+        padded.add_(found->second);
+      } else {
+        error_[index] = at::zeros({side * side}, input.options());
+      }
+      padded_copy = padded.clone();
+    }
+    randomize = !options_.warm_start || p_.find(index) == p_.end();
+    if (randomize) p_[index] = at::empty({side, rank}, input.options());
+  }
+  if (randomize) {
+    at::Generator generator = next_generator();
+    at::Tensor fresh = at::randn({side, rank}, generator, at::TensorOptions().dtype(input.scalar_type()));
+    std::lock_guard<std::mutex> lock(mutex_);
+    q_[index] = fresh.to(input.device());
+  }
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    p = p_[index];
+    q = q_[index];
+  }
+  at::Tensor matrix = padded.view({side, side});
+  orthogonalize(q.unsqueeze(0), 0);
+  at::mm_out(p, matrix, q);
+  const auto self = shared_from_this();
+  const int64_t world = group->getSize();
+  FuturePtr result = tensor_future(input);
+  then_run(allreduce_sum(group, p), result, [=] {
+    orthogonalize(p.unsqueeze(0), 0);
+    at::Tensor q_out = q;
+    at::mm_out(q_out, matrix.t(), p);
+    then_run(allreduce_sum(group, q), result, [=] {
+      at::Tensor q_avg = q;
+      q_avg.div_(world);
+      at::Tensor out = matrix;
+      at::mm_out(out, p, q.t());
+      {
+        std::lock_guard<std::mutex> lock(self->mutex_);
+        if (self->options_.use_error_feedback) self->error_[index] = padded_copy - padded;
+        if (!self->options_.warm_start) {
+          self->p_.clear();
+          self->q_.clear();
+        }
+      }
+      input.copy_(padded.narrow(0, 0, total));
+      self->finish_bucket(last);
+      result->markCompleted(c10::IValue(input));
+    });
+  });
+  return result;
+}
+
+PowerSGDState::Snapshot PowerSGDState::snapshot() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  Snapshot out;
+  out.iter = iter_;
+  out.numel_before = numel_before_;
+  out.numel_after = numel_after_;
+  for (const auto& [index, tensor] : error_) out.error[index] = tensor.clone();
+  for (const auto& [index, tensor] : p_) out.p[index] = tensor.clone();
+  for (const auto& [index, tensor] : q_) out.q[index] = tensor.clone();
+  out.rng_key.assign(rng_.key.begin(), rng_.key.end());
+  out.rng_pos = rng_.pos;
+  return out;
+}
+
+void PowerSGDState::restore(const Snapshot& snapshot) {
+  TORCH_CHECK(snapshot.rng_key.size() == core::Mt19937::kWords && snapshot.rng_pos >= 0 &&
+                  snapshot.rng_pos <= core::Mt19937::kWords,
+              where(*process_group_), "load_state_dict: the rng state must be ", core::Mt19937::kWords,
+              " key words and a position in [0, ", core::Mt19937::kWords, "], got ", snapshot.rng_key.size(),
+              " words and position ", snapshot.rng_pos);
+  std::lock_guard<std::mutex> lock(mutex_);
+  iter_ = snapshot.iter;
+  numel_before_ = snapshot.numel_before;
+  numel_after_ = snapshot.numel_after;
+  error_.clear();
+  p_.clear();
+  q_.clear();
+  for (const auto& [index, tensor] : snapshot.error) error_[index] = tensor.clone();
+  for (const auto& [index, tensor] : snapshot.p) p_[index] = tensor.clone();
+  for (const auto& [index, tensor] : snapshot.q) q_[index] = tensor.clone();
+  for (int i = 0; i < core::Mt19937::kWords; ++i) rng_.key[i] = static_cast<uint32_t>(snapshot.rng_key[i]);
+  rng_.pos = static_cast<int>(snapshot.rng_pos);
+}
+
+}  // namespace shardkit::compress

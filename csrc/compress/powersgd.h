@@ -1,0 +1,96 @@
+// PowerSGD gradient compression (Vogels et al., 2019) as C++ DDP comm hooks, bucket for bucket the
+// algorithm of torch's ddp_comm_hooks/powerSGD_hook.py, so that the same seed gives the same gradients.
+//
+// powerSGD_hook, per bucket (after `start_iter` plain averaging allreduces):
+//   1. error feedback: M += e (e from the previous step, zeros at first); keep a copy of M;
+//   2. each gradient viewed as an n x m matrix (dim 0 by the rest), r = min(n, m, rank); compressed only
+//      when (n + m)·r·min_compression_rate < n·m; the others are concatenated and allreduced as they are;
+//   3. P = M·Q for each compressed matrix (Q: the previous step's with warm start, re-orthogonalised; else
+//      randn from torch.manual_seed(rng.randint(1e9)), rng = numpy's RandomState(random_seed),
+//      drawn in order of shape groups, then orthogonalised); allreduce all P in one flat buffer;
+//   4. orthogonalise P (Gram–Schmidt for r <= 2 or half precision, else QR); Q = Mᵀ·P; allreduce Q; Q /= N;
+//   5. M ≈ P·Qᵀ written over the gradients in the bucket; e = copy − M.
+// With batch_tensors_with_same_shape, matrices of one shape are stacked and multiplied as one batch.
+//
+// batched_powerSGD_hook: the whole bucket as one square matrix (side ⌈√numel⌉, zero padded), one P and
+// one Q per bucket; otherwise the same steps. (Unlike torch's 2.13 hook, whose orthogonalisation asserts
+// on its 2-D P and Q, the matrices are orthogonalised as a batch of one; epsilon 0 as torch's.)
+//
+// Every collective is chained through futures (csrc/compress/futures.h): run() returns at once. The state
+// is shared by all buckets and by Python (checkpoints), so its maps are guarded by a mutex; one bucket's
+// steps run one after another, and different buckets touch different entries.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/comm.hpp>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "compress/futures.h"
+#include "core/mt19937.h"
+
+namespace shardkit::compress {
+
+struct PowerSGDOptions {
+  int64_t matrix_approximation_rank = 1;
+  int64_t start_powerSGD_iter = 1000;
+  double min_compression_rate = 2;
+  bool use_error_feedback = true;
+  bool warm_start = true;
+  double orthogonalization_epsilon = 0;
+  uint32_t random_seed = 0;
+  bool batch_tensors_with_same_shape = false;
+};
+
+// Held by std::shared_ptr (the hooks' continuations keep it alive while a bucket is in flight).
+class PowerSGDState : public std::enable_shared_from_this<PowerSGDState> {
+ public:
+  // Validates as torch does (error feedback or warm start need start_powerSGD_iter > 1).
+  PowerSGDState(c10::intrusive_ptr<c10d::ProcessGroup> process_group, const PowerSGDOptions& options);
+
+  FuturePtr powersgd_hook(c10d::GradBucket& bucket);
+  FuturePtr batched_powersgd_hook(c10d::GradBucket& bucket);
+
+  const PowerSGDOptions& options() const { return options_; }
+  const c10::intrusive_ptr<c10d::ProcessGroup>& process_group() const { return process_group_; }
+  void set_process_group(c10::intrusive_ptr<c10d::ProcessGroup> group);
+
+  // Checkpoint state. The maps are keyed by bucket index; P and Q as the hooks keep them (flat for
+  // powersgd_hook, side x rank for the batched one).
+  struct Snapshot {
+    int64_t iter = 0;
+    int64_t numel_before = 0;  // total_numel_before_compression
+    int64_t numel_after = 0;   // total_numel_after_compression
+    std::map<int64_t, at::Tensor> error, p, q;
+    std::vector<int64_t> rng_key;  // numpy RandomState's MT19937 key (624 words) and position
+    int64_t rng_pos = 0;
+  };
+  Snapshot snapshot();  // deep copies
+  void restore(const Snapshot& snapshot);
+
+ private:
+  // Counts the bucket's iteration once the last bucket has been reduced (torch's maybe_increase_iter).
+  void finish_bucket(bool last_bucket);
+  // Seeds a generator as torch.manual_seed(rng.randint(1_000_000_000)) does.
+  at::Generator next_generator();
+
+  c10::intrusive_ptr<c10d::ProcessGroup> process_group_;
+  PowerSGDOptions options_;
+  std::mutex mutex_;
+  int64_t iter_ = 0;
+  int64_t numel_before_ = 0;
+  int64_t numel_after_ = 0;
+  std::map<int64_t, at::Tensor> error_, p_, q_;
+  core::Mt19937 rng_;
+};
+
+// Orthogonalises the columns of each matrix of a batch (b x n x r, r <= n) in place, as torch's
+// _orthogonalize: Gram–Schmidt for r <= 2 or half precision (epsilon added to each norm), QR otherwise.
+void orthogonalize(at::Tensor matrices, double epsilon);
+
+}  // namespace shardkit::compress
