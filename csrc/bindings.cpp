@@ -93,6 +93,7 @@ PYBIND11_MODULE(_C, m) {
            py::arg("kind"), py::arg("state"), py::arg("group"))
       .def("bucket_indices", &Reducer::bucket_indices)
       .def("bucket_buffers", &Reducer::bucket_buffers)
+      .def("load_bucket_indices", &Reducer::load_bucket_indices, py::arg("assignment"))
       .def("set_gradient_shards", &Reducer::set_gradient_shards, py::arg("shards"), py::arg("space"),
            py::arg("flat_offset"))
       .def("shard_gradient_defined", &Reducer::shard_gradient_defined)

@@ -132,6 +132,28 @@ std::vector<std::vector<size_t>> Reducer::bucket_indices() const {
   return out;
 }
 
+void Reducer::load_bucket_indices(const std::vector<std::vector<size_t>>& assignment) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(!callback_queued_, where(), "load_bucket_layout during a backward");
+  std::vector<int> seen(params_.size(), 0);
+  for (size_t b = 0; b < assignment.size(); ++b) {
+    TORCH_CHECK(!assignment[b].empty(), where(), "load_bucket_layout: bucket ", b, " is empty");
+    for (size_t index : assignment[b]) {
+      TORCH_CHECK(index < params_.size(), where(), "load_bucket_layout: bucket ", b, " names parameter ", index,
+                  " but the model has ", params_.size());
+      TORCH_CHECK(++seen[index] == 1, where(), "load_bucket_layout: parameter ", names_[index],
+                  " appears more than once");
+      TORCH_CHECK(bucket_group(params_[index]) == bucket_group(params_[assignment[b].front()]), where(),
+                  "load_bucket_layout: bucket ", b, " mixes dtypes or devices (", names_[index], ")");
+    }
+  }
+  for (size_t i = 0; i < params_.size(); ++i) {
+    TORCH_CHECK(seen[i] == 1, where(), "load_bucket_layout: parameter ", names_[i], " is in no bucket");
+  }
+  build_buckets(assignment);
+  rebuilt_ = true;
+}
+
 std::vector<at::Tensor> Reducer::bucket_buffers() const {
   std::vector<at::Tensor> out;
   for (const auto& bucket : buckets_) {

@@ -64,6 +64,10 @@ class Reducer {
   void register_comm_hook(std::unique_ptr<c10d::CommHookInterface> hook);
   // Parameter indices per bucket, in launch order (for tests and introspection).
   std::vector<std::vector<size_t>> bucket_indices() const;
+  // Adopts `assignment` (parameter indices per bucket, in launch order, as bucket_indices() returned them in
+  // an earlier run) as the final layout; no rebuild follows. A resumed run thus reduces in the buckets its
+  // comm-hook state (PowerSGD's error feedback, P and Q are per bucket) was saved with.
+  void load_bucket_indices(const std::vector<std::vector<size_t>>& assignment);
   // The bucket buffers that exist now (under ZeRO-2 none between backwards), for memory accounting.
   std::vector<at::Tensor> bucket_buffers() const;
 

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import torch  # noqa: F401  (loads libtorch before the extension)
 
-from . import _C
+from . import _C, hooks
 from .backend import register_backend
 from .ddp import DistributedDataParallel
 from .zero import ZeroRedundancyOptimizer
 
 __version__ = "0.1.0"
-__all__ = ["DistributedDataParallel", "ZeroRedundancyOptimizer", "__version__", "register_backend"]
+__all__ = ["DistributedDataParallel", "ZeroRedundancyOptimizer", "__version__", "hooks", "register_backend"]
 
 register_backend()

@@ -149,6 +149,16 @@ class DistributedDataParallel(nn.Module):
         finally:
             self.require_backward_grad_sync = previous
 
+    def bucket_layout(self) -> list[list[int]]:
+        """Parameter indices per gradient bucket, in launch order (after the second iteration: the rebuilt one)."""
+        return self.reducer.bucket_indices()
+
+    def load_bucket_layout(self, layout: list[list[int]]) -> None:
+        """Adopts a bucket_layout() saved with a checkpoint, for good (no rebuild follows). Needed for a
+        bit-identical resume when a comm hook keeps state per bucket (PowerSGD's error feedback, P and Q):
+        without it the first iteration after a restart reduces in the initial, one-bucket layout."""
+        self.reducer.load_bucket_indices([list(map(int, bucket)) for bucket in layout])
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """nn.Module.zero_grad; with zero_stage=2 it also clears the gradient shards."""
         super().zero_grad(set_to_none)
@@ -181,6 +191,9 @@ class DistributedDataParallel(nn.Module):
         bucket (``bucket`` is a torch.distributed.GradBucket). The hook must do its own averaging."""
         if not callable(hook):
             raise TypeError(f"hook must be callable, got {hook!r}")
+        from .hooks import check_state_group
+
+        check_state_group(state, self.process_group, "shardkit DDP register_comm_hook")
         self.reducer.register_comm_hook(state, hook)
 
 

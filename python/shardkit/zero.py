@@ -4,8 +4,8 @@ torch's constructor (``ZeroRedundancyOptimizer(params, optimizer_class, process_
 and methods, DeepSpeed's partitioning. ZeRO-1 (a plain DDP, or shardkit's with zero_stage 0/1): gradients
 are allreduced as usual; each rank then steps the optimizer only for its slice of the parameters, and the
 updated slices are all-gathered. ZeRO-2 (built over a ``shardkit.DistributedDataParallel(zero_stage=2)``
-model): the optimizer also owns a gradient shard per dtype, laid out like ``staging``, and hands the
-partition to the DDP's reducer, which reduces each bucket straight into the owners' shards; ``.grad``
+model): the optimizer also owns a flat gradient shard of S elements per dtype (this rank's slice of the
+gradients), and hands the partition to the DDP's reducer, which reduces each bucket straight into the owners' shards; ``.grad``
 stays None and the pieces step from their views of the shard.
 
 Partitioning (DeepSpeed's flat layout, not torch's whole-parameter assignment)::
@@ -14,22 +14,22 @@ Partitioning (DeepSpeed's flat layout, not torch's whole-parameter assignment)::
     flat index space, padded to a multiple of N:            0                                 N*S
     rank r owns [r*S, (r+1)*S), S = ceil(numel / N):       |  rank 0  |  rank 1  |  rank 2  |
 
-Each rank keeps a contiguous ``staging`` buffer of S elements per dtype (its slice of the parameters). The
-local optimizer (``self.optim``) does not see that buffer as one tensor: it sees one leaf Parameter per
-(parameter, rank) overlap, a view into ``staging`` -- a parameter that lies inside the slice keeps its
-shape, one that straddles a slice boundary is split into 1-D pieces. So the optimizer state is exactly the
+The local optimizer (``self.optim``) sees one leaf Parameter per (parameter, rank) overlap, a view of the
+model's parameter itself (no copy of the parameters is kept) -- a parameter that lies inside the slice keeps
+its shape, one that straddles a slice boundary is split into 1-D pieces. So the optimizer state is exactly the
 owned elements (1/N of the unsharded state; the padding holds no state), and every piece keeps the
 unsharded optimizer's per-parameter semantics: a parameter whose ``.grad`` is None is skipped (no weight
 decay, no momentum, no state, no step count), and its step count stays its own.
 
 step():
-  1. copy each owned piece of the parameters into ``staging`` (parameters are the source of truth, so
-     model.load_state_dict or a DDP broadcast between steps is picked up);
-  2. point each piece's ``.grad`` at the owned part of ``param.grad`` (a view, no copy), or under ZeRO-2 at
+  1. point each piece's ``.grad`` at the owned part of ``param.grad`` (a view, no copy), or under ZeRO-2 at
      its view of the gradient shard (None if the reducer left that parameter without a gradient);
-  3. ``self.optim.step()`` updates ``staging``;
-  4. one all-gather (``all_gather_into_tensor``) per dtype gathers every rank's ``staging`` into a transient flat
-     buffer, whose pieces are copied back into the parameters: every rank ends with identical parameters.
+  2. ``self.optim.step()`` updates the owned parts of the parameters in place;
+  3. one all-gather (``all_gather_into_tensor``) per dtype: each rank's slice (its pieces, packed into a
+     transient buffer of S elements) goes to every rank, into a transient flat buffer whose pieces are copied
+     into the parameters: every rank ends with identical parameters.
+Parameters must keep their storage (``p.data = ...`` would detach them from the pieces); in-place updates
+such as ``model.load_state_dict`` or DDP's broadcast are seen as they are.
 
 Exactness: optimizers that update each element from that element's own gradient and state (SGD with
 momentum/nesterov/weight decay, Adam, AdamW, Adamax, NAdam, RAdam, RMSprop, Adagrad, Adadelta, ASGD,
@@ -84,7 +84,7 @@ class _Piece:
     group: int  # its param group
     start: int  # first owned element of the flattened parameter
     numel: int
-    leaf: nn.Parameter  # a view into staging: the parameter's shape if whole, else 1-D
+    leaf: nn.Parameter  # a view of the parameter's owned elements: its shape if whole, else 1-D
     grad_view: torch.Tensor | None = None  # ZeRO-2: the same elements of the space's gradient shard
     ddp_index: int = -1  # ZeRO-2: the parameter's index in the DDP reducer
 
@@ -101,7 +101,8 @@ class _FlatSpace:
     params: list[tuple[torch.Tensor, int]]  # (parameter, offset in the flat space), in order
     numel: int  # real elements
     shard_numel: int  # S = ceil(numel / N)
-    staging: torch.Tensor  # this rank's slice [rank * S, (rank + 1) * S)
+    device: torch.device
+    pieces: list[_Piece] = dataclasses.field(default_factory=list)  # this rank's, in flat order
     grad_shard: torch.Tensor | None = None  # ZeRO-2: the averaged gradients of that slice, written by the reducer
 
 
@@ -168,7 +169,7 @@ class ZeroRedundancyOptimizer(Optimizer):
                              "zero_stage=2 DistributedDataParallel; build one optimizer per model")
         place: dict[int, tuple[int, int]] = {}
         for s, space in enumerate(self._spaces):
-            space.grad_shard = torch.zeros_like(space.staging)
+            space.grad_shard = torch.zeros(space.shard_numel, dtype=space.dtype, device=space.device)
             for p, offset in space.params:
                 place[id(p)] = (s, offset)
         reducer_index = dict(zip(place, ddp._adopt_partition(place, [space.grad_shard for space in self._spaces],
@@ -202,21 +203,20 @@ class ZeroRedundancyOptimizer(Optimizer):
         for dtype, members in by_dtype.items():
             numel = sum(p.numel() for _, _, p in members)
             shard = math.ceil(numel / world)
-            device = members[0][2].device
-            staging = torch.zeros(shard, dtype=dtype, device=device)
+            space = _FlatSpace(dtype, [], numel, shard, members[0][2].device)
             lo, hi = rank * shard, (rank + 1) * shard
             offset = 0
-            placed = []
             for index, g, p in members:
-                placed.append((p, offset))
+                space.params.append((p, offset))
                 first, last = max(offset, lo), min(offset + p.numel(), hi)
                 if first < last:
-                    view = staging[first - lo:last - lo]
                     whole = last - first == p.numel()
-                    leaf = nn.Parameter(view.view(p.shape) if whole else view, requires_grad=True)
-                    pieces.append(_Piece(p, index, g, first - offset, last - first, leaf))
+                    view = p.detach() if whole else p.detach().view(-1)[first - offset:last - offset]
+                    piece = _Piece(p, index, g, first - offset, last - first, nn.Parameter(view, requires_grad=True))
+                    space.pieces.append(piece)
+                    pieces.append(piece)
                 offset += p.numel()
-            spaces.append(_FlatSpace(dtype, placed, numel, shard, staging))
+            spaces.append(space)
         pieces.sort(key=lambda piece: piece.index)
         return spaces, pieces
 
@@ -244,8 +244,6 @@ class ZeroRedundancyOptimizer(Optimizer):
         with torch.no_grad():
             self._sync_options()
             for piece, grad in zip(self._pieces, self._owned_grads()):
-                flat = piece.param.detach().reshape(-1)
-                piece.leaf.view(-1).copy_(flat[piece.start:piece.start + piece.numel])
                 piece.leaf.grad = grad
             try:
                 self.optim.step()
@@ -285,7 +283,7 @@ class ZeroRedundancyOptimizer(Optimizer):
         scaled (every rank holds them); under ZeRO-2 the gradient shards."""
         norm_type = float(norm_type)
         owned = [g for g in self._owned_grads() if g is not None]
-        device = self._spaces[0].staging.device if self._spaces else torch.device("cpu")
+        device = self._spaces[0].device if self._spaces else torch.device("cpu")
         if norm_type == math.inf:
             local = max((g.abs().max().float() for g in owned), default=torch.zeros((), device=device))
             local = local.reshape(1).clone()
@@ -309,8 +307,11 @@ class ZeroRedundancyOptimizer(Optimizer):
         """One all-gather (all_gather_into_tensor) per dtype, all in flight together; then copy into the parameters."""
         gathered = []
         for space in self._spaces:
-            full = torch.empty(space.shard_numel * self.world_size, dtype=space.dtype, device=space.staging.device)
-            work = _all_gather_single(full, space.staging, group=self.process_group, async_op=True)
+            parts = [piece.leaf.reshape(-1) for piece in space.pieces]
+            padding = space.shard_numel - sum(part.numel() for part in parts)
+            mine = torch.cat(parts + [torch.zeros(padding, dtype=space.dtype, device=space.device)])
+            full = torch.empty(space.shard_numel * self.world_size, dtype=space.dtype, device=space.device)
+            work = _all_gather_single(full, mine, group=self.process_group, async_op=True)
             gathered.append((space, full, work))
         for space, full, work in gathered:
             work.wait()

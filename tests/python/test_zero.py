@@ -326,7 +326,7 @@ def _state_bytes(rank, world):
             numel = sum(p.numel() for p in trainable)
             states = estimate.model_states(numel, n, "fp32", "adam")
             out[n, name] = {"numel": numel, "unsharded": local_state_bytes(plain),
-                            "local": local_state_bytes(zero.optim), "staging": sum(s.staging.numel() for s in zero._spaces),
+                            "local": local_state_bytes(zero.optim), "shard": sum(s.shard_numel for s in zero._spaces),
                             "zero1": states["zero1"].optimizer_bytes, "ddp": states["ddp"].optimizer_bytes}
     return out
 
@@ -342,7 +342,7 @@ def test_optimizer_state_bytes_are_one_nth(ranks):
             for rank, row in enumerate(rows):
                 where = f"world {world} {name} rank {rank}"
                 owned = min(numel, (rank + 1) * padded // world) - min(numel, rank * padded // world)
-                assert row["staging"] == padded // world, f"{where}: shard of {row['staging']} elements"
+                assert row["shard"] == padded // world, f"{where}: shard of {row['shard']} elements"
                 # Exactly the owned elements: 8 * padded / N, less the padding this rank holds (no state for it).
                 assert row["local"] == 8 * owned, f"{where}: {row['local']} bytes, expected 8 * {owned}"
                 assert row["local"] == pytest.approx(row["zero1"], abs=8 * (padded - numel))  # estimate: o * Psi / N
