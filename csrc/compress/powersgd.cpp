@@ -84,20 +84,24 @@ at::Generator PowerSGDState::next_generator() {
   return at::detail::createCPUGenerator(rng_.randint(1000000000));
 }
 
-FuturePtr PowerSGDState::powersgd_hook(c10d::GradBucket& bucket) {
-  const auto group = process_group_;
-  at::Tensor input = bucket.getBuffer();
-  TORCH_CHECK(at::isFloatingType(input.scalar_type()), where(*group), "PowerSGD compresses floating-point gradients;"
-              " bucket ", bucket.getIndex(), " holds ", input.scalar_type());
+FuturePtr PowerSGDState::allreduce_before_start(c10d::GradBucket& bucket) {
+  const at::Tensor& input = bucket.getBuffer();
+  TORCH_CHECK(at::isFloatingType(input.scalar_type()), where(*process_group_), "PowerSGD compresses floating-point "
+              "gradients; bucket ", bucket.getIndex(), " holds ", input.scalar_type());
   bool warming_up;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     warming_up = iter_ < options_.start_powerSGD_iter;
   }
-  if (warming_up) {
-    finish_bucket(bucket.isLast());
-    return allreduce_average(group, input);
-  }
+  if (!warming_up) return {};
+  finish_bucket(bucket.isLast());  // counted now, as torch's hook does on this path
+  return allreduce_average(process_group_, input);
+}
+
+FuturePtr PowerSGDState::powersgd_hook(c10d::GradBucket& bucket) {
+  if (FuturePtr plain = allreduce_before_start(bucket)) return plain;
+  const auto group = process_group_;
+  at::Tensor input = bucket.getBuffer();
   auto job = std::make_shared<PowerSGDJob>();
   job->input = input;
   job->index = static_cast<int64_t>(bucket.getIndex());
@@ -236,19 +240,9 @@ FuturePtr PowerSGDState::powersgd_hook(c10d::GradBucket& bucket) {
 }
 
 FuturePtr PowerSGDState::batched_powersgd_hook(c10d::GradBucket& bucket) {
+  if (FuturePtr plain = allreduce_before_start(bucket)) return plain;
   const auto group = process_group_;
   at::Tensor input = bucket.getBuffer();
-  TORCH_CHECK(at::isFloatingType(input.scalar_type()), where(*group), "PowerSGD compresses floating-point gradients;"
-              " bucket ", bucket.getIndex(), " holds ", input.scalar_type());
-  bool warming_up;
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    warming_up = iter_ < options_.start_powerSGD_iter;
-  }
-  if (warming_up) {
-    finish_bucket(bucket.isLast());
-    return allreduce_average(group, input);
-  }
   const int64_t index = static_cast<int64_t>(bucket.getIndex());
   const bool last = bucket.isLast();
   const int64_t total = input.numel();

@@ -74,6 +74,8 @@ class PowerSGDState : public std::enable_shared_from_this<PowerSGDState> {
   void restore(const Snapshot& snapshot);
 
  private:
+  // Before start_powerSGD_iter: torch's averaging allreduce of the bucket; afterwards null (compress it).
+  FuturePtr allreduce_before_start(c10d::GradBucket& bucket);
   // Counts the bucket's iteration once the last bucket has been reduced (torch's maybe_increase_iter).
   void finish_bucket(bool last_bucket);
   // Seeds a generator as torch.manual_seed(rng.randint(1_000_000_000)) does.

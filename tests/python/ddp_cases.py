@@ -113,6 +113,15 @@ def assert_modules_match(want: nn.Module, got: nn.Module, where: str, *, grads: 
         assert_close(got_b[name], w, f"{where}: buffer {name}", rtol, atol)
 
 
+def error_of(fn: Callable[[], Any], kind: type[BaseException], rank: int) -> str:
+    """The message of the ``kind`` exception ``fn()`` raises; fails the rank if it raises nothing."""
+    try:
+        fn()
+    except kind as e:
+        return str(e)
+    raise AssertionError(f"rank {rank}: {fn} did not raise {kind.__name__}")
+
+
 # --- the lock-step driver -----------------------------------------------------------------------------
 
 class Pair:

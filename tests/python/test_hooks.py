@@ -30,6 +30,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_p
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from ddp_cases import IN, OUT, assert_close, batch, loss_fn, shardkit_ddp
+from ddp_cases import error_of as error_of_rank
 
 STEPS = 10
 
@@ -305,11 +306,7 @@ def _errors(rank, world):
     messages = {}
 
     def error_of(fn, kind):
-        try:
-            fn()
-        except kind as e:
-            return str(e)
-        raise AssertionError(f"rank {rank}: {fn} did not raise {kind.__name__}")
+        return error_of_rank(fn, kind, rank)
 
     messages["start_iter"] = error_of(lambda: H.PowerSGDState(None, start_powerSGD_iter=1), ValueError)
     model = TorchDDP(layered())

@@ -39,6 +39,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from ddp_cases import IN, OUT, assert_close, assert_modules_match, batch, loss_fn, mlp, shardkit_ddp
+from ddp_cases import error_of as error_of_rank
 
 WORLDS = [2, 3]
 STAGES = [1, 2]
@@ -447,11 +448,7 @@ def _zero2_specifics(rank, world):
     errors = {}
 
     def error_of(fn, kind):
-        try:
-            fn()
-        except kind as e:
-            return str(e)
-        raise AssertionError(f"rank {rank}: {fn} did not raise {kind.__name__}")
+        return error_of_rank(fn, kind, rank)
 
     errors["bucket_view"] = error_of(lambda: Ddp(mlp(), zero_stage=2, gradient_as_bucket_view=True), RuntimeError)
     orphan = Ddp(mlp(), zero_stage=2)
@@ -482,11 +479,7 @@ def _errors(rank, world):
     messages = {}
 
     def error_of(fn, kind=RuntimeError):
-        try:
-            fn()
-        except kind as e:
-            return str(e)
-        raise AssertionError(f"rank {rank}: {fn} did not raise {kind.__name__}")
+        return error_of_rank(fn, kind, rank)
 
     messages["before"] = error_of(opt.state_dict)
     opt.consolidate_state_dict(to=1)
