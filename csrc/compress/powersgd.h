@@ -9,6 +9,7 @@
 //      randn from torch.manual_seed(rng.randint(1e9)), rng = numpy's RandomState(random_seed),
 //      drawn in order of shape groups, then orthogonalised); allreduce all P in one flat buffer;
 //   4. orthogonalise P (Gram–Schmidt for r <= 2 or half precision, else QR); Q = Mᵀ·P; allreduce Q; Q /= N;
+//      (Mᵀ·P is computed as (Pᵀ·M)ᵀ, which streams M by rows: equal to torch's up to rounding);
 //   5. M ≈ P·Qᵀ written over the gradients in the bucket; e = copy − M.
 // With batch_tensors_with_same_shape, matrices of one shape are stacked and multiplied as one batch.
 //
@@ -16,6 +17,8 @@
 // one Q per bucket; otherwise the same steps. (Unlike torch's 2.13 hook, whose orthogonalisation asserts
 // on its 2-D P and Q, the matrices are orthogonalised as a batch of one; epsilon 0 as torch's.)
 //
+// Where torch spends its time on memory, this does not: error feedback happens in place in the error buffer
+// (no per-step clone of the bucket, no fresh error tensor), and the batched hook keeps its padded matrix.
 // Every collective is chained through futures (csrc/compress/futures.h): run() returns at once. The state
 // is shared by all buckets and by Python (checkpoints), so its maps are guarded by a mutex; one bucket's
 // steps run one after another, and different buckets touch different entries.
@@ -78,6 +81,9 @@ class PowerSGDState : public std::enable_shared_from_this<PowerSGDState> {
   FuturePtr allreduce_before_start(c10d::GradBucket& bucket);
   // Counts the bucket's iteration once the last bucket has been reduced (torch's maybe_increase_iter).
   void finish_bucket(bool last_bucket);
+  // The error buffer of bucket `index` (`numel` zeros at first) with `values` added to its first elements:
+  // it becomes M, in place. Returns it.
+  at::Tensor error_plus(int64_t index, const at::Tensor& values, int64_t numel);
   // Seeds a generator as torch.manual_seed(rng.randint(1_000_000_000)) does.
   at::Generator next_generator();
 
@@ -88,6 +94,7 @@ class PowerSGDState : public std::enable_shared_from_this<PowerSGDState> {
   int64_t numel_before_ = 0;
   int64_t numel_after_ = 0;
   std::map<int64_t, at::Tensor> error_, p_, q_;
+  std::map<int64_t, at::Tensor> padded_;  // batched hook: each bucket's square work buffer (not state)
   core::Mt19937 rng_;
 };
 
