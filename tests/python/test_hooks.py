@@ -331,3 +331,22 @@ def test_errors(ranks):
         if rank < 2:
             assert f"rank {rank}" in m["group"] and "[0, 1]" in m["group"] and "[0, 1, 2]" in m["group"], m
         assert "int8" in m["kind"] and "PowerSGDState" in m["state"], m
+
+
+def _non_float_bucket(rank, world):
+    H = hooks()
+    # Complex parameters give shardkit's DDP a complex bucket (gloo group: the shardkit backend has no complex).
+    model = shardkit_ddp()(nn.Linear(4, 4, dtype=torch.complex64))
+    H.register(model, H.PowerSGDState(None, start_powerSGD_iter=0, use_error_feedback=False, warm_start=False),
+               "powersgd")
+    x = torch.randn(3, 4, dtype=torch.complex64)
+    try:
+        model(x).abs().sum().backward()
+    except RuntimeError as e:
+        return str(e)
+    raise AssertionError(f"rank {rank}: a complex bucket was compressed")
+
+
+def test_non_float_bucket_is_refused(ranks):
+    for rank, message in enumerate(ranks.run(_non_float_bucket, 2, backend="gloo", timeout=60)):
+        assert f"rank {rank}" in message and "floating-point" in message and "ComplexFloat" in message, message
