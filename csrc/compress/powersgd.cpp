@@ -270,30 +270,29 @@ FuturePtr PowerSGDState::batched_powersgd_hook(c10d::GradBucket& bucket) {
   const int64_t rank = options_.matrix_approximation_rank;
   TORCH_CHECK(rank <= side, where(*group), "batched PowerSGD: matrix_approximation_rank ", rank, " exceeds the side ",
               side, " of bucket ", index, "'s square matrix");
-  // The bucket as a zero-padded square matrix, in a per-bucket buffer kept across steps (the bucket buffer
-  // itself is never resized, unlike torch's hook does).
-  at::Tensor padded;
+  // M, the bucket as a zero-padded side x side matrix (the bucket buffer itself is never resized, as torch's
+  // hook does): with error feedback the error buffer plus the bucket (error_plus; the padding adds
+  // nothing), else the bucket copied into a per-bucket padded buffer kept across steps.
   bool randomize = false;
+  at::Tensor error, matrix;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     numel_before_ += total;
     numel_after_ += side * rank * 2;
-    at::Tensor& kept = padded_[index];
-    if (!kept.defined() || kept.numel() != side * side) kept = at::empty({side * side}, input.options());
-    padded = kept;
     randomize = !options_.warm_start || p_.find(index) == p_.end();
     if (randomize) p_[index] = at::empty({side, rank}, input.options());
+    if (!options_.use_error_feedback) {
+      at::Tensor& kept = padded_[index];
+      if (!kept.defined() || kept.numel() != side * side) kept = at::zeros({side * side}, input.options());
+      matrix = kept.view({side, side});  // its padding stays zero: only the bucket's part is ever written
+    }
   }
-  // M: with error feedback the error buffer plus the bucket (error_plus; the padding adds nothing), else
-  // the bucket copied into the zero-padded work buffer. P·Qᵀ goes to the work buffer either way.
-  at::Tensor error;
   if (options_.use_error_feedback) {
     error = error_plus(index, input, side * side);
+    matrix = error.view({side, side});
   } else {
-    padded.narrow(0, 0, total).copy_(input);
-    padded.narrow(0, total, side * side - total).zero_();
+    matrix.view(-1).narrow(0, 0, total).copy_(input);
   }
-  at::Tensor matrix = (error.defined() ? error : padded).view({side, side});
   if (randomize) {
     at::Generator generator = next_generator();
     at::Tensor fresh = at::randn({side, rank}, generator, at::TensorOptions().dtype(input.scalar_type()));
@@ -317,15 +316,22 @@ FuturePtr PowerSGDState::batched_powersgd_hook(c10d::GradBucket& bucket) {
     transposed_product(q_out, matrix.unsqueeze(0), p.unsqueeze(0));
     then_run(allreduce_sum(group, q), result, [=] {
       q.div_(world);
-      at::Tensor approximation = padded.view({side, side});
-      at::mm_out(approximation, p, q.t());
-      if (error.defined()) error.sub_(padded);  // M - result: the next step's error
+      // P·Qᵀ: the rows wholly inside the bucket straight into it, the rest (the last partial row and the
+      // padding rows) into a small tail.
+      const int64_t full_rows = total / side, rest = total - full_rows * side;
+      at::Tensor head = input.narrow(0, 0, full_rows * side).view({full_rows, side});
+      at::mm_out(head, p.narrow(0, 0, full_rows), q.t());
+      at::Tensor tail = at::mm(p.narrow(0, full_rows, side - full_rows), q.t()).view(-1);
+      input.narrow(0, full_rows * side, rest).copy_(tail.narrow(0, 0, rest));
+      if (error.defined()) {  // M - result: the next step's error
+        error.narrow(0, 0, total).sub_(input);
+        error.narrow(0, total, side * side - total).sub_(tail.narrow(0, rest, tail.numel() - rest));
+      }
       if (!self->options_.warm_start) {
         std::lock_guard<std::mutex> lock(self->mutex_);
         self->p_.clear();
         self->q_.clear();
       }
-      input.copy_(padded.narrow(0, 0, total));
       self->finish_bucket(last);
       result->markCompleted(c10::IValue(input));
     });

@@ -18,7 +18,8 @@
 // on its 2-D P and Q, the matrices are orthogonalised as a batch of one; epsilon 0 as torch's.)
 //
 // Where torch spends its time on memory, this does not: error feedback happens in place in the error buffer
-// (no per-step clone of the bucket, no fresh error tensor), and the batched hook keeps its padded matrix.
+// (no per-step clone of the bucket, no fresh error tensor), and the batched hook writes P·Qᵀ straight into
+// the bucket.
 // Every collective is chained through futures (csrc/compress/futures.h): run() returns at once. The state
 // is shared by all buckets and by Python (checkpoints), so its maps are guarded by a mutex; one bucket's
 // steps run one after another, and different buckets touch different entries.
@@ -94,7 +95,7 @@ class PowerSGDState : public std::enable_shared_from_this<PowerSGDState> {
   int64_t numel_before_ = 0;
   int64_t numel_after_ = 0;
   std::map<int64_t, at::Tensor> error_, p_, q_;
-  std::map<int64_t, at::Tensor> padded_;  // batched hook: each bucket's square work buffer (not state)
+  std::map<int64_t, at::Tensor> padded_;  // batched hook without error feedback: each bucket's padded M
   core::Mt19937 rng_;
 };
 

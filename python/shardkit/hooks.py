@@ -141,6 +141,9 @@ class PowerSGDState:
         self.load_state_dict(state)
 
     def __setattr__(self, name: str, value: Any) -> None:
+        if name in _OPTION_NAMES:
+            raise AttributeError(f"PowerSGDState.{name} is fixed at construction (the C++ state was built with it); "
+                                 "build a new PowerSGDState to change it")
         super().__setattr__(name, value)
         if name == "process_group" and "_impl" in self.__dict__:
             self._impl.set_process_group(_group(value))

@@ -309,6 +309,8 @@ def _errors(rank, world):
         return error_of_rank(fn, kind, rank)
 
     messages["start_iter"] = error_of(lambda: H.PowerSGDState(None, start_powerSGD_iter=1), ValueError)
+    messages["option"] = error_of(lambda: setattr(H.PowerSGDState(None), "matrix_approximation_rank", 4),
+                                  AttributeError)
     model = TorchDDP(layered())
     H.register(model, H.PowerSGDState(None), "powersgd")
     messages["twice"] = error_of(lambda: H.register(model, H.PowerSGDState(None), "powersgd"), RuntimeError)
@@ -327,6 +329,7 @@ def _errors(rank, world):
 def test_errors(ranks):
     for rank, m in enumerate(ranks.run(_errors, 3, timeout=60)):
         assert "start_powerSGD_iter" in m["start_iter"], m
+        assert "matrix_approximation_rank is fixed" in m["option"], m
         assert "can only be called once" in m["twice"] and "can only be called once" in m["twice_shardkit"], m
         if rank < 2:
             assert f"rank {rank}" in m["group"] and "[0, 1]" in m["group"] and "[0, 1, 2]" in m["group"], m
