@@ -83,6 +83,7 @@ $(VENV)/.bench-deps: $(VENV)/.deps
 bench: build $(VENV)/.bench-deps
 	$(VENV)/bin/python benchmarks/collectives.py
 	$(VENV)/bin/python benchmarks/ddp_step.py
+	$(VENV)/bin/python benchmarks/powersgd.py
 
 clean:
 	rm -rf build *.egg-info python/*.egg-info python/shardkit/*.so $(VENV)/.built

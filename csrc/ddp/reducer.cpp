@@ -114,7 +114,11 @@ void Reducer::build_buckets(const std::vector<std::vector<size_t>>& assignment) 
 
 at::Tensor Reducer::allocate_buffer(const Bucket& bucket) const {
   const size_t total = bucket.offsets.back() + bucket.lengths.back();
-  return at::zeros({static_cast<int64_t>(total)}, params_[bucket.members.front()].options().requires_grad(false));
+  const auto options = params_[bucket.members.front()].options().requires_grad(false);
+  // ZeRO-2 allocates each backward and every element is written before the bucket launches (a gradient,
+  // or zeros for an unused parameter): no zero-fill pass. Persistent buffers start as zeros.
+  return options_.shard_gradients ? at::empty({static_cast<int64_t>(total)}, options)
+                                  : at::zeros({static_cast<int64_t>(total)}, options);
 }
 
 at::Tensor Reducer::bucket_view(size_t index) {
