@@ -178,7 +178,8 @@ class DistributedDataParallel(nn.Module):
                              f"model's process group (ranks {mine}), got one over ranks {theirs}")
         missing = [name for name, p in zip(self._reducer_names, self._reducer_params) if id(p) not in place]
         if missing or len(place) != len(self._reducer_params):
-            raise ValueError(f"ZeroRedundancyOptimizer (rank {rank}): with zero_stage=2 the optimizer must hold exactly "
+            raise ValueError(f"ZeroRedundancyOptimizer (rank {rank}): with zero_stage=2 the optimizer must hold "
+                             "exactly "
                              f"the DDP model's trainable parameters; missing: {missing or 'none'}, "
                              f"{len(place) - len(self._reducer_params) + len(missing)} not the model's")
         self.reducer.set_gradient_shards(shards, [place[id(p)][0] for p in self._reducer_params],

@@ -185,11 +185,12 @@ def _cast_wrapper(dtype: torch.dtype, hook: Callable) -> Callable:
 
         return future.then(decompress)
 
-    wrapped.__name__ = wrapped.__qualname__ = f"{dtype_name(dtype)}_compress_wrapper({getattr(hook, '__name__', hook)})"
+    inner = getattr(hook, "__name__", repr(hook))
+    wrapped.__name__ = wrapped.__qualname__ = f"{_dtype_name(dtype)}_compress_wrapper({inner})"
     return wrapped
 
 
-def dtype_name(dtype: torch.dtype) -> str:
+def _dtype_name(dtype: torch.dtype) -> str:
     return {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
 
 
@@ -236,7 +237,8 @@ def register(ddp_model: torch.nn.Module, state: Any, kind: str) -> None:
         raise TypeError(f"shardkit.hooks.register: kind {kind!r} needs a shardkit.hooks.PowerSGDState, "
                         f"got {type(state).__name__}")
     if not powersgd and state is not None and not isinstance(state, dist.ProcessGroup):
-        raise TypeError(f"shardkit.hooks.register: kind {kind!r} takes a process group or None, got {type(state).__name__}")
+        raise TypeError(f"shardkit.hooks.register: kind {kind!r} takes a process group or None, "
+                        f"got {type(state).__name__}")
     check_state_group(state, ddp_model.process_group, "shardkit.hooks.register")
     impl = state._impl if powersgd else None
     group = _group(ddp_model.process_group if powersgd else state)

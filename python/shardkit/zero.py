@@ -5,8 +5,8 @@ and methods, DeepSpeed's partitioning. ZeRO-1 (a plain DDP, or shardkit's with z
 are allreduced as usual; each rank then steps the optimizer only for its slice of the parameters, and the
 updated slices are all-gathered. ZeRO-2 (built over a ``shardkit.DistributedDataParallel(zero_stage=2)``
 model): the optimizer also owns a flat gradient shard of S elements per dtype (this rank's slice of the
-gradients), and hands the partition to the DDP's reducer, which reduces each bucket straight into the owners' shards; ``.grad``
-stays None and the pieces step from their views of the shard.
+gradients), and hands the partition to the DDP's reducer, which reduces each bucket straight into the
+owners' shards; ``.grad`` stays None and the pieces step from their views of the shard.
 
 Partitioning (DeepSpeed's flat layout, not torch's whole-parameter assignment)::
 

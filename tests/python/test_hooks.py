@@ -158,7 +158,8 @@ def _cast_hooks(rank, world):
     # The wrappers around PowerSGD (the half-precision bucket is what PowerSGD compresses). torch's bf16
     # wrapper is refused by torch's DDP on CPU as well: it runs on shardkit's.
     options = dict(matrix_approximation_rank=2, start_powerSGD_iter=2)
-    for torch_wrapper, our_wrapper, ref_ddp in ((default_hooks.fp16_compress_wrapper, H.fp16_compress_wrapper, TorchDDP),
+    for torch_wrapper, our_wrapper, ref_ddp in ((default_hooks.fp16_compress_wrapper, H.fp16_compress_wrapper,
+                                                 TorchDDP),
                                                 (default_hooks.bf16_compress_wrapper, H.bf16_compress_wrapper,
                                                  shardkit_ddp())):
         ref = ref_ddp(copy.deepcopy(module))

@@ -135,7 +135,8 @@ def assert_shard_grads_match(ref_opt: torch.optim.Optimizer, zero, where: str) -
     for piece in zero._pieces:
         want = ref_params[piece.index].grad
         has = defined[piece.ddp_index]
-        assert has == (want is not None), f"{where}: parameter {piece.index} has a gradient in {'shardkit' if has else 'torch'} only"
+        only = "shardkit" if has else "torch"
+        assert has == (want is not None), f"{where}: parameter {piece.index} has a gradient in {only} only"
         if want is not None:
             owned = want.reshape(-1)[piece.start:piece.start + piece.numel].view(piece.leaf.shape)
             assert_close(piece.grad_view, owned, f"{where}: parameter {piece.index} gradient shard")
