@@ -132,6 +132,7 @@ PYBIND11_MODULE(_C, m) {
              return run_hook_for_python([&] { return state.batched_powersgd_hook(bucket); });
            })
       .def("snapshot", &PowerSGDState::snapshot, py::call_guard<py::gil_scoped_release>())
+      .def("counters", &PowerSGDState::counters)
       .def("restore", &PowerSGDState::restore, py::call_guard<py::gil_scoped_release>())
       .def("set_process_group", &PowerSGDState::set_process_group)
       .def_property_readonly("process_group", &PowerSGDState::process_group);

@@ -339,6 +339,11 @@ FuturePtr PowerSGDState::batched_powersgd_hook(c10d::GradBucket& bucket) {
   return result;
 }
 
+std::tuple<int64_t, int64_t, int64_t> PowerSGDState::counters() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return {iter_, numel_before_, numel_after_};
+}
+
 PowerSGDState::Snapshot PowerSGDState::snapshot() {
   std::lock_guard<std::mutex> lock(mutex_);
   Snapshot out;

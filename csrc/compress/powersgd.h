@@ -20,7 +20,7 @@
 // Where torch spends its time on memory, this does not: error feedback happens in place in the error buffer
 // (no per-step clone of the bucket, no fresh error tensor), and the batched hook writes P·Qᵀ straight into
 // the bucket.
-// Every collective is chained through futures (csrc/compress/futures.h): run() returns at once. The state
+// Every collective is chained through futures (csrc/compress/futures.h): a hook returns at once. The state
 // is shared by all buckets and by Python (checkpoints), so its maps are guarded by a mutex; one bucket's
 // steps run one after another, and different buckets touch different entries.
 #pragma once
@@ -33,6 +33,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <tuple>
 #include <vector>
 
 #include "compress/futures.h"
@@ -75,6 +76,8 @@ class PowerSGDState : public std::enable_shared_from_this<PowerSGDState> {
     int64_t rng_pos = 0;
   };
   Snapshot snapshot();  // deep copies
+  // The counters alone (iteration, total_numel_before/after_compression), without copying any tensor.
+  std::tuple<int64_t, int64_t, int64_t> counters();
   void restore(const Snapshot& snapshot);
 
  private:

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import _C
+from .hooks import check_state_group
 
 _DEFAULT_BUCKET_CAP_MB = 25
 _FIRST_BUCKET_BYTES = 1 << 20  # a small first bucket so the first reduction starts early in backward
@@ -88,7 +89,6 @@ class DistributedDataParallel(nn.Module):
                 p._shardkit_zero2_ddp = weakref.ref(self)
         # Buffers are broadcast before a forward that follows a synchronised training forward (torch's rule).
         self.require_forward_param_sync = True
-        self._hook_registered = False
 
     # --- construction ---------------------------------------------------------------------------------
     @staticmethod
@@ -166,10 +166,10 @@ class DistributedDataParallel(nn.Module):
             self.reducer.clear_gradient_shards(set_to_none)
 
     def _adopt_partition(self, place: dict[int, tuple[int, int]], shards: list[torch.Tensor],
-                         process_group: dist.ProcessGroup | None) -> list[int]:
+                         process_group: dist.ProcessGroup | None) -> dict[int, int]:
         """zero_stage=2: the optimizer's partition (``place[id(param)] = (space, flat offset)``, ``shards`` this
-        rank's gradient shard of each space) becomes where the reducer writes. Returns the reducer's index
-        of every parameter, keyed as ``place`` is, in ``place``'s order."""
+        rank's gradient shard of each space) becomes where the reducer writes. Returns the reducer's index of
+        each parameter, keyed by ``id(param)``."""
         rank = dist.get_rank(self.process_group)
         mine = dist.get_process_group_ranks(self.process_group)
         theirs = dist.get_process_group_ranks(process_group if process_group is not None else dist.group.WORLD)
@@ -184,16 +184,13 @@ class DistributedDataParallel(nn.Module):
                              f"{len(place) - len(self._reducer_params) + len(missing)} not the model's")
         self.reducer.set_gradient_shards(shards, [place[id(p)][0] for p in self._reducer_params],
                                          [place[id(p)][1] for p in self._reducer_params])
-        index_of = {id(p): i for i, p in enumerate(self._reducer_params)}
-        return [index_of[key] for key in place]
+        return {id(p): i for i, p in enumerate(self._reducer_params)}
 
     def register_comm_hook(self, state: object, hook: Callable[..., torch.futures.Future]) -> None:
         """torch DDP's comm-hook API: ``hook(state, bucket) -> Future[Tensor]`` replaces the allreduce of each
         bucket (``bucket`` is a torch.distributed.GradBucket). The hook must do its own averaging."""
         if not callable(hook):
             raise TypeError(f"hook must be callable, got {hook!r}")
-        from .hooks import check_state_group
-
         check_state_group(state, self.process_group, "shardkit DDP register_comm_hook")
         self.reducer.register_comm_hook(state, hook)
 

@@ -87,22 +87,21 @@ class PowerSGDState:
     # --- torch's read-only views -----------------------------------------------------------------------
     @property
     def iter(self) -> int:
-        return self._impl.snapshot().iter
+        return self._impl.counters()[0]
 
     @property
     def total_numel_before_compression(self) -> int:
-        return self._impl.snapshot().numel_before
+        return self._impl.counters()[1]
 
     @property
     def total_numel_after_compression(self) -> int:
-        return self._impl.snapshot().numel_after
+        return self._impl.counters()[2]
 
     def compression_stats(self) -> tuple[float, int, int]:
         """(compress_rate, numel_before_compression, numel_after_compression), as torch's. For "bytes before
         and after", multiply by the gradients' element size."""
-        snap = self._impl.snapshot()
-        rate = snap.numel_before / snap.numel_after if snap.numel_after > 0 else 0
-        return rate, snap.numel_before, snap.numel_after
+        _, before, after = self._impl.counters()
+        return (before / after if after > 0 else 0), before, after
 
     # --- checkpoints ------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -226,7 +225,7 @@ def register(ddp_model: torch.nn.Module, state: Any, kind: str) -> None:
     None (the default group) for "fp16"/"bf16". Like register_comm_hook, once per model."""
     if kind not in _KINDS:
         raise ValueError(f"shardkit.hooks.register: unknown kind {kind!r}; expected one of {', '.join(_KINDS)}")
-    from .ddp import DistributedDataParallel as ShardkitDDP
+    from .ddp import DistributedDataParallel as ShardkitDDP  # here, not at the top: ddp imports this module
 
     is_shardkit = isinstance(ddp_model, ShardkitDDP)
     if not is_shardkit and not isinstance(ddp_model, torch.nn.parallel.DistributedDataParallel):

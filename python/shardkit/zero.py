@@ -172,14 +172,12 @@ class ZeroRedundancyOptimizer(Optimizer):
             space.grad_shard = torch.zeros(space.shard_numel, dtype=space.dtype, device=space.device)
             for p, offset in space.params:
                 place[id(p)] = (s, offset)
-        reducer_index = dict(zip(place, ddp._adopt_partition(place, [space.grad_shard for space in self._spaces],
-                                                             self.process_group)))
-        space_of = {space.dtype: space for space in self._spaces}
-        for piece in self._pieces:
-            space = space_of[piece.param.dtype]
-            offset = place[id(piece.param)][1] + piece.start - self.rank * space.shard_numel
-            piece.grad_view = space.grad_shard[offset:offset + piece.numel].view(piece.leaf.shape)
-            piece.ddp_index = reducer_index[id(piece.param)]
+        reducer_index = ddp._adopt_partition(place, [space.grad_shard for space in self._spaces], self.process_group)
+        for space in self._spaces:
+            for piece in space.pieces:
+                offset = place[id(piece.param)][1] + piece.start - self.rank * space.shard_numel
+                piece.grad_view = space.grad_shard[offset:offset + piece.numel].view(piece.leaf.shape)
+                piece.ddp_index = reducer_index[id(piece.param)]
         return ddp
 
     @property
