@@ -95,14 +95,16 @@ class DistributedDataParallel(nn.Module):
     def _check_devices(module: nn.Module, device_ids):
         devices = {p.device for p in module.parameters()}
         if len(devices) > 1:
-            raise ValueError(f"shardkit DDP drives one device per process; the module's parameters are on {sorted(map(str, devices))}")
+            raise ValueError("shardkit DDP drives one device per process; the module's parameters are on "
+                             f"{sorted(map(str, devices))}")
         device = next(iter(devices), torch.device("cpu"))
         if device.type == "cpu":
             if device_ids is not None:
                 raise ValueError(f"device_ids must be None for a CPU module, got {device_ids!r}")
             return None
-        if device_ids is not None and (len(device_ids) != 1 or torch.device(device.type, torch.device(device_ids[0]).index
-                                       if not isinstance(device_ids[0], int) else device_ids[0]) != device):
+        given = None if device_ids is None else [
+            torch.device(device.type, d) if isinstance(d, int) else torch.device(d) for d in device_ids]
+        if given is not None and given != [device]:
             raise ValueError(f"device_ids must be [the module's device] ({device}), got {device_ids!r}")
         return [device]
 
