@@ -10,6 +10,8 @@ Environment:
                             of any size are chunked through it.
   SHARDKIT_HOST_ID          overrides the host identity (default: hostname + boot id), e.g. to simulate
                             several hosts on one machine in tests.
+  SHARDKIT_SHM_TAG          a label put into the shared-memory segment names (letters, digits, '_'), so
+                            that a job's segments can be told apart in /dev/shm (the test suite uses it).
 """
 
 from __future__ import annotations
@@ -92,7 +94,8 @@ def _agree_segment_name(store: dist.Store, local_rank: int, host_index: int, gro
     """Each host's first rank draws a name unique to this job, group and host; its peers read it."""
     key = f"shardkit/shm_name/{host_index}"
     if local_rank == 0:
-        name = f"/shardkit-{os.getpid()}-{secrets.token_hex(6)}-{group_id or 'default'}-h{host_index}"
+        tag = "".join(ch if ch.isalnum() or ch == "_" else "_" for ch in os.environ.get("SHARDKIT_SHM_TAG", ""))[:32]
+        name = f"/shardkit-{tag + '-' if tag else ''}{os.getpid()}-{secrets.token_hex(6)}-{group_id or 'default'}-h{host_index}"
         store.set(key, name)
         return name
     return store.get(key).decode()

@@ -15,6 +15,9 @@ import harness  # noqa: E402
 
 # Four ranks share two cores in CI: keep each rank's intra-op pool to one thread.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# This session's segments carry this tag, so the leak check below ignores other jobs on the machine.
+SHM_TAG = f"pytest{os.getpid()}"
+os.environ["SHARDKIT_SHM_TAG"] = SHM_TAG
 
 
 class Ranks:
@@ -34,8 +37,11 @@ def ranks(tmp_path: Path) -> Ranks:
 @pytest.fixture(autouse=True)
 def no_leaked_segments():
     """Every test must leave /dev/shm as it found it."""
-    before = {n for n in os.listdir("/dev/shm") if "shardkit" in n} if os.path.isdir("/dev/shm") else set()
+    def ours() -> set[str]:
+        return {n for n in os.listdir("/dev/shm") if f"shardkit-{SHM_TAG}-" in n} if os.path.isdir("/dev/shm") else set()
+
+    before = ours()
     yield
     if os.path.isdir("/dev/shm"):
-        leaked = {n for n in os.listdir("/dev/shm") if "shardkit" in n} - before
+        leaked = ours() - before
         assert not leaked, f"test left shared-memory segments behind: {sorted(leaked)}"
