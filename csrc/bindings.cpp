@@ -55,11 +55,13 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("local_of", &ProcessGroupShardkit::Config::local_of);
   py::class_<ProcessGroupShardkit, c10d::Backend, c10::intrusive_ptr<ProcessGroupShardkit>>(m, "ProcessGroupShardkit")
       .def(py::init([](int rank, int size, const ProcessGroupShardkit::Config& config,
-                       c10::intrusive_ptr<c10d::Backend> fallback, c10::intrusive_ptr<c10d::Backend> inter_host) {
-             return c10::make_intrusive<ProcessGroupShardkit>(rank, size, config, std::move(fallback),
-                                                              std::move(inter_host));
+                       c10::intrusive_ptr<c10d::Store> store, c10::intrusive_ptr<c10d::Backend> fallback,
+                       c10::intrusive_ptr<c10d::Backend> inter_host) {
+             return c10::make_intrusive<ProcessGroupShardkit>(rank, size, config, std::move(store),
+                                                              std::move(fallback), std::move(inter_host));
            }),
-           py::arg("rank"), py::arg("size"), py::arg("config"), py::arg("fallback"), py::arg("inter_host") = nullptr,
+           py::arg("rank"), py::arg("size"), py::arg("config"), py::arg("store"), py::arg("fallback"),
+           py::arg("inter_host") = nullptr,
            py::call_guard<py::gil_scoped_release>());
 
   using shardkit::ddp::Reducer;

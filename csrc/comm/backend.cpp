@@ -2,6 +2,8 @@
 
 #include <numeric>
 
+#include "comm/hierarchical_engine.h"
+#include "comm/shm_engine.h"
 #include "compat.h"
 #include "core/reduce.h"
 
@@ -9,60 +11,55 @@ namespace shardkit::comm {
 
 namespace {
 
-size_t numel_of(const at::Tensor& tensor) { return static_cast<size_t>(tensor.numel()); }
-
-// Waits for an inner backend's work on the worker thread; its exceptions propagate to our Work.
-void wait_inner(const c10::intrusive_ptr<c10d::Work>& work, std::chrono::milliseconds timeout) { work->wait(timeout); }
-
-std::vector<size_t> offsets_of(const std::vector<size_t>& counts) {
-  std::vector<size_t> offsets(counts.size(), 0);
-  for (size_t i = 1; i < counts.size(); ++i) offsets[i] = offsets[i - 1] + counts[i - 1];
-  return offsets;
+// AVG and PREMUL_SUM around an engine's reduction: scale the inputs first, divide the result after.
+template <typename Reduce>
+void reduce_with(const ReduceSpec& spec, at::Tensor& data, int world, bool result_here, Reduce reduce) {
+  if (spec.premultiply) data.mul_(spec.factor);
+  reduce(data);
+  if (spec.average && result_here) core::divide_in_place(data.data_ptr(), data.numel(), core_dtype(data), world);
 }
+
+// A contiguous tensor's bytes as a flat uint8 tensor sharing its storage.
+at::Tensor as_bytes(const at::Tensor& tensor) { return tensor.reshape({-1}).view(at::kByte); }
 
 }  // namespace
 
-// The c10d op that combines per-host partial results between hosts.
-c10d::ReduceOp::RedOpType inter_host_op(core::ReduceOp op) {
-  switch (op) {
-    case core::ReduceOp::Sum: return c10d::ReduceOp::SUM;
-    case core::ReduceOp::Product: return c10d::ReduceOp::PRODUCT;
-    case core::ReduceOp::Min: return c10d::ReduceOp::MIN;
-    case core::ReduceOp::Max: return c10d::ReduceOp::MAX;
-    case core::ReduceOp::BAnd: return c10d::ReduceOp::BAND;
-    case core::ReduceOp::BOr: return c10d::ReduceOp::BOR;
-    case core::ReduceOp::BXor: return c10d::ReduceOp::BXOR;
-  }
-  return c10d::ReduceOp::UNUSED;
-}
-
 ProcessGroupShardkit::ProcessGroupShardkit(int rank, int size, const Config& config,
+                                           c10::intrusive_ptr<c10d::Store> store,
                                            c10::intrusive_ptr<c10d::Backend> fallback,
                                            c10::intrusive_ptr<c10d::Backend> inter_host)
     : c10d::Backend(rank, size),
       args_(rank, size),
       config_(config),
       timeout_(config.timeout),
-      fallback_(std::move(fallback)),
-      inter_host_(std::move(inter_host)) {
+      inner_(std::make_shared<InnerBackends>(std::move(fallback), std::move(inter_host))) {
   TORCH_CHECK(config.num_hosts >= 1 && config.local_size >= 1 && config.local_rank < config.local_size,
               "shardkit (rank ", rank, "): invalid host topology: local rank ", config.local_rank, " of ",
               config.local_size, " on ", config.num_hosts, " host(s)");
   TORCH_CHECK(config.num_hosts == 1 || (static_cast<int>(config.host_of.size()) == size &&
                                         static_cast<int>(config.local_of.size()) == size),
               "shardkit (rank ", rank, "): host maps must have one entry per rank");
-  TORCH_CHECK(config.num_hosts == 1 || config.local_rank != 0 || inter_host_,
-              "shardkit (rank ", rank, "): a host leader needs the inter-host backend");
+  HostLayout layout{config.host_of, config.local_of};
   core::ShmGroup::Options options;
   options.name = config.shm_name;
   options.rank = config.local_rank;
   options.size = config.local_size;
   options.slot_bytes = config.slot_bytes;
   options.timeout = config.timeout;
+  if (config.num_hosts > 1) options.rank_names = layout.ranks_of(config.host_index);
+  std::unique_ptr<core::ShmGroup> local;
   try {
-    group_ = std::make_unique<core::ShmGroup>(options);
+    local = std::make_unique<core::ShmGroup>(options);
   } catch (const std::exception& error) {
     TORCH_CHECK(false, error.what());
+  }
+  if (config.num_hosts == 1) {
+    engine_ = std::make_unique<ShmEngine>(std::move(local));
+  } else {
+    TORCH_CHECK(config.local_rank != 0 || inner_->has_leaders(), "shardkit (rank ", rank,
+                "): a host leader needs the inter-host backend");
+    engine_ = std::make_unique<HierarchicalEngine>(rank, size, std::move(layout), std::move(local), inner_,
+                                                   std::move(store));
   }
 }
 
@@ -70,24 +67,23 @@ ProcessGroupShardkit::~ProcessGroupShardkit() = default;
 
 void ProcessGroupShardkit::shutdown() {
   queue_.stop();
-  if (fallback_) fallback_->shutdown();
-  if (inter_host_) inter_host_->shutdown();
+  engine_->shutdown();
+  inner_->shutdown();
 }
 
 std::chrono::milliseconds ProcessGroupShardkit::op_timeout(std::chrono::milliseconds requested) const {
   return requested == c10d::kUnsetTimeout ? timeout_ : requested;
 }
 
-template <typename OpOptions>
-c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::launch(c10d::OpType type, const char* title,
-                                                            std::vector<at::Tensor> outputs, const OpOptions& opts,
-                                                            std::function<void()> body) {
-  auto work = c10::make_intrusive<ShardkitWork>(getRank(), type, title, std::move(outputs));
-  const std::chrono::milliseconds timeout = op_timeout(opts.timeout);
-  auto run = [this, timeout, body = std::move(body)] {
-    group_->set_timeout(timeout);
-    body();
-  };
+Engine& ProcessGroupShardkit::route(const OpContext&) { return *engine_; }
+
+template <typename OpOptions, typename Body>
+c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::launch(c10d::OpType type, const char* profiling_title,
+                                                            const char* op, std::vector<at::Tensor> outputs,
+                                                            const OpOptions& opts, Body body) {
+  const OpContext context{op, ++seq_, op_timeout(opts.timeout), getRank()};
+  auto work = c10::make_intrusive<ShardkitWork>(getRank(), type, profiling_title, std::move(outputs), context.seq);
+  auto run = [this, context, body = std::move(body)]() mutable { body(route(context), context); };
   if (compat::is_async_op(opts)) {
     queue_.enqueue(work, std::move(run));
   } else {
@@ -96,170 +92,253 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::launch(c10d::OpType type, c
   return work;
 }
 
-c10d::Backend& ProcessGroupShardkit::fallback(const char* op) {
-  TORCH_CHECK(fallback_, args_.where(op), "this op needs the inner gloo backend, which this group lacks");
-  return *fallback_;
-}
-
-void ProcessGroupShardkit::reduce_tensor(at::Tensor& tensor, core::DType dtype, const ReduceSpec& spec, int root) {
-  if (spec.premultiply) tensor.mul_(spec.factor);
-  void* data = tensor.data_ptr();
-  const size_t count = numel_of(tensor);
-  if (!multi_host()) {
-    if (root < 0) {
-      group_->allreduce(data, data, count, dtype, spec.op);
-    } else {
-      group_->reduce(data, data, count, dtype, spec.op, root);
-    }
-  } else {
-    // Reduce within the host to its leader, combine the hosts' partial results among the leaders,
-    // then hand the result back out within each host. (reduce with a root goes to fallback instead.)
-    TORCH_INTERNAL_ASSERT(root < 0, "hierarchical reduce with a root is routed to the fallback backend");
-    group_->reduce(data, data, count, dtype, spec.op, 0);
-    if (inter_host_) {
-      std::vector<at::Tensor> partial{tensor};
-      c10d::AllreduceOptions options;
-      options.reduceOp = c10d::ReduceOp(inter_host_op(spec.op));
-      wait_inner(inter_host_->allreduce(partial, options), timeout_);
-    }
-    group_->broadcast(data, count, dtype, 0);
-  }
-  if (spec.average && (root < 0 || root == getRank())) core::divide_in_place(data, count, dtype, getSize());
-}
-
-void ProcessGroupShardkit::broadcast_tensor(at::Tensor& tensor, core::DType dtype, int root) {
-  void* data = tensor.data_ptr();
-  const size_t count = numel_of(tensor);
-  if (!multi_host()) {
-    group_->broadcast(data, count, dtype, root);
-    return;
-  }
-  // The root's host first spreads it locally (so its leader has it), then the leaders exchange it, then
-  // every other host spreads it from its leader. Each host sees one consistent sequence of shm ops.
-  const int root_host = config_.host_of[root];
-  const bool on_root_host = config_.host_index == root_host;
-  if (on_root_host) group_->broadcast(data, count, dtype, config_.local_of[root]);
-  if (inter_host_) {
-    std::vector<at::Tensor> payload{tensor};
-    c10d::BroadcastOptions options;
-    options.rootRank = root_host;
-    wait_inner(inter_host_->broadcast(payload, options), timeout_);
-  }
-  if (!on_root_host) group_->broadcast(data, count, dtype, 0);
-}
-
-c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::broadcast(std::vector<at::Tensor>& tensors,
-                                                               const c10d::BroadcastOptions& opts) {
-  at::Tensor tensor = args_.single(tensors, "broadcast");
-  const core::DType dtype = args_.check(tensor, "broadcast");
-  args_.check_root(opts.rootRank, "broadcast");
-  const int root = static_cast<int>(opts.rootRank);
-  return launch(c10d::OpType::BROADCAST, "shardkit:broadcast", {tensor}, opts,
-                [this, tensor, dtype, root]() mutable {
-                  with_contiguous(tensor, [&](at::Tensor& t) { broadcast_tensor(t, dtype, root); });
-                });
-}
+// --- reductions ------------------------------------------------------------------------------------------
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::allreduce(std::vector<at::Tensor>& tensors,
                                                                const c10d::AllreduceOptions& opts) {
+  // torch sends sparse CPU tensors here (its SparseCPU kernel calls allreduce, not allreduce_sparse).
+  if (tensors.size() == 1 && tensors[0].defined() && tensors[0].is_sparse()) {
+    return allreduce_sparse_coo(tensors[0], opts);
+  }
   at::Tensor tensor = args_.single(tensors, "allreduce");
-  const core::DType dtype = args_.check(tensor, "allreduce");
+  args_.check(tensor, "allreduce");
   const ReduceSpec spec = args_.reduce_spec(opts.reduceOp, tensor.scalar_type(), "allreduce");
-  return launch(c10d::OpType::ALLREDUCE, "shardkit:allreduce", {tensor}, opts,
-                [this, tensor, dtype, spec]() mutable {
-                  with_contiguous(tensor, [&](at::Tensor& t) { reduce_tensor(t, dtype, spec, -1); });
+  return launch(c10d::OpType::ALLREDUCE, "shardkit:allreduce", "allreduce", {tensor}, opts,
+                [tensor, spec, world = getSize()](Engine& engine, const OpContext& op) mutable {
+                  with_contiguous(tensor, [&](at::Tensor& t) {
+                    reduce_with(spec, t, world, true, [&](at::Tensor& d) { engine.allreduce(op, d, spec.op); });
+                  });
                 });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::allreduce_sparse(std::vector<at::Tensor>& tensors,
+                                                                      const c10d::AllreduceOptions& opts) {
+  TORCH_CHECK(tensors.size() == 1 && tensors[0].defined() && tensors[0].is_sparse(), args_.where("allreduce_sparse"),
+              "expects exactly one sparse COO tensor");
+  return allreduce_sparse_coo(tensors[0], opts);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::allreduce_sparse_coo(const at::Tensor& tensor,
+                                                                          const c10d::AllreduceOptions& opts) {
+  const char* name = "allreduce";
+  TORCH_CHECK(tensor.device().is_cpu(), args_.where(name), "sparse tensor is on ", tensor.device(),
+              "; sparse allreduce runs on CPU tensors only");
+  TORCH_CHECK(opts.reduceOp == c10d::ReduceOp::SUM, args_.where(name),
+              "sparse tensors support reduce op SUM only (as gloo)");
+  return launch(
+      c10d::OpType::ALLREDUCE, "shardkit:allreduce", name, {tensor}, opts,
+      [tensor, world = getSize()](Engine& engine, const OpContext& op) mutable {
+        // Every rank contributes its (coalesced) indices and values; all ranks concatenate them in rank
+        // order and coalesce, which sums duplicates: the same result, bit for bit, everywhere.
+        const at::Tensor mine = tensor.coalesce();
+        const at::Tensor indices = mine.indices().contiguous();
+        const at::Tensor values = mine.values().contiguous();
+        at::Tensor nnz = at::full({1}, mine._nnz(), at::kLong);
+        at::Tensor all_nnz = at::empty({world}, at::kLong);
+        engine.allgather(op, nnz, all_nnz);
+        const int64_t most = all_nnz.max().item<int64_t>();
+        auto gather_padded = [&](const at::Tensor& part, int64_t dim) {
+          std::vector<int64_t> padded_shape = part.sizes().vec();
+          padded_shape[dim] = most;
+          at::Tensor padded = at::zeros(padded_shape, part.options());
+          padded.narrow(dim, 0, part.size(dim)).copy_(part);
+          padded_shape.insert(padded_shape.begin(), world);
+          at::Tensor everyone = at::empty(padded_shape, part.options());
+          at::Tensor everyone_bytes = as_bytes(everyone);
+          engine.allgather(op, as_bytes(padded), everyone_bytes);
+          std::vector<at::Tensor> pieces;
+          for (int r = 0; r < world; ++r) pieces.push_back(everyone[r].narrow(dim, 0, all_nnz[r].item<int64_t>()));
+          return at::cat(pieces, dim);
+        };
+        const at::Tensor all_indices = gather_padded(indices, 1);
+        const at::Tensor all_values = gather_padded(values, 0);
+        tensor.copy_(at::sparse_coo_tensor(all_indices, all_values, tensor.sizes(), tensor.options()).coalesce());
+      });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::allreduce_coalesced(std::vector<at::Tensor>& tensors,
                                                                          const c10d::AllreduceCoalescedOptions& opts) {
-  TORCH_CHECK(!tensors.empty(), args_.where("allreduce_coalesced"), "got no tensors");
-  const core::DType dtype = args_.check(tensors[0], "allreduce_coalesced");
+  const char* name = "allreduce_coalesced";
+  TORCH_CHECK(!tensors.empty(), args_.where(name), "got no tensors");
+  args_.check(tensors[0], name);
   for (const auto& tensor : tensors) {
-    args_.check(tensor, "allreduce_coalesced");
-    args_.check_same(tensor, tensors[0], "allreduce_coalesced");
+    args_.check(tensor, name);
+    args_.check_same(tensor, tensors[0], name);
   }
-  const ReduceSpec spec = args_.reduce_spec(opts.reduceOp, tensors[0].scalar_type(), "allreduce_coalesced");
-  return launch(c10d::OpType::ALLREDUCE_COALESCED, "shardkit:allreduce_coalesced", tensors, opts,
-                [this, tensors, dtype, spec]() mutable {
+  const ReduceSpec spec = args_.reduce_spec(opts.reduceOp, tensors[0].scalar_type(), name);
+  return launch(c10d::OpType::ALLREDUCE_COALESCED, "shardkit:allreduce_coalesced", name, tensors, opts,
+                [tensors, spec, world = getSize()](Engine& engine, const OpContext& op) mutable {
                   at::Tensor flat = concat_flat(tensors);
-                  reduce_tensor(flat, dtype, spec, -1);
+                  reduce_with(spec, flat, world, true, [&](at::Tensor& d) { engine.allreduce(op, d, spec.op); });
                   split_flat(flat, tensors);
                 });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::reduce(std::vector<at::Tensor>& tensors,
                                                             const c10d::ReduceOptions& opts) {
-  if (multi_host()) return fallback("reduce").reduce(tensors, opts);
   at::Tensor tensor = args_.single(tensors, "reduce");
-  const core::DType dtype = args_.check(tensor, "reduce");
+  args_.check(tensor, "reduce");
   args_.check_root(opts.rootRank, "reduce");
   const ReduceSpec spec = args_.reduce_spec(opts.reduceOp, tensor.scalar_type(), "reduce");
   const int root = static_cast<int>(opts.rootRank);
-  return launch(c10d::OpType::REDUCE, "shardkit:reduce", {tensor}, opts,
-                [this, tensor, dtype, spec, root]() mutable {
-                  if (getRank() == root) {
-                    with_contiguous(tensor, [&](at::Tensor& t) { reduce_tensor(t, dtype, spec, root); });
+  return launch(c10d::OpType::REDUCE, "shardkit:reduce", "reduce", {tensor}, opts,
+                [tensor, spec, root, rank = getRank(), world = getSize()](Engine& engine, const OpContext& op) mutable {
+                  auto run = [&](at::Tensor& d) { engine.reduce(op, d, spec.op, root); };
+                  if (rank == root) {
+                    with_contiguous(tensor, [&](at::Tensor& t) { reduce_with(spec, t, world, true, run); });
                   } else {
-                    // Non-root tensors stay as they are: reduce a scaled/contiguous copy if needed.
+                    // Non-root tensors stay as they are: the engine only reads them; scaling needs a copy.
                     at::Tensor staged = spec.premultiply ? tensor.clone(at::MemoryFormat::Contiguous) : tensor.contiguous();
-                    reduce_tensor(staged, dtype, spec, root);
+                    reduce_with(spec, staged, world, false, run);
                   }
+                });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::reduce_scatter(std::vector<at::Tensor>& outputs,
+                                                                    std::vector<std::vector<at::Tensor>>& inputs,
+                                                                    const c10d::ReduceScatterOptions& opts) {
+  at::Tensor output = args_.single(outputs, "reduce_scatter");
+  args_.check(output, "reduce_scatter");
+  TORCH_CHECK(inputs.size() == 1, args_.where("reduce_scatter"), "expects one input list, got ", inputs.size());
+  std::vector<at::Tensor> in = inputs[0];
+  args_.check_per_rank(in, output, "reduce_scatter", "input_list");
+  const ReduceSpec spec = args_.reduce_spec(opts.reduceOp, output.scalar_type(), "reduce_scatter");
+  return launch(c10d::OpType::REDUCE_SCATTER, "shardkit:reduce_scatter", "reduce_scatter", {output}, opts,
+                [output, in, spec, world = getSize()](Engine& engine, const OpContext& op) mutable {
+                  at::Tensor flat = concat_flat(in);
+                  if (spec.premultiply) flat.mul_(spec.factor);
+                  with_contiguous(output, [&](at::Tensor& out) {
+                    reduce_with(spec.without_premultiply(), out, world, true,
+                                [&](at::Tensor& o) { engine.reduce_scatter(op, flat, o, spec.op); });
+                  });
+                });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
+                                                                          const c10d::ReduceScatterOptions& opts) {
+  std::vector<at::Tensor> outputs{output};
+  std::vector<at::Tensor> inputs{input};
+  return reduce_scatter_tensor_coalesced(outputs, inputs, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::reduce_scatter_tensor_coalesced(
+    std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs, const c10d::ReduceScatterOptions& opts) {
+  const char* name = "reduce_scatter_tensor";
+  TORCH_CHECK(outputs.size() == inputs.size(), args_.where(name), "got ", outputs.size(), " outputs for ",
+              inputs.size(), " inputs");
+  std::vector<ReduceSpec> specs;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    args_.check(inputs[i], name);
+    args_.check(outputs[i], name);
+    args_.check_same(outputs[i], inputs[i], name);
+    args_.check_numel(inputs[i], outputs[i].numel() * getSize(), name, "input");
+    specs.push_back(args_.reduce_spec(opts.reduceOp, inputs[i].scalar_type(), name));
+  }
+  return launch(c10d::OpType::_REDUCE_SCATTER_BASE, "shardkit:reduce_scatter_tensor", name, outputs, opts,
+                [outputs, inputs, specs, world = getSize()](Engine& engine, const OpContext& op) mutable {
+                  for (size_t i = 0; i < inputs.size(); ++i) {
+                    const ReduceSpec& spec = specs[i];
+                    at::Tensor in = spec.premultiply ? inputs[i].mul(spec.factor) : inputs[i].contiguous();
+                    with_contiguous(outputs[i], [&](at::Tensor& out) {
+                      reduce_with(spec.without_premultiply(), out, world, true,
+                                  [&](at::Tensor& o) { engine.reduce_scatter(op, in, o, spec.op); });
+                    });
+                  }
+                });
+}
+
+// --- data movement ---------------------------------------------------------------------------------------
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::broadcast(std::vector<at::Tensor>& tensors,
+                                                               const c10d::BroadcastOptions& opts) {
+  at::Tensor tensor = args_.single(tensors, "broadcast");
+  args_.check(tensor, "broadcast");
+  args_.check_root(opts.rootRank, "broadcast");
+  const int root = static_cast<int>(opts.rootRank);
+  return launch(c10d::OpType::BROADCAST, "shardkit:broadcast", "broadcast", {tensor}, opts,
+                [tensor, root](Engine& engine, const OpContext& op) mutable {
+                  with_contiguous(tensor, [&](at::Tensor& t) { engine.broadcast(op, t, root); });
                 });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::allgather(std::vector<std::vector<at::Tensor>>& outputs,
                                                                std::vector<at::Tensor>& inputs,
                                                                const c10d::AllgatherOptions& opts) {
-  if (multi_host()) return fallback("allgather").allgather(outputs, inputs, opts);
   at::Tensor input = args_.single(inputs, "allgather");
-  const core::DType dtype = args_.check(input, "allgather");
+  args_.check(input, "allgather");
   TORCH_CHECK(outputs.size() == 1, args_.where("allgather"), "expects one output list, got ", outputs.size());
   std::vector<at::Tensor> out = outputs[0];
   args_.check_per_rank(out, input, "allgather", "output_tensor_list");
-  return launch(c10d::OpType::ALLGATHER, "shardkit:allgather", out, opts,
-                [this, input, out, dtype]() mutable {
-                  at::Tensor in = input.contiguous();
-                  at::Tensor flat = at::empty({input.numel() * getSize()}, input.options());
-                  group_->allgather(in.data_ptr(), flat.data_ptr(), numel_of(in), dtype);
+  return launch(c10d::OpType::ALLGATHER, "shardkit:allgather", "allgather", out, opts,
+                [input, out, world = getSize()](Engine& engine, const OpContext& op) mutable {
+                  at::Tensor flat = at::empty({input.numel() * world}, input.options());
+                  engine.allgather(op, input.contiguous(), flat);
                   split_flat(flat, out);
                 });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::_allgather_base(at::Tensor& output, at::Tensor& input,
                                                                      const c10d::AllgatherOptions& opts) {
-  if (multi_host()) return fallback("all_gather_into_tensor")._allgather_base(output, input, opts);
-  const core::DType dtype = args_.check(input, "all_gather_into_tensor");
-  args_.check(output, "all_gather_into_tensor");
-  args_.check_same(output, input, "all_gather_into_tensor");
-  args_.check_numel(output, input.numel() * getSize(), "all_gather_into_tensor", "output");
-  return launch(c10d::OpType::_ALLGATHER_BASE, "shardkit:all_gather_into_tensor", {output}, opts,
-                [this, output, input, dtype]() mutable {
-                  at::Tensor in = input.contiguous();
-                  with_contiguous(output, [&](at::Tensor& out) {
-                    group_->allgather(in.data_ptr(), out.data_ptr(), numel_of(in), dtype);
-                  });
-                });
+  std::vector<at::Tensor> outputs{output};
+  std::vector<at::Tensor> inputs{input};
+  return allgather_into_tensor_coalesced(outputs, inputs, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::allgather_into_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs, const c10d::AllgatherOptions& opts) {
-  TORCH_CHECK(outputs.size() == inputs.size(), args_.where("allgather_into_tensor_coalesced"), "got ",
-              outputs.size(), " outputs for ", inputs.size(), " inputs");
-  std::vector<core::DType> dtypes;
+  const char* name = "all_gather_into_tensor";
+  TORCH_CHECK(outputs.size() == inputs.size(), args_.where(name), "got ", outputs.size(), " outputs for ",
+              inputs.size(), " inputs");
   for (size_t i = 0; i < inputs.size(); ++i) {
-    dtypes.push_back(args_.check(inputs[i], "allgather_into_tensor_coalesced"));
-    args_.check(outputs[i], "allgather_into_tensor_coalesced");
-    args_.check_same(outputs[i], inputs[i], "allgather_into_tensor_coalesced");
-    args_.check_numel(outputs[i], inputs[i].numel() * getSize(), "allgather_into_tensor_coalesced", "output");
+    args_.check(inputs[i], name);
+    args_.check(outputs[i], name);
+    args_.check_same(outputs[i], inputs[i], name);
+    args_.check_numel(outputs[i], inputs[i].numel() * getSize(), name, "output");
   }
-  return launch(c10d::OpType::COALESCED, "shardkit:allgather_into_tensor_coalesced", outputs, opts,
-                [this, outputs, inputs, dtypes]() mutable {
+  return launch(c10d::OpType::_ALLGATHER_BASE, "shardkit:all_gather_into_tensor", name, outputs, opts,
+                [outputs, inputs](Engine& engine, const OpContext& op) mutable {
                   for (size_t i = 0; i < inputs.size(); ++i) {
-                    at::Tensor in = inputs[i].contiguous();
-                    with_contiguous(outputs[i], [&](at::Tensor& out) {
-                      group_->allgather(in.data_ptr(), out.data_ptr(), numel_of(in), dtypes[i]);
-                    });
+                    const at::Tensor in = inputs[i].contiguous();
+                    with_contiguous(outputs[i], [&](at::Tensor& out) { engine.allgather(op, in, out); });
+                  }
+                });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::allgather_coalesced(
+    std::vector<std::vector<at::Tensor>>& output_lists, std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions& opts) {
+  const char* name = "all_gather_coalesced";
+  TORCH_CHECK(static_cast<int>(output_lists.size()) == getSize(), args_.where(name),
+              "expects one output list per rank (", getSize(), "), got ", output_lists.size());
+  int64_t bytes = 0;
+  for (const auto& input : inputs) {
+    args_.check(input, name);
+    bytes += input.numel() * static_cast<int64_t>(input.element_size());
+  }
+  std::vector<at::Tensor> flat_outputs;  // rank r's list, then rank r+1's: the order of the gathered bytes
+  for (size_t r = 0; r < output_lists.size(); ++r) {
+    TORCH_CHECK(output_lists[r].size() == inputs.size(), args_.where(name), "output list ", r, " has ",
+                output_lists[r].size(), " tensors, expected ", inputs.size(), " (one per input)");
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      args_.check(output_lists[r][i], name);
+      args_.check_same(output_lists[r][i], inputs[i], name);
+      args_.check_numel(output_lists[r][i], inputs[i].numel(), name, "output");
+      flat_outputs.push_back(output_lists[r][i]);
+    }
+  }
+  // Tensors of any dtypes travel together as bytes.
+  return launch(c10d::OpType::ALLGATHER_COALESCED, "shardkit:all_gather_coalesced", name, flat_outputs, opts,
+                [inputs, flat_outputs, bytes, world = getSize()](Engine& engine, const OpContext& op) mutable {
+                  std::vector<at::Tensor> parts;
+                  for (const auto& input : inputs) parts.push_back(as_bytes(input.contiguous()));
+                  const at::Tensor mine = parts.empty() ? at::empty({0}, at::kByte) : at::cat(parts);
+                  at::Tensor everyone = at::empty({bytes * world}, at::kByte);
+                  engine.allgather(op, mine, everyone);
+                  int64_t offset = 0;
+                  for (auto& out : flat_outputs) {
+                    const int64_t n = out.numel() * static_cast<int64_t>(out.element_size());
+                    out.view({-1}).copy_(everyone.narrow(0, offset, n).view(out.scalar_type()));
+                    offset += n;
                   }
                 });
 }
@@ -267,9 +346,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::allgather_into_tensor_coale
 c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::gather(std::vector<std::vector<at::Tensor>>& outputs,
                                                             std::vector<at::Tensor>& inputs,
                                                             const c10d::GatherOptions& opts) {
-  if (multi_host()) return fallback("gather").gather(outputs, inputs, opts);
   at::Tensor input = args_.single(inputs, "gather");
-  const core::DType dtype = args_.check(input, "gather");
+  args_.check(input, "gather");
   args_.check_root(opts.rootRank, "gather");
   const int root = static_cast<int>(opts.rootRank);
   std::vector<at::Tensor> out;
@@ -281,12 +359,11 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::gather(std::vector<std::vec
     TORCH_CHECK(outputs.empty() || outputs[0].empty(), args_.where("gather"),
                 "only the root (rank ", root, ") passes a gather_list");
   }
-  return launch(c10d::OpType::GATHER, "shardkit:gather", out, opts,
-                [this, input, out, dtype, root]() mutable {
-                  at::Tensor in = input.contiguous();
+  return launch(c10d::OpType::GATHER, "shardkit:gather", "gather", out, opts,
+                [input, out, root, rank = getRank(), world = getSize()](Engine& engine, const OpContext& op) mutable {
                   at::Tensor flat;
-                  if (getRank() == root) flat = at::empty({input.numel() * getSize()}, input.options());
-                  group_->gather(in.data_ptr(), flat.defined() ? flat.data_ptr() : nullptr, numel_of(in), dtype, root);
+                  if (rank == root) flat = at::empty({input.numel() * world}, input.options());
+                  engine.gather(op, input.contiguous(), flat, root);
                   if (flat.defined()) split_flat(flat, out);
                 });
 }
@@ -294,9 +371,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::gather(std::vector<std::vec
 c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::scatter(std::vector<at::Tensor>& outputs,
                                                              std::vector<std::vector<at::Tensor>>& inputs,
                                                              const c10d::ScatterOptions& opts) {
-  if (multi_host()) return fallback("scatter").scatter(outputs, inputs, opts);
   at::Tensor output = args_.single(outputs, "scatter");
-  const core::DType dtype = args_.check(output, "scatter");
+  args_.check(output, "scatter");
   args_.check_root(opts.rootRank, "scatter");
   const int root = static_cast<int>(opts.rootRank);
   std::vector<at::Tensor> in;
@@ -308,67 +384,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::scatter(std::vector<at::Ten
     TORCH_CHECK(inputs.empty() || inputs[0].empty(), args_.where("scatter"),
                 "only the root (rank ", root, ") passes a scatter_list");
   }
-  return launch(c10d::OpType::SCATTER, "shardkit:scatter", {output}, opts,
-                [this, output, in, dtype, root]() mutable {
-                  at::Tensor flat = in.empty() ? at::Tensor() : concat_flat(in);
-                  with_contiguous(output, [&](at::Tensor& out) {
-                    group_->scatter(flat.defined() ? flat.data_ptr() : nullptr, out.data_ptr(), numel_of(out), dtype, root);
-                  });
-                });
-}
-
-c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::reduce_scatter(std::vector<at::Tensor>& outputs,
-                                                                    std::vector<std::vector<at::Tensor>>& inputs,
-                                                                    const c10d::ReduceScatterOptions& opts) {
-  if (multi_host()) return fallback("reduce_scatter").reduce_scatter(outputs, inputs, opts);
-  at::Tensor output = args_.single(outputs, "reduce_scatter");
-  const core::DType dtype = args_.check(output, "reduce_scatter");
-  TORCH_CHECK(inputs.size() == 1, args_.where("reduce_scatter"), "expects one input list, got ", inputs.size());
-  std::vector<at::Tensor> in = inputs[0];
-  args_.check_per_rank(in, output, "reduce_scatter", "input_list");
-  const ReduceSpec spec = args_.reduce_spec(opts.reduceOp, output.scalar_type(), "reduce_scatter");
-  return launch(c10d::OpType::REDUCE_SCATTER, "shardkit:reduce_scatter", {output}, opts,
-                [this, output, in, dtype, spec]() mutable {
-                  at::Tensor flat = concat_flat(in);
-                  if (spec.premultiply) flat.mul_(spec.factor);
-                  with_contiguous(output, [&](at::Tensor& out) {
-                    group_->reduce_scatter(flat.data_ptr(), out.data_ptr(), numel_of(out), dtype, spec.op);
-                    if (spec.average) core::divide_in_place(out.data_ptr(), numel_of(out), dtype, getSize());
-                  });
-                });
-}
-
-c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
-                                                                          const c10d::ReduceScatterOptions& opts) {
-  if (multi_host()) return fallback("reduce_scatter_tensor")._reduce_scatter_base(output, input, opts);
-  std::vector<at::Tensor> outputs{output};
-  std::vector<at::Tensor> inputs{input};
-  return reduce_scatter_tensor_coalesced(outputs, inputs, opts);
-}
-
-c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::reduce_scatter_tensor_coalesced(
-    std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs, const c10d::ReduceScatterOptions& opts) {
-  const char* op = "reduce_scatter_tensor";
-  TORCH_CHECK(outputs.size() == inputs.size(), args_.where(op), "got ", outputs.size(), " outputs for ",
-              inputs.size(), " inputs");
-  std::vector<core::DType> dtypes;
-  std::vector<ReduceSpec> specs;
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    dtypes.push_back(args_.check(inputs[i], op));
-    args_.check(outputs[i], op);
-    args_.check_same(outputs[i], inputs[i], op);
-    args_.check_numel(inputs[i], outputs[i].numel() * getSize(), op, "input");
-    specs.push_back(args_.reduce_spec(opts.reduceOp, inputs[i].scalar_type(), op));
-  }
-  return launch(c10d::OpType::_REDUCE_SCATTER_BASE, "shardkit:reduce_scatter_tensor", outputs,
-                opts, [this, outputs, inputs, dtypes, specs]() mutable {
-                  for (size_t i = 0; i < inputs.size(); ++i) {
-                    at::Tensor in = specs[i].premultiply ? inputs[i].mul(specs[i].factor) : inputs[i].contiguous();
-                    with_contiguous(outputs[i], [&](at::Tensor& out) {
-                      group_->reduce_scatter(in.data_ptr(), out.data_ptr(), numel_of(out), dtypes[i], specs[i].op);
-                      if (specs[i].average) core::divide_in_place(out.data_ptr(), numel_of(out), dtypes[i], getSize());
-                    });
-                  }
+  return launch(c10d::OpType::SCATTER, "shardkit:scatter", "scatter", {output}, opts,
+                [output, in, root](Engine& engine, const OpContext& op) mutable {
+                  const at::Tensor flat = in.empty() ? at::Tensor() : concat_flat(in);
+                  with_contiguous(output, [&](at::Tensor& out) { engine.scatter(op, flat, out, root); });
                 });
 }
 
@@ -376,41 +395,17 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::alltoall_base(at::Tensor& o
                                                                    std::vector<int64_t>& output_split_sizes,
                                                                    std::vector<int64_t>& input_split_sizes,
                                                                    const c10d::AllToAllOptions& opts) {
-  if (multi_host()) return fallback("all_to_all_single").alltoall_base(output, input, output_split_sizes, input_split_sizes, opts);
-  const char* op = "all_to_all_single";
-  const core::DType dtype = args_.check(input, op);
-  args_.check(output, op);
-  args_.check_same(output, input, op);
-  // Splits count rows of dim 0; no splits means dim 0 divides evenly among the ranks.
-  auto element_counts = [&](const at::Tensor& t, const std::vector<int64_t>& splits, const char* what) {
-    const int64_t rows = t.dim() == 0 ? 1 : t.size(0);
-    const int64_t row_numel = rows == 0 ? 0 : t.numel() / rows;
-    std::vector<size_t> counts(getSize());
-    if (splits.empty()) {
-      TORCH_CHECK(rows % getSize() == 0, args_.where(op), what, " dim 0 (", rows,
-                  ") is not divisible by the group size ", getSize(), "; pass split sizes");
-      for (auto& c : counts) c = static_cast<size_t>(rows / getSize() * row_numel);
-    } else {
-      TORCH_CHECK(static_cast<int>(splits.size()) == getSize(), args_.where(op), what, " split sizes have ",
-                  splits.size(), " entries, expected ", getSize());
-      int64_t total = 0;
-      for (size_t i = 0; i < splits.size(); ++i) {
-        TORCH_CHECK(splits[i] >= 0, args_.where(op), what, " split size ", splits[i], " is negative");
-        counts[i] = static_cast<size_t>(splits[i] * row_numel);
-        total += splits[i];
-      }
-      TORCH_CHECK(total == rows, args_.where(op), what, " split sizes sum to ", total, ", but dim 0 is ", rows);
-    }
-    return counts;
-  };
-  const std::vector<size_t> send_counts = element_counts(input, input_split_sizes, "input");
-  const std::vector<size_t> recv_counts = element_counts(output, output_split_sizes, "output");
-  return launch(c10d::OpType::ALLTOALL_BASE, "shardkit:all_to_all_single", {output}, opts,
-                [this, output, input, dtype, send_counts, recv_counts]() mutable {
-                  at::Tensor in = input.contiguous();
+  const char* name = "all_to_all_single";
+  args_.check(input, name);
+  args_.check(output, name);
+  args_.check_same(output, input, name);
+  const std::vector<size_t> send_counts = args_.split_counts(input, input_split_sizes, name, "input");
+  const std::vector<size_t> recv_counts = args_.split_counts(output, output_split_sizes, name, "output");
+  return launch(c10d::OpType::ALLTOALL_BASE, "shardkit:all_to_all_single", name, {output}, opts,
+                [output, input, send_counts, recv_counts](Engine& engine, const OpContext& op) mutable {
+                  const at::Tensor in = input.contiguous();
                   with_contiguous(output, [&](at::Tensor& out) {
-                    group_->alltoall(in.data_ptr(), send_counts, offsets_of(send_counts), out.data_ptr(), recv_counts,
-                                     offsets_of(recv_counts), dtype);
+                    engine.alltoall(op, in, send_counts, out, recv_counts);
                   });
                 });
 }
@@ -418,57 +413,54 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::alltoall_base(at::Tensor& o
 c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::alltoall(std::vector<at::Tensor>& outputs,
                                                               std::vector<at::Tensor>& inputs,
                                                               const c10d::AllToAllOptions& opts) {
-  if (multi_host()) return fallback("all_to_all").alltoall(outputs, inputs, opts);
-  const char* op = "all_to_all";
+  const char* name = "all_to_all";
   TORCH_CHECK(static_cast<int>(inputs.size()) == getSize() && static_cast<int>(outputs.size()) == getSize(),
-              args_.where(op), "expects one input and one output tensor per rank (", getSize(), "), got ",
+              args_.where(name), "expects one input and one output tensor per rank (", getSize(), "), got ",
               inputs.size(), " and ", outputs.size());
-  const core::DType dtype = args_.check(inputs[0], op);
+  args_.check(inputs[0], name);
   std::vector<size_t> send_counts, recv_counts;
   for (int r = 0; r < getSize(); ++r) {
-    args_.check(inputs[r], op);
-    args_.check(outputs[r], op);
-    args_.check_same(inputs[r], inputs[0], op);
-    args_.check_same(outputs[r], inputs[0], op);
-    send_counts.push_back(numel_of(inputs[r]));
-    recv_counts.push_back(numel_of(outputs[r]));
+    args_.check(inputs[r], name);
+    args_.check(outputs[r], name);
+    args_.check_same(inputs[r], inputs[0], name);
+    args_.check_same(outputs[r], inputs[0], name);
+    send_counts.push_back(static_cast<size_t>(inputs[r].numel()));
+    recv_counts.push_back(static_cast<size_t>(outputs[r].numel()));
   }
-  return launch(c10d::OpType::ALLTOALL, "shardkit:all_to_all", outputs, opts,
-                [this, outputs, inputs, dtype, send_counts, recv_counts]() mutable {
-                  at::Tensor in = concat_flat(inputs);
+  return launch(c10d::OpType::ALLTOALL, "shardkit:all_to_all", name, outputs, opts,
+                [outputs, inputs, send_counts, recv_counts](Engine& engine, const OpContext& op) mutable {
+                  const at::Tensor in = concat_flat(inputs);
                   const size_t total = std::accumulate(recv_counts.begin(), recv_counts.end(), size_t{0});
                   at::Tensor out = at::empty({static_cast<int64_t>(total)}, inputs[0].options());
-                  group_->alltoall(in.data_ptr(), send_counts, offsets_of(send_counts), out.data_ptr(), recv_counts,
-                                   offsets_of(recv_counts), dtype);
+                  engine.alltoall(op, in, send_counts, out, recv_counts);
                   split_flat(out, outputs);
                 });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::barrier(const c10d::BarrierOptions& opts) {
-  return launch(c10d::OpType::BARRIER, "shardkit:barrier", {}, opts, [this] {
-    group_->barrier();
-    if (!multi_host()) return;
-    if (inter_host_) wait_inner(inter_host_->barrier(), timeout_);
-    group_->barrier();  // nobody leaves before every host's leader has passed the inter-host barrier
-  });
+  return launch(c10d::OpType::BARRIER, "shardkit:barrier", "barrier", {}, opts,
+                [](Engine& engine, const OpContext& op) { engine.barrier(op); });
+}
+
+// --- through the inner gloo backend ----------------------------------------------------------------------
+
+void ProcessGroupShardkit::monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) {
+  inner_->all_ranks(args_.where("monitored_barrier"))->monitoredBarrier(opts, wait_all_ranks);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::send(std::vector<at::Tensor>& tensors, int dst_rank, int tag) {
   args_.check(args_.single(tensors, "send"), "send");
-  TORCH_CHECK(fallback_, args_.where("send"), "point-to-point needs the inner gloo backend, which this group lacks");
-  return fallback_->send(tensors, dst_rank, tag);
+  return inner_->all_ranks(args_.where("send"))->send(tensors, dst_rank, tag);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::recv(std::vector<at::Tensor>& tensors, int src_rank, int tag) {
   args_.check(args_.single(tensors, "recv"), "recv");
-  TORCH_CHECK(fallback_, args_.where("recv"), "point-to-point needs the inner gloo backend, which this group lacks");
-  return fallback_->recv(tensors, src_rank, tag);
+  return inner_->all_ranks(args_.where("recv"))->recv(tensors, src_rank, tag);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
   args_.check(args_.single(tensors, "recv"), "recv");
-  TORCH_CHECK(fallback_, args_.where("recv"), "point-to-point needs the inner gloo backend, which this group lacks");
-  return fallback_->recvAnysource(tensors, tag);
+  return inner_->all_ranks(args_.where("recv"))->recvAnysource(tensors, tag);
 }
 
 }  // namespace shardkit::comm

@@ -1,25 +1,30 @@
 // ProcessGroupShardkit: the "shardkit" torch.distributed backend.
 //
-// A c10d::Backend whose collectives on CPU tensors run through core::ShmGroup (shared memory between the
-// ranks of this host), each queued on one worker thread in issue order and completed through a Future
-// that yields the output tensors. Point-to-point send/recv go through an inner gloo backend over the same
-// ranks (`fallback`), the existing engine.
+// Every collective goes the same way: validated once on the calling thread (TensorArgs: errors name the
+// rank, the op and the offending value), numbered (OpContext: the group's collective count, the op's own
+// deadline), turned into calls on contiguous tensors, and queued on one worker thread in issue order
+// (WorkQueue), where the one routing point, route(), hands it to an Engine (engine.h):
+//   - one host:     ShmEngine, shared memory between the host's ranks;
+//   - several hosts: HierarchicalEngine, shared memory inside each host, gloo among the hosts' leaders.
+// The Work completes its Future with the output tensors (what DDP's comm hooks expect) or the error.
 //
-// Several hosts: ranks are grouped by host (the Python creator decides, see backend.py). The shm group
-// then spans this host's ranks only, and allreduce, broadcast and barrier run hierarchically: within the
-// host through shared memory, between hosts through `inter_host` (gloo among each host's first rank, the
-// "leaders"). The other collectives gain nothing from a hierarchy on CPU and go to `fallback` whole.
+// Point-to-point send/recv and monitoredBarrier go to the inner gloo backend over all ranks
+// (InnerBackends), the existing engine for what shared memory cannot do. Hosts are told apart by the
+// Python creator (python/shardkit/backend.py), which also builds the inner gloo backends.
 #pragma once
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include <atomic>
 #include <chrono>
 #include <memory>
 #include <string>
 
+#include "comm/engine.h"
+#include "comm/inner_backends.h"
 #include "comm/tensor_args.h"
 #include "comm/work_queue.h"
-#include "core/shm_group.h"
 
 namespace shardkit::comm {
 
@@ -37,10 +42,11 @@ class ProcessGroupShardkit : public c10d::Backend {
     std::vector<int> local_of;   // local_of[r]: local rank of global rank r on its host
   };
 
-  // Blocks until every local rank has mapped the shared segment (or the timeout passes). `inter_host` is
+  // Blocks until every local rank has mapped the shared segment (or the timeout passes). `store` is the
+  // group's Store (across hosts it carries the abort notice); `fallback` is gloo over all ranks; `inter_host`
   // the leaders' gloo group: set on each host's local rank 0 when num_hosts > 1, null otherwise.
-  ProcessGroupShardkit(int rank, int size, const Config& config, c10::intrusive_ptr<c10d::Backend> fallback,
-                       c10::intrusive_ptr<c10d::Backend> inter_host);
+  ProcessGroupShardkit(int rank, int size, const Config& config, c10::intrusive_ptr<c10d::Store> store,
+                       c10::intrusive_ptr<c10d::Backend> fallback, c10::intrusive_ptr<c10d::Backend> inter_host);
   ~ProcessGroupShardkit() override;
 
   const std::string getBackendName() const override { return "shardkit"; }
@@ -52,6 +58,8 @@ class ProcessGroupShardkit : public c10d::Backend {
                                            const c10d::BroadcastOptions& opts = c10d::BroadcastOptions()) override;
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
                                            const c10d::AllreduceOptions& opts = c10d::AllreduceOptions()) override;
+  c10::intrusive_ptr<c10d::Work> allreduce_sparse(std::vector<at::Tensor>& tensors,
+                                                  const c10d::AllreduceOptions& opts = c10d::AllreduceOptions()) override;
   c10::intrusive_ptr<c10d::Work> allreduce_coalesced(
       std::vector<at::Tensor>& tensors,
       const c10d::AllreduceCoalescedOptions& opts = c10d::AllreduceCoalescedOptions()) override;
@@ -62,6 +70,9 @@ class ProcessGroupShardkit : public c10d::Backend {
                                            const c10d::AllgatherOptions& opts = c10d::AllgatherOptions()) override;
   c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
                                                  const c10d::AllgatherOptions& opts = c10d::AllgatherOptions()) override;
+  c10::intrusive_ptr<c10d::Work> allgather_coalesced(
+      std::vector<std::vector<at::Tensor>>& output_lists, std::vector<at::Tensor>& inputs,
+      const c10d::AllgatherOptions& opts = c10d::AllgatherOptions()) override;
   c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(
       std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
       const c10d::AllgatherOptions& opts = c10d::AllgatherOptions()) override;
@@ -87,33 +98,37 @@ class ProcessGroupShardkit : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
                                           const c10d::AllToAllOptions& opts = c10d::AllToAllOptions()) override;
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts = c10d::BarrierOptions()) override;
+  // gloo's monitored barrier over all ranks (it names the ranks that did not arrive); not queued.
+  void monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks = false) override;
+  // The group's collective count (what OpContext::seq numbers): equal on every rank that issued the same
+  // collectives. torch's DETAIL debug mode compares it across ranks.
+  void setSequenceNumberForGroup() override { seq_ = 0; }
+  uint64_t getSequenceNumberForGroup() override { return seq_; }
   c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst_rank, int tag) override;
   c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src_rank, int tag) override;
   c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
 
  private:
-  // Queues `body` (run on the worker thread with the op's timeout) and returns its Work, whose Future
-  // yields `outputs`.
-  // A synchronous caller (`async_op=False`, opts.asyncOp) may run it inline when nothing is pending.
-  template <typename OpOptions>
-  c10::intrusive_ptr<c10d::Work> launch(c10d::OpType type, const char* title, std::vector<at::Tensor> outputs,
-                                        const OpOptions& opts, std::function<void()> body);
+  // Numbers the op, queues `body(engine, op)` (run on the worker thread) and returns its Work, whose
+  // Future yields `outputs`. A synchronous caller (`async_op=False`, opts.asyncOp) may run it inline when
+  // nothing is pending.
+  template <typename OpOptions, typename Body>
+  c10::intrusive_ptr<c10d::Work> launch(c10d::OpType type, const char* profiling_title, const char* op,
+                                        std::vector<at::Tensor> outputs, const OpOptions& opts, Body body);
+  // The routing point: the engine that runs the op. Topology decided it when the group was built; CUDA
+  // tensors will route to the NCCL engine here.
+  Engine& route(const OpContext& op);
   std::chrono::milliseconds op_timeout(std::chrono::milliseconds requested) const;
-  // In-place reduction of a contiguous tensor over the group (allreduce, or reduce when root >= 0).
-  void reduce_tensor(at::Tensor& tensor, core::DType dtype, const ReduceSpec& spec, int root);
-  // Broadcast of a contiguous tensor from global rank `root`, hierarchical across hosts.
-  void broadcast_tensor(at::Tensor& tensor, core::DType dtype, int root);
-  bool multi_host() const { return config_.num_hosts > 1; }
-  // Throws (naming the op) when this group spans hosts and no fallback engine exists.
-  c10d::Backend& fallback(const char* op);
+  // allreduce of a sparse COO tensor (SUM only, like gloo's): every rank's indices and values, gathered.
+  c10::intrusive_ptr<c10d::Work> allreduce_sparse_coo(const at::Tensor& tensor, const c10d::AllreduceOptions& opts);
 
   TensorArgs args_;
   Config config_;
   std::chrono::milliseconds timeout_;
-  std::unique_ptr<core::ShmGroup> group_;  // this host's ranks
-  c10::intrusive_ptr<c10d::Backend> fallback_;
-  c10::intrusive_ptr<c10d::Backend> inter_host_;
-  WorkQueue queue_;  // last: destroyed first, so queued work finishes while the group still exists
+  std::shared_ptr<InnerBackends> inner_;
+  std::unique_ptr<Engine> engine_;
+  std::atomic<uint64_t> seq_{0};  // collectives issued on this group (numbered on the issuing thread)
+  WorkQueue queue_;  // last: destroyed first, so queued work finishes while the engine still exists
 };
 
 }  // namespace shardkit::comm

@@ -1,5 +1,6 @@
 #include "comm/tensor_args.h"
 
+#include "comm/engine.h"
 #include "compat.h"
 
 namespace shardkit::comm {
@@ -37,6 +38,12 @@ const char* reduce_op_label(c10d::ReduceOp::RedOpType op) {
 }
 
 }  // namespace
+
+core::DType core_dtype(const at::Tensor& tensor) {
+  core::DType dtype;
+  TORCH_INTERNAL_ASSERT(to_core_dtype(tensor.scalar_type(), &dtype), "unvalidated dtype ", tensor.scalar_type());
+  return dtype;
+}
 
 std::string TensorArgs::where(const char* op) const {
   return std::string("shardkit ") + op + " (rank " + std::to_string(rank_) + "): ";
@@ -83,6 +90,29 @@ void TensorArgs::check_numel(const at::Tensor& tensor, int64_t expected, const c
 
 void TensorArgs::check_root(int64_t root, const char* op) const {
   TORCH_CHECK(root >= 0 && root < size_, where(op), "root rank ", root, " is outside the group of size ", size_);
+}
+
+std::vector<size_t> TensorArgs::split_counts(const at::Tensor& tensor, const std::vector<int64_t>& splits,
+                                            const char* op, const char* what) const {
+  const int64_t rows = tensor.dim() == 0 ? 1 : tensor.size(0);
+  const int64_t row_numel = rows == 0 ? 0 : tensor.numel() / rows;
+  std::vector<size_t> counts(size_);
+  if (splits.empty()) {
+    TORCH_CHECK(rows % size_ == 0, where(op), what, " dim 0 (", rows, ") is not divisible by the group size ", size_,
+                "; pass split sizes");
+    for (auto& count : counts) count = static_cast<size_t>(rows / size_ * row_numel);
+    return counts;
+  }
+  TORCH_CHECK(static_cast<int>(splits.size()) == size_, where(op), what, " split sizes have ", splits.size(),
+              " entries, expected ", size_);
+  int64_t total = 0;
+  for (size_t i = 0; i < splits.size(); ++i) {
+    TORCH_CHECK(splits[i] >= 0, where(op), what, " split size ", splits[i], " is negative");
+    counts[i] = static_cast<size_t>(splits[i] * row_numel);
+    total += splits[i];
+  }
+  TORCH_CHECK(total == rows, where(op), what, " split sizes sum to ", total, ", but dim 0 is ", rows);
+  return counts;
 }
 
 ReduceSpec TensorArgs::reduce_spec(const c10d::ReduceOp& op, at::ScalarType dtype, const char* name) const {

@@ -20,6 +20,13 @@ struct ReduceSpec {
   bool average = false;     // divide the result by the group size
   bool premultiply = false;  // multiply every input by `factor` before summing
   double factor = 1.0;
+
+  // The same op once the inputs have been scaled already.
+  ReduceSpec without_premultiply() const {
+    ReduceSpec spec = *this;
+    spec.premultiply = false;
+    return spec;
+  }
 };
 
 class TensorArgs {
@@ -39,6 +46,10 @@ class TensorArgs {
   void check_same(const at::Tensor& a, const at::Tensor& b, const char* op) const;  // same dtype
   void check_numel(const at::Tensor& tensor, int64_t expected, const char* op, const char* what) const;
   void check_root(int64_t root, const char* op) const;
+  // Elements per rank of an all-to-all tensor: `splits` count rows of dim 0 (one entry per rank); no
+  // splits means dim 0 divides evenly among the ranks.
+  std::vector<size_t> split_counts(const at::Tensor& tensor, const std::vector<int64_t>& splits, const char* op,
+                                   const char* what) const;
   ReduceSpec reduce_spec(const c10d::ReduceOp& op, at::ScalarType dtype, const char* name) const;
 
  private:

@@ -25,10 +25,13 @@ namespace shardkit::comm {
 
 class ShardkitWork : public c10d::Work {
  public:
-  ShardkitWork(int rank, c10d::OpType type, const char* profiling_title, std::vector<at::Tensor> outputs);
+  // `seq`: the collective's number in its group (OpContext::seq).
+  ShardkitWork(int rank, c10d::OpType type, const char* profiling_title, std::vector<at::Tensor> outputs,
+               uint64_t seq);
 
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
   std::vector<at::Tensor> result() override { return outputs_; }
+  uint64_t getSequencenumber() const override { return seq_; }
 
   // Called by the worker thread exactly once.
   void complete();
@@ -37,6 +40,7 @@ class ShardkitWork : public c10d::Work {
  private:
   std::vector<at::Tensor> outputs_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
+  uint64_t seq_;
 };
 
 class WorkQueue {

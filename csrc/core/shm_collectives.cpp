@@ -33,10 +33,10 @@ Slice share(size_t n, int parts, int r, size_t elem) {
 
 }  // namespace
 
-void ShmGroup::barrier() { sync(begin(OpKind::Barrier, 0, DType::U8, -1, ReduceOp::Sum)); }
+void ShmGroup::barrier(const CallInfo& call) { sync(begin(OpKind::Barrier, 0, DType::U8, -1, ReduceOp::Sum, call)); }
 
-void ShmGroup::broadcast(void* data, size_t count, DType dtype, int root) {
-  const OpHeader header = begin(OpKind::Broadcast, count, dtype, root, ReduceOp::Sum);
+void ShmGroup::broadcast(void* data, size_t count, DType dtype, int root, const CallInfo& call) {
+  const OpHeader header = begin(OpKind::Broadcast, count, dtype, root, ReduceOp::Sum, call);
   const size_t elem = dtype_size(dtype);
   const size_t chunk = slot_bytes_ / elem;
   auto* bytes = static_cast<uint8_t*>(data);
@@ -79,8 +79,8 @@ void ShmGroup::reduce_round(const OpHeader& header, const uint8_t* in, uint8_t* 
   }
 }
 
-void ShmGroup::allreduce(const void* in, void* out, size_t count, DType dtype, ReduceOp op) {
-  const OpHeader header = begin(OpKind::AllReduce, count, dtype, -1, op);
+void ShmGroup::allreduce(const void* in, void* out, size_t count, DType dtype, ReduceOp op, const CallInfo& call) {
+  const OpHeader header = begin(OpKind::AllReduce, count, dtype, -1, op, call);
   const size_t elem = dtype_size(dtype);
   const size_t chunk = slot_bytes_ / elem;
   size_t offset = 0;
@@ -92,8 +92,9 @@ void ShmGroup::allreduce(const void* in, void* out, size_t count, DType dtype, R
   } while (offset < count);
 }
 
-void ShmGroup::reduce(const void* in, void* out, size_t count, DType dtype, ReduceOp op, int root) {
-  const OpHeader header = begin(OpKind::Reduce, count, dtype, root, op);
+void ShmGroup::reduce(const void* in, void* out, size_t count, DType dtype, ReduceOp op, int root,
+                      const CallInfo& call) {
+  const OpHeader header = begin(OpKind::Reduce, count, dtype, root, op, call);
   const size_t elem = dtype_size(dtype);
   const size_t chunk = slot_bytes_ / elem;
   size_t offset = 0;
@@ -105,8 +106,8 @@ void ShmGroup::reduce(const void* in, void* out, size_t count, DType dtype, Redu
   } while (offset < count);
 }
 
-void ShmGroup::allgather(const void* in, void* out, size_t count, DType dtype) {
-  const OpHeader header = begin(OpKind::AllGather, count, dtype, -1, ReduceOp::Sum);
+void ShmGroup::allgather(const void* in, void* out, size_t count, DType dtype, const CallInfo& call) {
+  const OpHeader header = begin(OpKind::AllGather, count, dtype, -1, ReduceOp::Sum, call);
   const size_t elem = dtype_size(dtype);
   const size_t chunk = slot_bytes_ / elem;
   size_t offset = 0;
@@ -122,8 +123,8 @@ void ShmGroup::allgather(const void* in, void* out, size_t count, DType dtype) {
   } while (offset < count);
 }
 
-void ShmGroup::gather(const void* in, void* out, size_t count, DType dtype, int root) {
-  const OpHeader header = begin(OpKind::Gather, count, dtype, root, ReduceOp::Sum);
+void ShmGroup::gather(const void* in, void* out, size_t count, DType dtype, int root, const CallInfo& call) {
+  const OpHeader header = begin(OpKind::Gather, count, dtype, root, ReduceOp::Sum, call);
   const size_t elem = dtype_size(dtype);
   const size_t chunk = slot_bytes_ / elem;
   size_t offset = 0;
@@ -141,8 +142,8 @@ void ShmGroup::gather(const void* in, void* out, size_t count, DType dtype, int 
   } while (offset < count);
 }
 
-void ShmGroup::scatter(const void* in, void* out, size_t count, DType dtype, int root) {
-  const OpHeader header = begin(OpKind::Scatter, count, dtype, root, ReduceOp::Sum);
+void ShmGroup::scatter(const void* in, void* out, size_t count, DType dtype, int root, const CallInfo& call) {
+  const OpHeader header = begin(OpKind::Scatter, count, dtype, root, ReduceOp::Sum, call);
   const size_t elem = dtype_size(dtype);
   const size_t region = slot_bytes_ / size_ / elem;  // elements per destination per round
   size_t offset = 0;
@@ -161,8 +162,9 @@ void ShmGroup::scatter(const void* in, void* out, size_t count, DType dtype, int
   } while (offset < count);
 }
 
-void ShmGroup::reduce_scatter(const void* in, void* out, size_t count, DType dtype, ReduceOp op) {
-  const OpHeader header = begin(OpKind::ReduceScatter, count, dtype, -1, op);
+void ShmGroup::reduce_scatter(const void* in, void* out, size_t count, DType dtype, ReduceOp op,
+                              const CallInfo& call) {
+  const OpHeader header = begin(OpKind::ReduceScatter, count, dtype, -1, op, call);
   const size_t elem = dtype_size(dtype);
   const size_t region = slot_bytes_ / size_ / elem;
   std::vector<const void*> sources(size_);
@@ -183,13 +185,13 @@ void ShmGroup::reduce_scatter(const void* in, void* out, size_t count, DType dty
 
 void ShmGroup::alltoall(const void* in, const std::vector<size_t>& send_counts, const std::vector<size_t>& send_offsets,
                         void* out, const std::vector<size_t>& recv_counts, const std::vector<size_t>& recv_offsets,
-                        DType dtype) {
-  const OpHeader header = begin(OpKind::AllToAll, 0, dtype, -1, ReduceOp::Sum);
+                        DType dtype, const CallInfo& call) {
+  const OpHeader header = begin(OpKind::AllToAll, 0, dtype, -1, ReduceOp::Sum, call);
   const size_t n_ranks = static_cast<size_t>(size_);
   if (send_counts.size() != n_ranks || send_offsets.size() != n_ranks || recv_counts.size() != n_ranks ||
       recv_offsets.size() != n_ranks) {
-    throw std::invalid_argument("shardkit alltoall (rank " + std::to_string(rank_) +
-                                "): split lists must have one entry per rank (" + std::to_string(size_) + ")");
+    throw std::invalid_argument("shardkit " + where(header) + ": split lists must have one entry per rank (" +
+                                std::to_string(size_) + ")");
   }
   // Round 0 exchanges the send counts, so every rank knows the whole matrix (and how many data rounds).
   uint64_t round = rounds_++;
@@ -201,9 +203,8 @@ void ShmGroup::alltoall(const void* in, const std::vector<size_t>& send_counts, 
   const uint64_t largest = *std::max_element(matrix.begin(), matrix.end());
   for (int r = 0; r < size_; ++r) {
     if (matrix[r * n_ranks + rank_] != recv_counts[r]) {
-      abort("shardkit " + describe(header) + ": rank " + std::to_string(rank_) + " expects " +
-            std::to_string(recv_counts[r]) + " elements from rank " + std::to_string(r) + ", which sends " +
-            std::to_string(matrix[r * n_ranks + rank_]));
+      fail("shardkit " + describe(header) + ": " + rank_name(rank_) + " expects " + std::to_string(recv_counts[r]) +
+           " elements from " + rank_name(r) + ", which sends " + std::to_string(matrix[r * n_ranks + rank_]));
     }
   }
   const size_t elem = dtype_size(dtype);

@@ -115,12 +115,18 @@ ShmGroup::ShmGroup(const Options& options)
       size_(options.size),
       slot_bytes_(round_up(options.slot_bytes, kPage)),
       timeout_(options.timeout),
+      op_timeout_(options.timeout),
+      rank_names_(options.rank_names),
       usable_cores_(usable_cores()) {
   if (size_ < 1 || rank_ < 0 || rank_ >= size_) {
     throw std::invalid_argument("shardkit shm: invalid rank " + std::to_string(rank_) + " for group size " +
                                 std::to_string(size_));
   }
   if (slot_bytes_ < kPage) throw std::invalid_argument("shardkit shm: slot_bytes must be positive");
+  if (!rank_names_.empty() && static_cast<int>(rank_names_.size()) != size_) {
+    throw std::invalid_argument("shardkit shm: rank_names has " + std::to_string(rank_names_.size()) +
+                                " entries for a group of size " + std::to_string(size_));
+  }
   const size_t header_bytes = round_up(sizeof(GroupHeader), kPage);
   const size_t control_bytes = round_up(sizeof(RankControl) * size_, kPage);
   const size_t total = header_bytes + control_bytes + slot_bytes_ * 2 * size_;
@@ -141,7 +147,7 @@ ShmGroup::ShmGroup(const Options& options)
   barrier();
   if (header_->magic != kMagic || header_->size != static_cast<uint32_t>(size_) ||
       header_->slot_bytes != slot_bytes_) {
-    throw std::runtime_error("shardkit shm (rank " + std::to_string(rank_) + "): segment '" + options.name +
+    throw std::runtime_error("shardkit shm (" + rank_name(rank_) + "): segment '" + options.name +
                              "' was laid out by rank 0 for size " + std::to_string(header_->size) +
                              " and slot_bytes " + std::to_string(header_->slot_bytes) + ", this rank expects " +
                              std::to_string(size_) + " and " + std::to_string(slot_bytes_));
@@ -158,21 +164,32 @@ std::string ShmGroup::abort_message() const {
   return std::string(header_->abort_message, strnlen(header_->abort_message, kAbortMessageBytes));
 }
 
-void ShmGroup::abort(const std::string& message) {
+bool ShmGroup::abort(const std::string& message) {
   uint32_t expected = 0;
-  if (header_->abort_state.compare_exchange_strong(expected, 1, std::memory_order_acq_rel)) {
-    std::strncpy(header_->abort_message, message.c_str(), kAbortMessageBytes - 1);
-    header_->abort_message[kAbortMessageBytes - 1] = '\0';
-    header_->abort_state.store(2, std::memory_order_release);
-    header_->futex_word.fetch_add(1);
-    futex_wake_all(&header_->futex_word);
-    throw std::runtime_error(message);
-  }
-  // Someone aborted first: theirs is the root cause.
-  throw std::runtime_error("shardkit (rank " + std::to_string(rank_) + "): group aborted: " + abort_message());
+  if (!header_->abort_state.compare_exchange_strong(expected, 1, std::memory_order_acq_rel)) return false;
+  std::strncpy(header_->abort_message, message.c_str(), kAbortMessageBytes - 1);
+  header_->abort_message[kAbortMessageBytes - 1] = '\0';
+  header_->abort_state.store(2, std::memory_order_release);
+  header_->futex_word.fetch_add(1);
+  futex_wake_all(&header_->futex_word);
+  return true;
 }
 
-OpHeader ShmGroup::begin(OpKind kind, size_t count, DType dtype, int root, ReduceOp op) {
+void ShmGroup::fail(const std::string& message) {
+  if (abort(message)) throw std::runtime_error(message);
+  // Someone aborted first: theirs is the root cause.
+  throw std::runtime_error("shardkit (" + rank_name(rank_) + "): group aborted: " + abort_message());
+}
+
+std::string ShmGroup::rank_name(int r) const {
+  return "rank " + std::to_string(rank_names_.empty() ? r : rank_names_[r]);
+}
+
+std::string ShmGroup::where(const OpHeader& header) const {
+  return describe(header) + " (" + rank_name(rank_) + ")";
+}
+
+OpHeader ShmGroup::begin(OpKind kind, size_t count, DType dtype, int root, ReduceOp op, const CallInfo& call) {
   OpHeader header;
   header.seq = ++seq_;
   header.kind = kind;
@@ -180,28 +197,34 @@ OpHeader ShmGroup::begin(OpKind kind, size_t count, DType dtype, int root, Reduc
   header.dtype = dtype;
   header.root = root;
   header.reduce_op = op;
+  header.is_step = call.is_step ? 1 : 0;
+  header.label_seq = call.op != nullptr ? call.seq : header.seq;
+  std::strncpy(header.label, call.op != nullptr ? call.op : op_kind_name(kind), kOpLabelBytes - 1);
+  op_timeout_ = call.timeout.count() > 0 ? call.timeout : timeout_;
   if (aborted()) {
-    throw std::runtime_error("shardkit " + describe(header) + " (rank " + std::to_string(rank_) +
-                             "): group was aborted earlier: " + abort_message());
+    throw std::runtime_error("shardkit " + where(header) + ": group was aborted earlier: " + abort_message());
   }
   if (root != -1 && (root < 0 || root >= size_)) {
-    throw std::invalid_argument("shardkit " + describe(header) + " (rank " + std::to_string(rank_) +
-                                "): root " + std::to_string(root) + " is outside group of size " +
-                                std::to_string(size_));
+    throw std::invalid_argument("shardkit " + where(header) + ": root " + std::to_string(root) +
+                                " is outside group of size " + std::to_string(size_));
   }
   return header;
 }
 
 std::string ShmGroup::describe(const OpHeader& h) const {
   std::ostringstream out;
-  out << op_kind_name(h.kind) << " #" << h.seq;
-  if (h.kind == OpKind::Barrier) return out.str();
-  out << " (" << dtype_name(h.dtype);
-  if (h.kind != OpKind::AllToAll) out << " x " << h.count;
-  if (h.kind == OpKind::AllReduce || h.kind == OpKind::Reduce || h.kind == OpKind::ReduceScatter) {
-    out << ", " << reduce_op_name(h.reduce_op);
+  out << std::string(h.label, strnlen(h.label, kOpLabelBytes)) << " #" << h.label_seq;
+  if (h.kind == OpKind::Barrier && !h.is_step) return out.str();
+  out << " (";
+  if (h.is_step) out << "step: " << op_kind_name(h.kind) << " within the host" << (h.kind == OpKind::Barrier ? "" : ", ");
+  if (h.kind != OpKind::Barrier) {
+    out << dtype_name(h.dtype);
+    if (h.kind != OpKind::AllToAll) out << " x " << h.count;
+    if (h.kind == OpKind::AllReduce || h.kind == OpKind::Reduce || h.kind == OpKind::ReduceScatter) {
+      out << ", " << reduce_op_name(h.reduce_op);
+    }
+    if (h.root >= 0) out << ", root " << (rank_names_.empty() ? h.root : rank_names_[h.root]);
   }
-  if (h.root >= 0) out << ", root " << h.root;
   out << ")";
   return out.str();
 }
@@ -221,9 +244,8 @@ void ShmGroup::check_peer_header(int peer, const OpHeader& mine, uint64_t target
   std::atomic_thread_fence(std::memory_order_acquire);
   if (control.header_version.load(std::memory_order_relaxed) != before) return;
   if (std::memcmp(&theirs, &mine, sizeof(OpHeader)) == 0) return;
-  abort("shardkit: ranks disagree on collective #" + std::to_string(mine.seq) + ": rank " +
-        std::to_string(rank_) + " called " + describe(mine) + " but rank " + std::to_string(peer) + " called " +
-        describe(theirs));
+  fail("shardkit: ranks disagree on collective #" + std::to_string(mine.label_seq) + ": " + rank_name(rank_) +
+       " called " + describe(mine) + " but " + rank_name(peer) + " called " + describe(theirs));
 }
 
 void ShmGroup::sync(const OpHeader& header) {
@@ -262,13 +284,12 @@ void ShmGroup::sync(const OpHeader& header) {
   };
 
   const auto start = clock::now();
-  const auto deadline = start + timeout_;
+  const auto deadline = start + op_timeout_;
   auto next_liveness = start + kLivenessEvery;
   for (int iteration = 0;; ++iteration) {
     if (drop_arrived()) return;
     if (aborted()) {
-      throw std::runtime_error("shardkit " + describe(header) + " (rank " + std::to_string(rank_) +
-                               "): group aborted: " + abort_message());
+      throw std::runtime_error("shardkit " + where(header) + ": group aborted: " + abort_message());
     }
     const WaitPolicy& policy = size_ > usable_cores_ ? kOversubscribed : kDedicatedCores;
     if (iteration < policy.spin_iterations) {
@@ -286,19 +307,18 @@ void ShmGroup::sync(const OpHeader& header) {
       for (int peer : pending) {
         int32_t pid = controls_[peer].pid;
         if (pid > 0 && process_exited(pid)) {
-          dead += (dead.empty() ? "" : ", ") + std::to_string(peer) + " (pid " + std::to_string(pid) + ")";
+          dead += (dead.empty() ? "" : ", ") + rank_name(peer).substr(5) + " (pid " + std::to_string(pid) + ")";
         }
       }
       if (!dead.empty()) {
-        abort("shardkit " + describe(header) + " (rank " + std::to_string(rank_) + "): rank(s) " + dead +
-              " exited before arriving");
+        fail("shardkit " + where(header) + ": rank(s) " + dead + " exited before arriving");
       }
     }
     if (now >= deadline) {
       std::string missing;
-      for (int peer : pending) missing += (missing.empty() ? "" : ", ") + std::to_string(peer);
-      abort("shardkit " + describe(header) + " (rank " + std::to_string(rank_) + "): timed out after " +
-            std::to_string(timeout_.count()) + " ms waiting for rank(s) [" + missing + "]");
+      for (int peer : pending) missing += (missing.empty() ? "" : ", ") + rank_name(peer).substr(5);
+      fail("shardkit " + where(header) + ": Timed out after " + std::to_string(op_timeout_.count()) +
+           " ms waiting for rank(s) [" + missing + "]");
     }
     struct SleeperMark {  // counted as a sleeper until this scope ends, even if a check throws
       std::atomic<uint32_t>& sleepers;

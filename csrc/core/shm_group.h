@@ -16,7 +16,8 @@
 // its reads of round t — so a single sync per round is enough. The large allreduce adds one sync inside
 // its round (reduce-scatter step, then all-gather step) and writes only disjoint sub-slices in between.
 //
-// Agreement: the op header (sequence number, op, dtype, count, root, reduce op) travels with each arrival.
+// Agreement: the op header (sequence number, op, dtype, count, root, reduce op, and the caller's label and
+// number of the collective) travels with each arrival.
 // Each waiting rank compares every peer's header with its own; a mismatch aborts the group with a message
 // naming both sides, on every rank (the abort flag lives in the segment, and all waits check it).
 //
@@ -58,6 +59,8 @@ enum class OpKind : uint32_t {
 };
 const char* op_kind_name(OpKind kind);
 
+constexpr size_t kOpLabelBytes = 24;
+
 struct OpHeader {
   uint64_t seq = 0;    // collective number in this group, from 1
   uint64_t count = 0;  // elements per rank, as the op defines it (0 for alltoall: splits are checked apart)
@@ -65,7 +68,20 @@ struct OpHeader {
   int32_t root = -1;
   DType dtype = DType::U8;
   ReduceOp reduce_op = ReduceOp::Sum;
-  uint8_t pad[6] = {};
+  uint8_t is_step = 0;  // one step of a larger collective (label names that collective)
+  uint8_t pad[5] = {};
+  uint64_t label_seq = 0;             // the caller's collective number (CallInfo::seq)
+  char label[kOpLabelBytes] = {};     // the caller's collective name (CallInfo::op), NUL-padded
+};
+
+// What the caller of one collective tells the group about it; travels with the op (nothing of it is kept
+// between ops). Messages then name the collective the user issued, with the user's numbering, even where
+// this group only runs one step of it (a hierarchical collective across hosts).
+struct CallInfo {
+  std::chrono::milliseconds timeout{0};  // this op's deadline; 0: the group's default
+  const char* op = nullptr;              // the user's collective; null: this op's own name
+  uint64_t seq = 0;                      // the user's collective number; 0 with op null: this group's count
+  bool is_step = false;                  // this op is one step of `op` (messages say which step)
 };
 
 class ShmGroup {
@@ -75,7 +91,10 @@ class ShmGroup {
     int rank = 0;
     int size = 1;
     size_t slot_bytes = size_t{1} << 20;  // per rank and buffer; collectives of any size are chunked
-    std::chrono::milliseconds timeout{std::chrono::minutes(30)};
+    std::chrono::milliseconds timeout{std::chrono::minutes(30)};  // default deadline of every wait
+    // How messages name the ranks: rank_names[r] for this group's rank r (e.g. its rank in a process group
+    // spanning several hosts). Empty: the group's own numbering.
+    std::vector<int> rank_names;
   };
 
   explicit ShmGroup(const Options& options);
@@ -87,41 +106,52 @@ class ShmGroup {
   int size() const { return size_; }
   size_t slot_bytes() const { return slot_bytes_; }
   uint64_t seq() const { return seq_; }
+  // The default deadline of ops whose CallInfo sets none.
   void set_timeout(std::chrono::milliseconds timeout) { timeout_ = timeout; }
 
   // All pointers are to contiguous host memory; counts are in elements. `in` and `out` may be the same
   // buffer where the op's shapes allow it (allreduce, broadcast). All throw std::runtime_error on
-  // disagreement, timeout, dead peer or a previous abort.
-  void barrier();
-  void broadcast(void* data, size_t count, DType dtype, int root);
-  void allreduce(const void* in, void* out, size_t count, DType dtype, ReduceOp op);
+  // disagreement, timeout, dead peer or a previous abort. Roots are ranks of this group.
+  void barrier(const CallInfo& call = {});
+  void broadcast(void* data, size_t count, DType dtype, int root, const CallInfo& call = {});
+  void allreduce(const void* in, void* out, size_t count, DType dtype, ReduceOp op, const CallInfo& call = {});
   // Only `root`'s out is written; other ranks may pass nullptr.
-  void reduce(const void* in, void* out, size_t count, DType dtype, ReduceOp op, int root);
+  void reduce(const void* in, void* out, size_t count, DType dtype, ReduceOp op, int root,
+              const CallInfo& call = {});
   // out holds size * count elements, rank r's contribution at offset r * count.
-  void allgather(const void* in, void* out, size_t count, DType dtype);
+  void allgather(const void* in, void* out, size_t count, DType dtype, const CallInfo& call = {});
   // Like allgather, but only root's out is written.
-  void gather(const void* in, void* out, size_t count, DType dtype, int root);
+  void gather(const void* in, void* out, size_t count, DType dtype, int root, const CallInfo& call = {});
   // root's in holds size * count elements; every rank receives its count-element block.
-  void scatter(const void* in, void* out, size_t count, DType dtype, int root);
+  void scatter(const void* in, void* out, size_t count, DType dtype, int root, const CallInfo& call = {});
   // in holds size * count elements; rank r gets the reduction of every rank's block r.
-  void reduce_scatter(const void* in, void* out, size_t count, DType dtype, ReduceOp op);
+  void reduce_scatter(const void* in, void* out, size_t count, DType dtype, ReduceOp op, const CallInfo& call = {});
   // send_counts[j] elements go from this rank to rank j, read from in at send_offsets[j]; received
   // blocks land in out at recv_offsets[j]. Every pair's send and receive counts must agree.
   void alltoall(const void* in, const std::vector<size_t>& send_counts, const std::vector<size_t>& send_offsets,
                 void* out, const std::vector<size_t>& recv_counts, const std::vector<size_t>& recv_offsets,
-                DType dtype);
+                DType dtype, const CallInfo& call = {});
 
-  // True once the group is aborted (disagreement, timeout or dead peer); the message says why.
+  // True once the group is aborted (disagreement, timeout, dead peer, or abort()); the message says why.
   bool aborted() const;
   std::string abort_message() const;
+  // Aborts the group on every local rank from outside an op (e.g. a step of a larger collective failed
+  // elsewhere): ranks waiting now, and every later op, fail with `message`. Returns false, changing
+  // nothing, if the group was already aborted (the first reason stands).
+  bool abort(const std::string& message);
 
  private:
-  // Starts a collective: bumps the sequence number, fails fast if the group is already aborted.
-  OpHeader begin(OpKind kind, size_t count, DType dtype, int root, ReduceOp op);
+  // Starts a collective: bumps the sequence number, fails fast if the group is already aborted, and
+  // takes the op's deadline from `call`.
+  OpHeader begin(OpKind kind, size_t count, DType dtype, int root, ReduceOp op, const CallInfo& call);
   // Arrive at the next sync point with `header` and wait for every rank.
   void sync(const OpHeader& header);
   uint8_t* slot(int rank, uint64_t round) const;
-  [[noreturn]] void abort(const std::string& message);
+  // Aborts from inside an op and throws: `message` if this rank aborted first, else the first reason.
+  [[noreturn]] void fail(const std::string& message);
+  // "rank 3": how messages name this group's rank r.
+  std::string rank_name(int r) const;
+  std::string where(const OpHeader& header) const;  // "allreduce #3 (f32 x 16, sum) (rank 0)"
   void check_peer_header(int peer, const OpHeader& mine, uint64_t target);
   std::string describe(const OpHeader& header) const;
   // The large-message allreduce/reduce round: reduce-scatter through the slots, then gather the result.
@@ -131,7 +161,9 @@ class ShmGroup {
   int rank_;
   int size_;
   size_t slot_bytes_;
-  std::chrono::milliseconds timeout_;
+  std::chrono::milliseconds timeout_;     // default deadline
+  std::chrono::milliseconds op_timeout_;  // the running op's deadline (from its CallInfo)
+  std::vector<int> rank_names_;
   int usable_cores_;  // cores this process may run on: decides how long waits spin (see WaitPolicy)
   std::unique_ptr<ShmSegment> segment_;
   GroupHeader* header_ = nullptr;

@@ -125,7 +125,7 @@ def _create_backend(options: "dist.distributed_c10d._DistributedBackendOptions",
     if topology.num_hosts > 1 and config.local_rank == 0:
         inter_host = dist.ProcessGroupGloo(dist.PrefixStore("shardkit/inter", store), config.host_index,
                                            topology.num_hosts, timeout)
-    return _C.ProcessGroupShardkit(rank, size, config, fallback, inter_host)
+    return _C.ProcessGroupShardkit(rank, size, config, store, fallback, inter_host)
 
 
 def register_backend() -> None:

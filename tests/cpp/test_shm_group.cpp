@@ -229,9 +229,9 @@ TEST(ShmGroup, TimeoutNamesTheMissingRank) {
     }
     group.barrier();
   });
-  EXPECT_NE(errors[0].find("barrier #2 (rank 0): timed out after 300 ms waiting for rank(s) [1]"), std::string::npos)
+  EXPECT_NE(errors[0].find("barrier #2 (rank 0): Timed out after 300 ms waiting for rank(s) [1]"), std::string::npos)
       << errors[0];
-  EXPECT_NE(errors[1].find("timed out after 300 ms"), std::string::npos) << errors[1];
+  EXPECT_NE(errors[1].find("Timed out after 300 ms"), std::string::npos) << errors[1];
 }
 
 // Regression: a peer that has already moved on to the next op rewrites its header while a slower rank

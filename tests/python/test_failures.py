@@ -31,7 +31,7 @@ def test_killed_rank_is_reported_within_two_seconds(ranks):
         assert outcomes[rank].ok, outcomes[rank].error
         elapsed, message = outcomes[rank].value
         assert elapsed < 2.0, f"rank {rank} took {elapsed:.2f} s to notice"
-        assert "allreduce #3" in message and "rank(s) 2 (pid" in message and "exited" in message, message
+        assert "allreduce #2" in message and "rank(s) 2 (pid" in message and "exited" in message, message
 
 
 def _disagree_on_size(rank, world):
@@ -44,10 +44,10 @@ def _disagree_on_size(rank, world):
 def test_ranks_disagreeing_on_size_both_get_the_error(ranks):
     messages = ranks.run(_disagree_on_size, 2, timeout=60)
     for message in messages:
-        assert ("ranks disagree on collective #3: rank 0 called allreduce #3 (f32 x 10, sum) "
-                "but rank 1 called allreduce #3 (f32 x 11, sum)") in message or (
-                "ranks disagree on collective #3: rank 1 called allreduce #3 (f32 x 11, sum) "
-                "but rank 0 called allreduce #3 (f32 x 10, sum)") in message, message
+        assert ("ranks disagree on collective #2: rank 0 called allreduce #2 (f32 x 10, sum) "
+                "but rank 1 called allreduce #2 (f32 x 11, sum)") in message or (
+                "ranks disagree on collective #2: rank 1 called allreduce #2 (f32 x 11, sum) "
+                "but rank 0 called allreduce #2 (f32 x 10, sum)") in message, message
 
 
 def _disagree_on_op(rank, world):
@@ -65,8 +65,8 @@ def _disagree_on_op(rank, world):
 def test_ranks_disagreeing_on_op(ranks):
     messages = ranks.run(_disagree_on_op, 2, timeout=60)
     for message in messages:
-        assert "ranks disagree on collective #2" in message
-        assert "allreduce #2 (f32 x 8, sum)" in message and "broadcast #2 (f32 x 8, root 0)" in message
+        assert "ranks disagree on collective #1" in message
+        assert "allreduce #1 (f32 x 8, sum)" in message and "broadcast #1 (f32 x 8, root 0)" in message
 
 
 def _late_rank(rank, world):
@@ -84,17 +84,21 @@ def test_timeout_names_the_missing_rank(ranks):
     outcomes = ranks.launch(_late_rank, 2, timeout=60, pg_timeout=1.5)
     elapsed, message = outcomes[0].value
     assert 1.4 < elapsed < 3.0
-    assert "allreduce #2 (f32 x 16, sum) (rank 0): timed out after 1500 ms waiting for rank(s) [1]" in message
+    assert "allreduce #1 (f32 x 16, sum) (rank 0): Timed out after 1500 ms waiting for rank(s) [1]" in message
     _, late_message = outcomes[1].value  # the late rank finds the group aborted, with the reason
-    assert "group" in late_message and "timed out after 1500 ms" in late_message
+    assert "group" in late_message and "Timed out after 1500 ms" in late_message
 
 
 def _bad_inputs(rank, world):
+    backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+    root_options = dist.BroadcastOptions()
+    root_options.rootRank = world + 3
     errors = {}
     for name, call in {
         "dtype": lambda: dist.all_reduce(torch.ones(2, dtype=torch.uint16)),
         "bitwise_on_float": lambda: dist.all_reduce(torch.ones(2), op=dist.ReduceOp.BAND),
-        "root": lambda: dist.broadcast(torch.ones(2), src=world + 3),
+        # torch rejects a src outside the group before any backend sees it: call the backend itself.
+        "root": lambda: backend.broadcast([torch.ones(2)], root_options),
         "gather_size": lambda: dist.all_gather_into_tensor(torch.empty(3), torch.ones(2)),
         "splits": lambda: dist.all_to_all_single(torch.empty(4), torch.ones(4), [1] * world, [3] * world),
     }.items():
@@ -111,7 +115,7 @@ def test_bad_input_errors_name_rank_op_and_value(ranks):
     errors = ranks.run(_bad_inputs, 2, timeout=60)[1]
     assert "shardkit allreduce (rank 1): dtype UInt16 is not supported" in errors["dtype"]
     assert "shardkit allreduce (rank 1): reduce op BAND is defined for integer and bool tensors only, got Float" in errors["bitwise_on_float"]
-    assert errors["root"] is not None  # torch itself rejects a src outside the group first
+    assert "shardkit broadcast (rank 1): root rank 5 is outside the group of size 2" in errors["root"]
     assert "shardkit all_gather_into_tensor (rank 1): output has 3 elements, expected 4" in errors["gather_size"]
     assert "shardkit all_to_all_single (rank 1): input split sizes sum to 6, but dim 0 is 4" in errors["splits"]
 

@@ -1,0 +1,76 @@
+// Engine: the one small interface behind which the shardkit backend runs every collective.
+//
+// ProcessGroupShardkit (backend.h) validates a collective once, turns its list/coalesced/non-contiguous form
+// into calls on contiguous tensors, and hands them to the engine its routing point picks:
+//   - ShmEngine (shm_engine.h): every rank on one host, through the shared-memory segment;
+//   - HierarchicalEngine (hierarchical_engine.h): ranks on several hosts: shared memory inside each host,
+//     gloo among the hosts' leaders, gloo over all ranks only where no hierarchy applies;
+//   - an NCCL engine for CUDA tensors (csrc/comm/nccl/, later).
+// No op decides topology by itself. What an engine promises:
+//   - tensors are contiguous, on the CPU, of one dtype, already checked against the op's shape rules;
+//     counts are in elements;
+//   - everything a single op needs (its deadline, its name and number for messages) travels in OpContext;
+//   - any failure (peer died, disagreement, timeout, an inner backend's error) aborts the engine for good,
+//     on this rank and, as fast as the engine can tell them, on every other rank; later ops fail at once
+//     with the first reason; errors name the user's op, its number and global ranks.
+// Reductions arrive as core::ReduceOp: AVG and PREMUL_SUM are applied around the engine by the backend.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <chrono>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/shm_group.h"
+#include "core/types.h"
+
+namespace shardkit::comm {
+
+// One collective as the user issued it.
+struct OpContext {
+  const char* op = "";  // the user's collective ("allreduce", "all_gather_into_tensor", ...)
+  uint64_t seq = 0;     // its number in the group (1, 2, ...): getSequenceNumberForGroup() counts the same
+  std::chrono::milliseconds timeout{0};
+  int rank = 0;  // this rank in the group
+
+  // The same op, as told to a shared-memory group that runs all of it or one step of it.
+  core::CallInfo call(bool step = false) const { return {timeout, op, seq, step}; }
+  // "shardkit allreduce #5 (rank 3): "
+  std::string where() const {
+    return std::string("shardkit ") + op + " #" + std::to_string(seq) + " (rank " + std::to_string(rank) + "): ";
+  }
+};
+
+class Engine {
+ public:
+  virtual ~Engine() = default;
+
+  virtual void barrier(const OpContext& op) = 0;
+  virtual void broadcast(const OpContext& op, at::Tensor& data, int root) = 0;
+  virtual void allreduce(const OpContext& op, at::Tensor& data, core::ReduceOp reduce) = 0;
+  // Writes the result into root's `data` only; other ranks' tensors are left as they were.
+  virtual void reduce(const OpContext& op, at::Tensor& data, core::ReduceOp reduce, int root) = 0;
+  // output: size * input.numel() elements, rank r's input at r * input.numel().
+  virtual void allgather(const OpContext& op, const at::Tensor& input, at::Tensor& output) = 0;
+  // As allgather, but only root's output is written; other ranks pass an undefined tensor.
+  virtual void gather(const OpContext& op, const at::Tensor& input, at::Tensor& output, int root) = 0;
+  // root's input: size * output.numel() elements; other ranks pass an undefined tensor.
+  virtual void scatter(const OpContext& op, const at::Tensor& input, at::Tensor& output, int root) = 0;
+  // input: size * output.numel() elements; rank r gets the reduction of every rank's block r.
+  virtual void reduce_scatter(const OpContext& op, const at::Tensor& input, at::Tensor& output,
+                              core::ReduceOp reduce) = 0;
+  // send_counts[j] elements of input (packed in rank order) go to rank j; recv_counts[j] elements from rank j
+  // land in output, packed in rank order.
+  virtual void alltoall(const OpContext& op, const at::Tensor& input, const std::vector<size_t>& send_counts,
+                        at::Tensor& output, const std::vector<size_t>& recv_counts) = 0;
+
+  // destroy_process_group(): release inner backends (idempotent; nothing runs afterwards).
+  virtual void shutdown() {}
+};
+
+// The core dtype of a tensor the backend has validated.
+core::DType core_dtype(const at::Tensor& tensor);
+
+}  // namespace shardkit::comm

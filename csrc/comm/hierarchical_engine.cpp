@@ -1,0 +1,289 @@
+#include "comm/hierarchical_engine.h"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <stdexcept>
+
+namespace shardkit::comm {
+
+namespace {
+
+constexpr const char* kAbortKey = "shardkit/abort";
+
+size_t numel_of(const at::Tensor& tensor) { return static_cast<size_t>(tensor.numel()); }
+
+// A contiguous tensor's bytes, as a flat uint8 tensor sharing its storage (gloo moves them as they are).
+at::Tensor as_bytes(const at::Tensor& tensor) { return tensor.reshape({-1}).view(at::kByte); }
+
+// The c10d op that combines hosts' partial results like `op` combines ranks' inputs.
+c10d::ReduceOp::RedOpType c10d_op(core::ReduceOp op) {
+  switch (op) {
+    case core::ReduceOp::Sum: return c10d::ReduceOp::SUM;
+    case core::ReduceOp::Product: return c10d::ReduceOp::PRODUCT;
+    case core::ReduceOp::Min: return c10d::ReduceOp::MIN;
+    case core::ReduceOp::Max: return c10d::ReduceOp::MAX;
+    case core::ReduceOp::BAnd: return c10d::ReduceOp::BAND;
+    case core::ReduceOp::BOr: return c10d::ReduceOp::BOR;
+    case core::ReduceOp::BXor: return c10d::ReduceOp::BXOR;
+  }
+  return c10d::ReduceOp::UNUSED;
+}
+
+// gloo has no bool: bools travel as 0/1 bytes, combined with an op that keeps them 0/1 (a sum of bools is
+// their OR, a product their AND, as in the shm engine's reduction loops).
+c10d::ReduceOp::RedOpType c10d_op_for_bool(core::ReduceOp op) {
+  switch (op) {
+    case core::ReduceOp::Sum: return c10d::ReduceOp::MAX;
+    case core::ReduceOp::Product: return c10d::ReduceOp::MIN;
+    default: return c10d_op(op);
+  }
+}
+
+std::string message_of(const std::exception& error) {
+  if (const auto* c10_error = dynamic_cast<const c10::Error*>(&error)) return c10_error->what_without_backtrace();
+  return error.what();
+}
+
+}  // namespace
+
+int HostLayout::num_hosts() const { return host_of.empty() ? 0 : *std::max_element(host_of.begin(), host_of.end()) + 1; }
+
+std::vector<int> HostLayout::ranks_of(int host) const {
+  std::vector<int> ranks;
+  for (size_t r = 0; r < host_of.size(); ++r) {
+    if (host_of[r] == host) ranks.push_back(static_cast<int>(r));
+  }
+  return ranks;  // ascending global rank == local order
+}
+
+HierarchicalEngine::HierarchicalEngine(int rank, int size, HostLayout layout, std::unique_ptr<core::ShmGroup> local,
+                                       std::shared_ptr<InnerBackends> inner, c10::intrusive_ptr<c10d::Store> store)
+    : rank_(rank),
+      size_(size),
+      layout_(std::move(layout)),
+      host_(layout_.host_of.at(rank)),
+      local_rank_(layout_.local_of.at(rank)),
+      my_host_ranks_(layout_.ranks_of(host_)),
+      max_local_size_(0),
+      local_(std::move(local)),
+      inner_(std::move(inner)),
+      store_(std::move(store)) {
+  for (int h = 0; h < layout_.num_hosts(); ++h) {
+    max_local_size_ = std::max(max_local_size_, static_cast<int>(layout_.ranks_of(h).size()));
+  }
+}
+
+template <typename Steps>
+void HierarchicalEngine::guarded(const OpContext& op, Steps steps) {
+  if (!aborted_.empty()) throw std::runtime_error(op.where() + "group was aborted earlier: " + aborted_);
+  try {
+    steps();
+  } catch (const std::exception& error) {
+    abort_everywhere(op, message_of(error));
+  }
+}
+
+std::string HierarchicalEngine::publish_abort(const std::string& reason) {
+  if (!store_) return reason;
+  try {
+    // compareSet writes only when the key is missing (expected ""), and returns what the key holds after.
+    const std::vector<uint8_t> mine(reason.begin(), reason.end());
+    const std::vector<uint8_t> held = store_->compareSet(kAbortKey, {}, mine);
+    return std::string(held.begin(), held.end());
+  } catch (const std::exception&) {
+    return reason;  // the Store may live in a process that died: our own reason is all we know
+  }
+}
+
+void HierarchicalEngine::abort_everywhere(const OpContext& op, const std::string& reason) {
+  const std::string first = publish_abort(reason);
+  const std::string message = first == reason ? reason : op.where() + "group aborted: " + first;
+  aborted_ = message;
+  local_->abort(message);  // wakes this host's ranks (no-op if the shm group aborted itself)
+  inner_->close(message);  // closes the gloo connections: blocked peers on other hosts fail now
+  throw std::runtime_error(message);
+}
+
+void HierarchicalEngine::wait_inner(const OpContext& op, const char* step,
+                                    const c10::intrusive_ptr<c10d::Work>& work) {
+  try {
+    work->wait(op.timeout);
+  } catch (const std::exception& error) {
+    throw std::runtime_error(op.where() + step + " failed: " + message_of(error));
+  }
+}
+
+void HierarchicalEngine::leaders_allreduce(const OpContext& op, at::Tensor& data, core::ReduceOp reduce) {
+  const bool is_bool = data.scalar_type() == at::kBool;
+  std::vector<at::Tensor> payload{is_bool ? data.view(at::kByte) : data};
+  c10d::AllreduceOptions options;
+  options.reduceOp = c10d::ReduceOp(is_bool ? c10d_op_for_bool(reduce) : c10d_op(reduce));
+  options.timeout = op.timeout;
+  wait_inner(op, "the inter-host allreduce (gloo among host leaders)",
+             inner_->leaders(op.where())->allreduce(payload, options));
+}
+
+void HierarchicalEngine::barrier(const OpContext& op) {
+  guarded(op, [&] {
+    local_->barrier(op.call(true));
+    if (leader()) {
+      c10d::BarrierOptions options;
+      options.timeout = op.timeout;
+      wait_inner(op, "the inter-host barrier (gloo among host leaders)", inner_->leaders(op.where())->barrier(options));
+    }
+    local_->barrier(op.call(true));  // nobody leaves before every host's leader has passed the inter-host step
+  });
+}
+
+void HierarchicalEngine::broadcast(const OpContext& op, at::Tensor& data, int root) {
+  guarded(op, [&] {
+    const int root_host = layout_.host_of[root];
+    const core::DType dtype = core_dtype(data);
+    if (host_ == root_host) local_->broadcast(data.data_ptr(), numel_of(data), dtype, layout_.local_of[root], op.call(true));
+    if (leader() && data.numel() > 0) {
+      std::vector<at::Tensor> payload{as_bytes(data)};
+      c10d::BroadcastOptions options;
+      options.rootRank = root_host;
+      options.timeout = op.timeout;
+      wait_inner(op, "the inter-host broadcast (gloo among host leaders)",
+                 inner_->leaders(op.where())->broadcast(payload, options));
+    }
+    if (host_ != root_host) local_->broadcast(data.data_ptr(), numel_of(data), dtype, 0, op.call(true));
+  });
+}
+
+void HierarchicalEngine::allreduce(const OpContext& op, at::Tensor& data, core::ReduceOp reduce) {
+  guarded(op, [&] {
+    const core::DType dtype = core_dtype(data);
+    local_->reduce(data.data_ptr(), data.data_ptr(), numel_of(data), dtype, reduce, 0, op.call(true));
+    if (leader() && data.numel() > 0) leaders_allreduce(op, data, reduce);
+    local_->broadcast(data.data_ptr(), numel_of(data), dtype, 0, op.call(true));
+  });
+}
+
+void HierarchicalEngine::reduce(const OpContext& op, at::Tensor& data, core::ReduceOp reduce, int root) {
+  guarded(op, [&] {
+    const core::DType dtype = core_dtype(data);
+    const int root_host = layout_.host_of[root];
+    // The leader's partial result goes to a scratch buffer unless the leader is root: every rank's
+    // tensor but root's must stay as it was.
+    at::Tensor partial;
+    if (leader()) partial = rank_ == root ? data : at::empty_like(data);
+    local_->reduce(data.data_ptr(), partial.defined() ? partial.data_ptr() : nullptr, numel_of(data), dtype, reduce,
+                   0, op.call(true));
+    if (leader() && data.numel() > 0) {
+      const bool is_bool = data.scalar_type() == at::kBool;
+      std::vector<at::Tensor> payload{is_bool ? partial.view(at::kByte) : partial};
+      c10d::ReduceOptions options;
+      options.reduceOp = c10d::ReduceOp(is_bool ? c10d_op_for_bool(reduce) : c10d_op(reduce));
+      options.rootRank = root_host;
+      options.timeout = op.timeout;
+      wait_inner(op, "the inter-host reduce (gloo among host leaders)", inner_->leaders(op.where())->reduce(payload, options));
+    }
+    if (host_ == root_host && layout_.local_of[root] != 0) {
+      // Hand the result from the leader to root; the host's other ranks receive it into scratch.
+      at::Tensor landing = rank_ == root ? data : (leader() ? partial : at::empty_like(data));
+      local_->broadcast(landing.data_ptr(), numel_of(landing), dtype, 0, op.call(true));
+    }
+  });
+}
+
+void HierarchicalEngine::allgather(const OpContext& op, const at::Tensor& input, at::Tensor& output) {
+  guarded(op, [&] {
+    const core::DType dtype = core_dtype(input);
+    const int64_t n = input.numel();
+    const int64_t block = static_cast<int64_t>(max_local_size_) * n;  // a host's share, padded to the largest host
+    at::Tensor host_block;
+    if (leader()) host_block = at::empty({block}, input.options());
+    local_->gather(input.data_ptr(), leader() ? host_block.data_ptr() : nullptr, static_cast<size_t>(n), dtype, 0,
+                   op.call(true));
+    if (leader()) {
+      const int hosts = layout_.num_hosts();
+      at::Tensor all_hosts = at::empty({block * hosts}, input.options());
+      if (n > 0) {
+        at::Tensor out_bytes = as_bytes(all_hosts);
+        at::Tensor in_bytes = as_bytes(host_block);
+        c10d::AllgatherOptions options;
+        options.timeout = op.timeout;
+        wait_inner(op, "the inter-host all-gather (gloo among host leaders)",
+                   inner_->leaders(op.where())->_allgather_base(out_bytes, in_bytes, options));
+      }
+      at::Tensor flat = output.view({-1});
+      for (int h = 0; h < hosts; ++h) {
+        const std::vector<int> ranks = layout_.ranks_of(h);
+        for (size_t l = 0; l < ranks.size(); ++l) {
+          flat.narrow(0, ranks[l] * n, n).copy_(all_hosts.narrow(0, h * block + static_cast<int64_t>(l) * n, n));
+        }
+      }
+    }
+    local_->broadcast(output.data_ptr(), numel_of(output), dtype, 0, op.call(true));
+  });
+}
+
+void HierarchicalEngine::reduce_scatter(const OpContext& op, const at::Tensor& input, at::Tensor& output,
+                                        core::ReduceOp reduce) {
+  guarded(op, [&] {
+    const core::DType dtype = core_dtype(input);
+    const int64_t n = output.numel();
+    at::Tensor partial;
+    if (leader()) partial = at::empty_like(input);
+    local_->reduce(input.data_ptr(), leader() ? partial.data_ptr() : nullptr, numel_of(input), dtype, reduce, 0,
+                   op.call(true));
+    at::Tensor host_blocks;  // the leader's: this host's ranks' blocks, in local order
+    if (leader()) {
+      if (n > 0) leaders_allreduce(op, partial, reduce);
+      host_blocks = at::empty({n * static_cast<int64_t>(my_host_ranks_.size())}, input.options());
+      at::Tensor flat = partial.view({-1});
+      for (size_t l = 0; l < my_host_ranks_.size(); ++l) {
+        host_blocks.narrow(0, static_cast<int64_t>(l) * n, n).copy_(flat.narrow(0, my_host_ranks_[l] * n, n));
+      }
+    }
+    local_->scatter(leader() ? host_blocks.data_ptr() : nullptr, output.data_ptr(), static_cast<size_t>(n), dtype, 0,
+                    op.call(true));
+  });
+}
+
+void HierarchicalEngine::gather(const OpContext& op, const at::Tensor& input, at::Tensor& output, int root) {
+  guarded(op, [&] {
+    std::vector<at::Tensor> inputs{as_bytes(input)};
+    std::vector<std::vector<at::Tensor>> outputs;
+    if (rank_ == root) outputs.push_back(as_bytes(output).chunk(size_));
+    c10d::GatherOptions options;
+    options.rootRank = root;
+    options.timeout = op.timeout;
+    wait_inner(op, "gather (gloo over all ranks)", inner_->all_ranks(op.where())->gather(outputs, inputs, options));
+  });
+}
+
+void HierarchicalEngine::scatter(const OpContext& op, const at::Tensor& input, at::Tensor& output, int root) {
+  guarded(op, [&] {
+    std::vector<at::Tensor> outputs{as_bytes(output)};
+    std::vector<std::vector<at::Tensor>> inputs;
+    if (rank_ == root) inputs.push_back(as_bytes(input).chunk(size_));
+    c10d::ScatterOptions options;
+    options.rootRank = root;
+    options.timeout = op.timeout;
+    wait_inner(op, "scatter (gloo over all ranks)", inner_->all_ranks(op.where())->scatter(outputs, inputs, options));
+  });
+}
+
+void HierarchicalEngine::alltoall(const OpContext& op, const at::Tensor& input, const std::vector<size_t>& send_counts,
+                                  at::Tensor& output, const std::vector<size_t>& recv_counts) {
+  guarded(op, [&] {
+    const int64_t elem = static_cast<int64_t>(input.element_size());
+    std::vector<int64_t> send_bytes, recv_bytes;
+    for (size_t count : send_counts) send_bytes.push_back(static_cast<int64_t>(count) * elem);
+    for (size_t count : recv_counts) recv_bytes.push_back(static_cast<int64_t>(count) * elem);
+    at::Tensor in = as_bytes(input);
+    at::Tensor out = as_bytes(output);
+    c10d::AllToAllOptions options;
+    options.timeout = op.timeout;
+    wait_inner(op, "all-to-all (gloo over all ranks)",
+               inner_->all_ranks(op.where())->alltoall_base(out, in, recv_bytes, send_bytes, options));
+  });
+}
+
+void HierarchicalEngine::shutdown() { inner_->shutdown(); }
+
+}  // namespace shardkit::comm

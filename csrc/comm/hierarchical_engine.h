@@ -1,0 +1,99 @@
+// HierarchicalEngine: the Engine of a group whose ranks sit on several hosts.
+//
+// Each host's ranks share one core::ShmGroup (local ranks in global-rank order; local rank 0 is the host's
+// "leader"); the leaders share a gloo backend (InnerBackends::leaders, leader of host h is its rank h).
+// Hosts need not hold equal numbers of ranks, nor consecutive ones.
+//
+//   allreduce        shm reduce to the leader -> leaders allreduce -> shm broadcast from the leader
+//   broadcast        root's host: shm broadcast from root -> leaders broadcast from root's host -> other
+//                    hosts: shm broadcast from the leader
+//   reduce           shm reduce to the leader -> leaders reduce to root's host -> root's host: shm broadcast
+//                    from the leader (only when root is not the leader)
+//   allgather        shm gather to the leader -> leaders all-gather host blocks (padded to the largest
+//                    host) -> the leader puts every rank's block in place -> shm broadcast of the output
+//   reduce_scatter   shm reduce of the whole input to the leader -> leaders allreduce (gloo's own
+//                    reduce-scatter is an allreduce too) -> shm scatter of the host's blocks
+//   barrier          shm barrier -> leaders barrier -> shm barrier
+//   gather, scatter, alltoall: gloo over all ranks (a hierarchy saves nothing on CPU), as raw bytes, so
+//                    uneven all-to-all works and gloo's dtype coverage does not matter.
+// Every host runs the same sequence of shm ops for a given collective, so the shm agreement check still
+// holds inside each host; gloo checks sizes between hosts.
+//
+// Failure. Any step failing (a local peer died or disagreed, a gloo error, a timeout) aborts the whole
+// group, on every host, within about the time the first rank takes to notice:
+//   1. the reason is published in the group's Store (first writer wins: later failures report it as the
+//      root cause);
+//   2. this host's shm group is aborted, waking every local rank that waits in it;
+//   3. the gloo backends are destroyed (InnerBackends::close), which closes their connections: each peer
+//      blocked on one (another host's leader, mid inter-host step) fails at once, and goes through 1-3 itself.
+// Messages name the user's op, its number and global ranks.
+#pragma once
+
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "comm/engine.h"
+#include "comm/inner_backends.h"
+
+namespace shardkit::comm {
+
+// Where a group's ranks sit. Hosts are numbered by their lowest rank; local ranks in global-rank order.
+struct HostLayout {
+  std::vector<int> host_of;   // host_of[r]: host of global rank r
+  std::vector<int> local_of;  // local_of[r]: r's local rank on its host
+
+  int num_hosts() const;
+  // Global ranks of host h, in local order.
+  std::vector<int> ranks_of(int host) const;
+};
+
+class HierarchicalEngine : public Engine {
+ public:
+  // `local` spans this host's ranks (its rank_names are their global ranks); `inner` holds the leaders'
+  // backend on leaders; `store` is the group's Store (for the abort notice; may be null).
+  HierarchicalEngine(int rank, int size, HostLayout layout, std::unique_ptr<core::ShmGroup> local,
+                     std::shared_ptr<InnerBackends> inner, c10::intrusive_ptr<c10d::Store> store);
+
+  void barrier(const OpContext& op) override;
+  void broadcast(const OpContext& op, at::Tensor& data, int root) override;
+  void allreduce(const OpContext& op, at::Tensor& data, core::ReduceOp reduce) override;
+  void reduce(const OpContext& op, at::Tensor& data, core::ReduceOp reduce, int root) override;
+  void allgather(const OpContext& op, const at::Tensor& input, at::Tensor& output) override;
+  void gather(const OpContext& op, const at::Tensor& input, at::Tensor& output, int root) override;
+  void scatter(const OpContext& op, const at::Tensor& input, at::Tensor& output, int root) override;
+  void reduce_scatter(const OpContext& op, const at::Tensor& input, at::Tensor& output,
+                      core::ReduceOp reduce) override;
+  void alltoall(const OpContext& op, const at::Tensor& input, const std::vector<size_t>& send_counts,
+                at::Tensor& output, const std::vector<size_t>& recv_counts) override;
+  void shutdown() override;
+
+ private:
+  // Runs one collective's steps; on any failure aborts the group everywhere (see the header) and throws.
+  template <typename Steps>
+  void guarded(const OpContext& op, Steps steps);
+  [[noreturn]] void abort_everywhere(const OpContext& op, const std::string& reason);
+  // Publishes `reason` unless another rank did first; returns the published (root-cause) reason.
+  std::string publish_abort(const std::string& reason);
+  bool leader() const { return local_rank_ == 0; }
+  // Waits for an inner gloo op; its failure becomes an error naming the user's op and the step.
+  void wait_inner(const OpContext& op, const char* step, const c10::intrusive_ptr<c10d::Work>& work);
+  // The leaders' allreduce of `data` with `reduce` (bool data travels as bytes, with an equivalent op).
+  void leaders_allreduce(const OpContext& op, at::Tensor& data, core::ReduceOp reduce);
+
+  int rank_;
+  int size_;
+  HostLayout layout_;
+  int host_;
+  int local_rank_;
+  std::vector<int> my_host_ranks_;  // global ranks of this host, in local order
+  int max_local_size_;
+  std::unique_ptr<core::ShmGroup> local_;
+  std::shared_ptr<InnerBackends> inner_;
+  c10::intrusive_ptr<c10d::Store> store_;
+  std::string aborted_;  // the reason, once this engine has aborted (only the worker thread runs ops)
+};
+
+}  // namespace shardkit::comm
