@@ -62,7 +62,9 @@ PYBIND11_MODULE(_C, m) {
            }),
            py::arg("rank"), py::arg("size"), py::arg("config"), py::arg("store"), py::arg("fallback"),
            py::arg("inter_host") = nullptr,
-           py::call_guard<py::gil_scoped_release>());
+           py::call_guard<py::gil_scoped_release>())
+      // torch's ProcessGroup answers sequence numbers for its built-in backends only; this asks ours.
+      .def("_get_sequence_number_for_group", &ProcessGroupShardkit::getSequenceNumberForGroup);
 
   using shardkit::ddp::Reducer;
   py::class_<Reducer, std::shared_ptr<Reducer>>(m, "Reducer")

@@ -12,6 +12,23 @@ ALL_DTYPES = FLOAT_DTYPES + INT_DTYPES + [torch.bool]
 # Sizes in elements: empty, tiny, one slot-ish, and larger than the 1 MiB slot (chunked path).
 SIZES = [0, 1, 1000, 70_000, 300_001]
 
+# Where the ranks sit: (world size, host of each rank). Simulated hosts share this machine but not their
+# shared-memory segments (SHARDKIT_HOST_ID): collectives run hierarchically, through gloo between hosts.
+TOPOLOGIES = {
+    "1host-w1": (1, None),
+    "1host-w2": (2, None),
+    "1host-w3": (3, None),
+    "1host-w4": (4, None),
+    "2x2hosts": (4, [0, 0, 1, 1]),
+    "2x2hosts-interleaved": (4, [0, 1, 0, 1]),
+    "3hosts-uneven": (4, [0, 0, 1, 2]),
+}
+
+
+def topology_env(hosts: list[int] | None) -> list[dict[str, str]] | None:
+    """Per-rank environment placing rank r on host hosts[r] (None: every rank on this one host)."""
+    return None if hosts is None else [{"SHARDKIT_HOST_ID": f"host{h}"} for h in hosts]
+
 
 def make_input(rank: int, n: int, dtype: torch.dtype, salt: int = 0) -> torch.Tensor:
     """Rank `rank`'s deterministic input; any rank can rebuild any other rank's."""

@@ -1,4 +1,6 @@
-"""Every collective of the "shardkit" backend against a locally computed reference, world sizes 1-4."""
+"""Every collective of the "shardkit" backend against a locally computed reference (float64 or exact), in every
+form (list, tensor, coalesced, async, subgroup), on one host at world sizes 1-4 and on simulated hosts
+(2 x 2 ranks, interleaved, 3 uneven hosts): the hierarchical engine must give what the one-host engine gives."""
 
 from __future__ import annotations
 
@@ -6,10 +8,27 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from collective_cases import (ALL_DTYPES, FLOAT_DTYPES, SIZES, assert_close, make_input, ops_for,
-                              reference_reduce)
+from collective_cases import (ALL_DTYPES, FLOAT_DTYPES, SIZES, TOPOLOGIES, assert_close, make_input, ops_for,
+                              reference_reduce, topology_env)
 
-WORLD_SIZES = [1, 2, 3, 4]
+EVERY_TOPOLOGY = pytest.mark.parametrize("topology", list(TOPOLOGIES))
+MULTI_RANK = [name for name, (world, _) in TOPOLOGIES.items() if world > 1]
+
+
+def run_on(ranks, topology, fn, *args, timeout=240):
+    world, hosts = TOPOLOGIES[topology]
+    return ranks.run(fn, world, *args, timeout=timeout, env=topology_env(hosts))
+
+
+def _hierarchical_bf16_tolerance(dtype):
+    """Across hosts each host's partial result is rounded to 16 bits before the next step."""
+    return {"rtol": 0.02, "atol": 0.05} if dtype in (torch.bfloat16, torch.float16) else None
+
+
+def _multi_host():
+    import os
+
+    return "SHARDKIT_HOST_ID" in os.environ
 
 
 def _allreduce_all_dtypes_ops_sizes(rank, world):
@@ -20,7 +39,12 @@ def _allreduce_all_dtypes_ops_sizes(rank, world):
                 inputs = [make_input(r, n, dtype, salt=int(op)) for r in range(world)]
                 t = inputs[rank].clone()
                 dist.all_reduce(t, op=op)
-                assert_close(t, reference_reduce(inputs, op), world, f"all_reduce {dtype} {op} n={n}")
+                expected = reference_reduce(inputs, op)
+                loose = _hierarchical_bf16_tolerance(dtype) if _multi_host() else None
+                if loose:
+                    torch.testing.assert_close(t, expected, **loose)
+                else:
+                    assert_close(t, expected, world, f"all_reduce {dtype} {op} n={n}")
                 checked += 1
     return checked
 
@@ -66,10 +90,14 @@ def _reduce_scatter_ops(rank, world):
                 expected = reference_reduce([blocks[r][rank] for r in range(world)], op)
                 out = torch.empty(n, dtype=dtype)
                 dist.reduce_scatter(out, [b.clone() for b in blocks[rank]], op=op)
-                assert_close(out, expected, world, f"reduce_scatter {dtype} {op} n={n}")
                 out2 = torch.empty(n, dtype=dtype)
                 dist.reduce_scatter_tensor(out2, torch.cat(blocks[rank]), op=op)
-                assert_close(out2, expected, world, f"reduce_scatter_tensor {dtype} {op} n={n}")
+                loose = _hierarchical_bf16_tolerance(dtype) if _multi_host() else None
+                for got, form in ((out, "reduce_scatter"), (out2, "reduce_scatter_tensor")):
+                    if loose:
+                        torch.testing.assert_close(got, expected, **loose)
+                    else:
+                        assert_close(got, expected, world, f"{form} {dtype} {op} n={n}")
     return True
 
 
@@ -174,47 +202,50 @@ def _point_to_point(rank, world):
     return torch.equal(got, torch.arange(5, dtype=torch.float32) * rank)
 
 
-@pytest.mark.parametrize("world", WORLD_SIZES)
-def test_allreduce_every_dtype_op_and_size(ranks, world):
-    counts = ranks.run(_allreduce_all_dtypes_ops_sizes, world, timeout=240)
+@EVERY_TOPOLOGY
+def test_allreduce_every_dtype_op_and_size(ranks, topology):
+    counts = run_on(ranks, topology, _allreduce_all_dtypes_ops_sizes)
     assert counts[0] == sum(len(ops_for(d)) for d in ALL_DTYPES) * len(SIZES)
 
 
-@pytest.mark.parametrize("world", WORLD_SIZES)
-def test_broadcast_reduce_allgather_gather_scatter(ranks, world):
-    assert ranks.run(_rooted_and_gathering_ops, world, timeout=240) == [True] * world
+@EVERY_TOPOLOGY
+def test_broadcast_reduce_allgather_gather_scatter(ranks, topology):
+    assert run_on(ranks, topology, _rooted_and_gathering_ops) == [True] * TOPOLOGIES[topology][0]
 
 
-@pytest.mark.parametrize("world", WORLD_SIZES)
-def test_reduce_scatter_every_dtype_and_op(ranks, world):
-    assert ranks.run(_reduce_scatter_ops, world, timeout=240) == [True] * world
+@EVERY_TOPOLOGY
+def test_reduce_scatter_every_dtype_and_op(ranks, topology):
+    assert run_on(ranks, topology, _reduce_scatter_ops) == [True] * TOPOLOGIES[topology][0]
 
 
-@pytest.mark.parametrize("world", WORLD_SIZES)
-def test_alltoall_even_and_uneven(ranks, world):
-    assert ranks.run(_alltoall_ops, world, timeout=240) == [True] * world
+@EVERY_TOPOLOGY
+def test_alltoall_even_and_uneven(ranks, topology):
+    assert run_on(ranks, topology, _alltoall_ops) == [True] * TOPOLOGIES[topology][0]
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_object_collectives_barrier_and_coalesced(ranks, world):
-    assert ranks.run(_objects_barrier_coalesced, world) == [True] * world
+@pytest.mark.parametrize("topology", ["1host-w2", "1host-w3", "2x2hosts", "3hosts-uneven"])
+def test_object_collectives_barrier_and_coalesced(ranks, topology):
+    assert run_on(ranks, topology, _objects_barrier_coalesced) == [True] * TOPOLOGIES[topology][0]
 
 
-@pytest.mark.parametrize("world", [1, 3])
-def test_non_contiguous_tensors(ranks, world):
-    assert ranks.run(_non_contiguous, world) == [True] * world
+@pytest.mark.parametrize("topology", ["1host-w1", "1host-w3", "2x2hosts-interleaved"])
+def test_non_contiguous_tensors(ranks, topology):
+    assert run_on(ranks, topology, _non_contiguous) == [True] * TOPOLOGIES[topology][0]
 
 
-def test_two_ops_in_flight_and_futures(ranks):
-    assert ranks.run(_async_overlap, 3) == [True] * 3
+@pytest.mark.parametrize("topology", ["1host-w3", "2x2hosts", "3hosts-uneven"])
+def test_two_ops_in_flight_and_futures(ranks, topology):
+    assert run_on(ranks, topology, _async_overlap) == [True] * TOPOLOGIES[topology][0]
 
 
-def test_subgroups(ranks):
-    assert ranks.run(_subgroups, 4) == ["shardkit"] * 4
+@pytest.mark.parametrize("topology", ["1host-w4", "2x2hosts", "2x2hosts-interleaved", "3hosts-uneven"])
+def test_subgroups(ranks, topology):
+    assert run_on(ranks, topology, _subgroups) == ["shardkit"] * 4
 
 
-def test_send_recv(ranks):
-    assert ranks.run(_point_to_point, 3) == [True] * 3
+@pytest.mark.parametrize("topology", ["1host-w3", "2x2hosts"])
+def test_send_recv(ranks, topology):
+    assert run_on(ranks, topology, _point_to_point) == [True] * TOPOLOGIES[topology][0]
 
 
 def _premul_sum(rank, world):
@@ -229,8 +260,9 @@ def _premul_sum(rank, world):
     return True
 
 
-def test_premul_sum_scales_before_summing(ranks):
-    assert ranks.run(_premul_sum, 2) == [True] * 2
+@pytest.mark.parametrize("topology", ["1host-w2", "2x2hosts", "3hosts-uneven"])
+def test_premul_sum_scales_before_summing(ranks, topology):
+    assert run_on(ranks, topology, _premul_sum) == [True] * TOPOLOGIES[topology][0]
 
 
 def _collective_inside_future_callback(rank, world):
@@ -251,5 +283,6 @@ def _collective_inside_future_callback(rank, world):
     return True
 
 
-def test_collective_issued_from_a_future_callback(ranks):
-    assert ranks.run(_collective_inside_future_callback, 3, timeout=60) == [True] * 3
+@pytest.mark.parametrize("topology", ["1host-w3", "2x2hosts"])
+def test_collective_issued_from_a_future_callback(ranks, topology):
+    assert run_on(ranks, topology, _collective_inside_future_callback, timeout=90) == [True] * TOPOLOGIES[topology][0]
