@@ -12,7 +12,8 @@ TORCH_CPU    := torch==2.13.0
 TORCH_CUDA   := torch==2.14.1
 PIP_FLAGS    := --disable-pip-version-check -q
 TEST_DEPS    := pytest pytest-timeout numpy ninja setuptools wheel
-APT_PACKAGES := libgtest-dev cmake ninja-build g++
+# iproute2 (ip netns, veth) and util-linux (unshare): the namespace hosts of tests/python/test_two_hosts.py
+APT_PACKAGES := libgtest-dev cmake ninja-build g++ iproute2 util-linux
 BUILD_CPP    := build/cpp
 # torch guesses CUDA_HOME from nvcc's path, which a wrapper script in /usr/local/bin defeats.
 CUDA_HOME    ?= $(if $(wildcard /usr/local/cuda/include/cuda_runtime.h),/usr/local/cuda)
