@@ -4,6 +4,7 @@
 #   make demo        same set-up, then the estimator and two demos under torchrun (training, collectives)
 #   make cuda-check  .venv-cuda (torch 2.14.1, CUDA 13) + the CUDA extension compiled, linked and imported
 #   make bench       the benchmarks under benchmarks/ (results in benchmarks/results/)
+#   make peer-test   torch's own distributed_test.py on gloo and on shardkit side by side (tests/peer/)
 
 PYTHON       ?= python3
 VENV         := .venv
@@ -20,7 +21,7 @@ CUDA_HOME    ?= $(if $(wildcard /usr/local/cuda/include/cuda_runtime.h),/usr/loc
 export MAX_JOBS ?= 2
 CSRC := $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' 2>/dev/null) setup.py pyproject.toml
 
-.PHONY: test demo cuda-check bench apt-deps venv build cpp-test py-test clean
+.PHONY: test demo cuda-check bench peer-test apt-deps venv build cpp-test py-test clean
 
 # --- set-up -------------------------------------------------------------------------------------------
 apt-deps:
@@ -53,6 +54,17 @@ py-test: build
 	$(VENV)/bin/python -m pytest tests/python -ra
 
 test: cpp-test py-test
+
+# torch's test utilities (torch.testing._internal) import expecttest, which the wheel does not depend on.
+$(VENV)/.peer-deps: $(VENV)/.deps
+	$(VENV)/bin/pip install $(PIP_FLAGS) expecttest
+	touch $@
+
+# torch's own peer suite (DistributedTest._DistTestBase from the installed wheel), world 3, CPU, on gloo and
+# shardkit; PEER_ARGS="--lift" adds a shardkit run with torch's backend-name checks lifted (see tests/peer/).
+PEER_ARGS ?=
+peer-test: build $(VENV)/.peer-deps
+	$(VENV)/bin/python tests/peer/run_peer_suite.py $(PEER_ARGS)
 
 # --- demo ---------------------------------------------------------------------------------------------
 demo: build
