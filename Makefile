@@ -4,6 +4,7 @@
 #   make demo        same set-up, then the estimator and two demos under torchrun (training, collectives)
 #   make cuda-check  .venv-cuda (torch 2.14.1, CUDA 13) + the CUDA extension compiled, linked and imported
 #   make bench       the benchmarks under benchmarks/ (results in benchmarks/results/)
+#   make peer-test   torch's own distributed_test.py on gloo and on shardkit side by side (tests/peer/)
 
 PYTHON       ?= python3
 VENV         := .venv
@@ -12,7 +13,8 @@ TORCH_CPU    := torch==2.13.0
 TORCH_CUDA   := torch==2.14.1
 PIP_FLAGS    := --disable-pip-version-check -q
 TEST_DEPS    := pytest pytest-timeout numpy ninja setuptools wheel
-APT_PACKAGES := libgtest-dev cmake ninja-build g++
+# iproute2 (ip netns, veth) and util-linux (unshare): the namespace hosts of tests/python/test_two_hosts.py
+APT_PACKAGES := libgtest-dev cmake ninja-build g++ iproute2 util-linux
 BUILD_CPP    := build/cpp
 # torch guesses CUDA_HOME from nvcc's path, which a wrapper script in /usr/local/bin defeats.
 CUDA_HOME    ?= $(if $(wildcard /usr/local/cuda/include/cuda_runtime.h),/usr/local/cuda)
@@ -20,7 +22,7 @@ CUDA_HOME    ?= $(if $(wildcard /usr/local/cuda/include/cuda_runtime.h),/usr/loc
 export MAX_JOBS ?= 2
 CSRC := $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' 2>/dev/null) setup.py pyproject.toml
 
-.PHONY: test demo cuda-check bench apt-deps venv build cpp-test py-test clean
+.PHONY: test demo cuda-check bench peer-test apt-deps venv build cpp-test py-test clean
 
 # --- set-up -------------------------------------------------------------------------------------------
 apt-deps:
@@ -53,6 +55,17 @@ py-test: build
 	$(VENV)/bin/python -m pytest tests/python -ra
 
 test: cpp-test py-test
+
+# torch's test utilities (torch.testing._internal) import expecttest, which the wheel does not depend on.
+$(VENV)/.peer-deps: $(VENV)/.deps
+	$(VENV)/bin/pip install $(PIP_FLAGS) expecttest
+	touch $@
+
+# torch's own peer suite (DistributedTest._DistTestBase from the installed wheel), world 3, CPU, on gloo and
+# shardkit; PEER_ARGS="--lift" adds a shardkit run with torch's backend-name checks lifted (see tests/peer/).
+PEER_ARGS ?=
+peer-test: build $(VENV)/.peer-deps
+	$(VENV)/bin/python tests/peer/run_peer_suite.py $(PEER_ARGS)
 
 # --- demo ---------------------------------------------------------------------------------------------
 demo: build

@@ -28,6 +28,9 @@ from . import _C
 
 BACKEND_NAME = "shardkit"
 _DEFAULT_SLOT_BYTES = 1 << 20
+# Each group's host topology by group name, as its creator computed it: host_topology() reads it, so tests
+# (e.g. the two-host namespace test) can check how ranks were grouped without a hook into the C++ backend.
+_TOPOLOGIES: dict[str, "HostTopology"] = {}
 
 
 def _slot_bytes() -> int:
@@ -108,6 +111,7 @@ def _create_backend(options: "dist.distributed_c10d._DistributedBackendOptions",
     timeout = options.timeout if isinstance(options.timeout, timedelta) else timedelta(seconds=options.timeout)
     group_id = "".join(ch if ch.isalnum() else "_" for ch in str(options.group_id))[:40]
     topology = HostTopology.from_host_ids(_exchange_host_ids(store, rank, size))
+    _TOPOLOGIES[str(options.group_id)] = topology
 
     config = _C.BackendConfig()
     config.local_rank = topology.local_of[rank]
@@ -126,6 +130,15 @@ def _create_backend(options: "dist.distributed_c10d._DistributedBackendOptions",
         inter_host = dist.ProcessGroupGloo(dist.PrefixStore("shardkit/inter", store), config.host_index,
                                            topology.num_hosts, timeout)
     return _C.ProcessGroupShardkit(rank, size, config, store, fallback, inter_host)
+
+
+def host_topology(group: dist.ProcessGroup | None = None) -> HostTopology:
+    """How the shardkit backend of ``group`` (default: the world group) grouped its ranks by host."""
+    pg = group if group is not None else dist.group.WORLD
+    name = getattr(pg, "group_name", None)  # WORLD is None before init_process_group
+    if name not in _TOPOLOGIES:
+        raise ValueError(f"process group {name!r} has no shardkit backend in this process")
+    return _TOPOLOGIES[name]
 
 
 def register_backend() -> None:

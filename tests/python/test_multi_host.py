@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from collective_cases import assert_close, make_input, reference_reduce
-from shardkit.backend import HostTopology
+from shardkit.backend import HostTopology, host_topology
 
 
 def test_topology_groups_ranks_by_host_in_rank_order():
@@ -16,6 +16,11 @@ def test_topology_groups_ranks_by_host_in_rank_order():
     assert topo.local_of == [0, 0, 1, 1, 0]
     assert topo.num_hosts == 3 and topo.leaders() == [0, 1, 4]
     assert [topo.local_size(r) for r in range(5)] == [2, 2, 2, 2, 1]
+
+
+def test_host_topology_needs_a_shardkit_group():
+    with pytest.raises(ValueError, match="process group None has no shardkit backend in this process"):
+        host_topology()
 
 
 def _every_collective(rank, world):
