@@ -40,9 +40,6 @@ if os.geteuid() != 0:
     UNSHARE.insert(1, "--map-root-user")  # without root, a user namespace grants the others
 # Inside the new namespaces: name the host, give it a /dev/shm of its own, then become the command.
 HOST_SHELL = 'hostname "$1" && mount -t tmpfs -o size=256m,mode=1777 shardkit-shm /dev/shm && shift && exec "$@"'
-COALESCED_BUG = ("known bug: allgather_into_tensor_coalesced / reduce_scatter_tensor_coalesced run only within "
-                 "each host's shm group when there are several hosts (wrong values, no error); fix in csrc/comm")
-
 
 def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
     """Run ``cmd`` in a session of its own; on timeout kill the whole process group, then raise."""
@@ -271,8 +268,7 @@ def test_host_identity_comes_from_the_namespaces(two_hosts):
 
 @pytest.mark.parametrize("check", [
     "check_all_reduce", "check_broadcast", "check_all_gather", "check_reduce_scatter",
-    pytest.param("check_coalesced_all_gather", marks=pytest.mark.xfail(strict=True, reason=COALESCED_BUG)),
-    pytest.param("check_coalesced_reduce_scatter", marks=pytest.mark.xfail(strict=True, reason=COALESCED_BUG)),
+    "check_coalesced_all_gather", "check_coalesced_reduce_scatter",
 ])
 def test_collective_across_two_hosts(two_hosts, check):
     launch, _ = two_hosts
