@@ -4,12 +4,22 @@
 
 #include <algorithm>
 #include <stdexcept>
+#include <thread>
 
 namespace shardkit::comm {
 
 namespace {
 
 constexpr const char* kAbortKey = "shardkit/abort";
+// When a gloo step fails (a connection closed), the rank that closed it has usually published why, or its
+// host's other ranks will within their liveness check (~0.2 s): wait this long for that root cause.
+constexpr auto kRootCauseWait = std::chrono::milliseconds(1000);
+constexpr auto kRootCausePoll = std::chrono::milliseconds(20);
+
+// A failed step of an inner gloo backend (as opposed to one of the host's own shm group).
+struct InnerStepError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
 
 size_t numel_of(const at::Tensor& tensor) { return static_cast<size_t>(tensor.numel()); }
 
@@ -79,14 +89,22 @@ void HierarchicalEngine::guarded(const OpContext& op, Steps steps) {
   if (!aborted_.empty()) throw std::runtime_error(op.where() + "group was aborted earlier: " + aborted_);
   try {
     steps();
+  } catch (const InnerStepError& error) {
+    abort_everywhere(op, error.what(), /*await_root_cause=*/true);
   } catch (const std::exception& error) {
-    abort_everywhere(op, message_of(error));
+    abort_everywhere(op, message_of(error), /*await_root_cause=*/false);
   }
 }
 
-std::string HierarchicalEngine::publish_abort(const std::string& reason) {
+std::string HierarchicalEngine::publish_abort(const std::string& reason, bool await_root_cause) {
   if (!store_) return reason;
   try {
+    if (await_root_cause) {
+      const auto deadline = std::chrono::steady_clock::now() + kRootCauseWait;
+      while (!store_->check({kAbortKey}) && std::chrono::steady_clock::now() < deadline) {
+        std::this_thread::sleep_for(kRootCausePoll);
+      }
+    }
     // compareSet writes only when the key is missing (expected ""), and returns what the key holds after.
     const std::vector<uint8_t> mine(reason.begin(), reason.end());
     const std::vector<uint8_t> held = store_->compareSet(kAbortKey, {}, mine);
@@ -96,8 +114,8 @@ std::string HierarchicalEngine::publish_abort(const std::string& reason) {
   }
 }
 
-void HierarchicalEngine::abort_everywhere(const OpContext& op, const std::string& reason) {
-  const std::string first = publish_abort(reason);
+void HierarchicalEngine::abort_everywhere(const OpContext& op, const std::string& reason, bool await_root_cause) {
+  const std::string first = publish_abort(reason, await_root_cause);
   const std::string message = first == reason ? reason : op.where() + "group aborted: " + first;
   aborted_ = message;
   local_->abort(message);  // wakes this host's ranks (no-op if the shm group aborted itself)
@@ -110,7 +128,7 @@ void HierarchicalEngine::wait_inner(const OpContext& op, const char* step,
   try {
     work->wait(op.timeout);
   } catch (const std::exception& error) {
-    throw std::runtime_error(op.where() + step + " failed: " + message_of(error));
+    throw InnerStepError(op.where() + step + " failed: " + message_of(error));
   }
 }
 

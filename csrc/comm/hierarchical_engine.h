@@ -22,7 +22,7 @@
 // Failure. Any step failing (a local peer died or disagreed, a gloo error, a timeout) aborts the whole
 // group, on every host, within about the time the first rank takes to notice:
 //   1. the reason is published in the group's Store (first writer wins: later failures report it as the
-//      root cause);
+//      root cause; a rank whose gloo connection was closed waits up to a second for the closer's reason);
 //   2. this host's shm group is aborted, waking every local rank that waits in it;
 //   3. the gloo backends are destroyed (InnerBackends::close), which closes their connections: each peer
 //      blocked on one (another host's leader, mid inter-host step) fails at once, and goes through 1-3 itself.
@@ -74,9 +74,11 @@ class HierarchicalEngine : public Engine {
   // Runs one collective's steps; on any failure aborts the group everywhere (see the header) and throws.
   template <typename Steps>
   void guarded(const OpContext& op, Steps steps);
-  [[noreturn]] void abort_everywhere(const OpContext& op, const std::string& reason);
+  // `await_root_cause`: the failure was a gloo connection another rank closed; give that rank's reason a
+  // moment to appear in the Store before publishing this one.
+  [[noreturn]] void abort_everywhere(const OpContext& op, const std::string& reason, bool await_root_cause);
   // Publishes `reason` unless another rank did first; returns the published (root-cause) reason.
-  std::string publish_abort(const std::string& reason);
+  std::string publish_abort(const std::string& reason, bool await_root_cause);
   bool leader() const { return local_rank_ == 0; }
   // Waits for an inner gloo op; its failure becomes an error naming the user's op and the step.
   void wait_inner(const OpContext& op, const char* step, const c10::intrusive_ptr<c10d::Work>& work);

@@ -296,10 +296,10 @@ void Reducer::launch(size_t bucket_index) {
 void Reducer::finalize() {
   std::unique_lock<std::mutex> lock(mutex_);
   if (!armed_) return;
-  std::vector<int32_t> globally_used;
+  at::Tensor used;  // find_unused_parameters: 1 where this rank used the parameter
   if (options_.find_unused_parameters) {
     // Unused here: contribute zeros, so that ranks that did use the parameter get the right average.
-    at::Tensor used = at::zeros({static_cast<int64_t>(params_.size())}, at::kInt);
+    used = at::zeros({static_cast<int64_t>(params_.size())}, at::kInt);
     for (size_t i = 0; i < params_.size(); ++i) {
       if (ready_[i]) {
         used[static_cast<int64_t>(i)] = 1;
@@ -310,11 +310,6 @@ void Reducer::finalize() {
       Bucket& bucket = buckets_[slots_[i].bucket];
       if (--bucket.pending == 0) launch_ready_buckets();
     }
-    std::vector<at::Tensor> payload{used};
-    c10d::AllreduceOptions max;
-    max.reduceOp = c10d::ReduceOp::MAX;
-    process_group_->allreduce(payload, max)->wait();
-    globally_used.assign(used.data_ptr<int32_t>(), used.data_ptr<int32_t>() + used.numel());
   } else {
     std::string missing;
     for (size_t i = 0; i < params_.size(); ++i) {
@@ -327,17 +322,40 @@ void Reducer::finalize() {
                   "parameters that a forward pass may not use; otherwise make every parameter take part in the loss.");
     }
   }
-
   TORCH_INTERNAL_ASSERT(next_launch_ == buckets_.size(), "only ", next_launch_, " of ", buckets_.size(),
                         " buckets were launched");
+
+  // Every bucket's reduction must be over before anything else is issued: a comm hook may still issue
+  // collectives from its callbacks until its future completes, and every rank must issue collectives in
+  // the same order (DESIGN.md, "Collective order"). A failed reduction (a peer died, the group aborted)
+  // fails this backward; the error is taken before reset_iteration() drops the futures that hold it.
+  std::exception_ptr failure;
   for (Bucket& bucket : buckets_) {
     for (const auto& future : bucket.futures) {
       future->wait();
-      if (future->hasError()) {
-        reset_iteration();
-        future->value();  // rethrows the collective's error
-      }
+      if (future->hasError() && !failure) failure = future->exception_ptr();
     }
+  }
+  if (failure) {
+    reset_iteration();
+    std::rethrow_exception(failure);
+  }
+
+  std::vector<int32_t> globally_used;
+  if (used.defined()) {
+    std::vector<at::Tensor> payload{used};
+    c10d::AllreduceOptions max;
+    max.reduceOp = c10d::ReduceOp::MAX;
+    auto work = process_group_->allreduce(payload, max);
+    try {
+      work->wait();
+    } catch (...) {
+      reset_iteration();
+      throw;
+    }
+    globally_used.assign(used.data_ptr<int32_t>(), used.data_ptr<int32_t>() + used.numel());
+  }
+  for (Bucket& bucket : buckets_) {
     const bool average = comm_hook_ == nullptr;  // a hook does its own division, as in torch
     at::Tensor result = average ? bucket.buffer : comm_hook_->parseHookResult(bucket.futures.front()->value());
     finalize_bucket(bucket, result, average, globally_used);

@@ -1,0 +1,116 @@
+"""A rank dies (SIGKILL) in the middle of training or of a collective: every survivor raises within 2 s,
+naming the dead rank, on one host and across hosts; every later backward raises too; /dev/shm stays clean
+(the conftest fixture checks it after every test)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from collective_cases import topology_env
+
+# (world size, hosts of the ranks, the rank that dies)
+CASES = {
+    "w2": (2, None, 1),
+    "w4": (4, None, 2),
+    "2x2hosts-nonleader": (4, [0, 0, 1, 1], 1),
+    "2x2hosts-leader": (4, [0, 0, 1, 1], 2),
+}
+
+
+def _train_until_a_rank_dies(rank, world, victim, zero_stage):
+    import shardkit
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64),
+                                torch.nn.Tanh(), torch.nn.Linear(64, 4))
+    ddp = shardkit.DistributedDataParallel(model, bucket_cap_mb=0.004, zero_stage=zero_stage)
+    if zero_stage:
+        optimizer = shardkit.ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.SGD, lr=0.01)
+    else:
+        optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    if rank == victim:
+        # Dies in the middle of its third backward: after the first bucket's gradients, before the rest.
+        steps = {"n": 0}
+
+        def die(grad):
+            if steps["n"] == 2:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return grad
+
+        model[2].weight.register_hook(die)
+    data = torch.randn(16, 32, generator=torch.Generator().manual_seed(rank))
+    for step in range(2):
+        ddp(data).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if rank == victim:
+            steps["n"] += 1
+    start = time.monotonic()
+    try:
+        ddp(data).square().mean().backward()
+    except RuntimeError as error:
+        elapsed, message = time.monotonic() - start, str(error)
+    else:
+        return "backward after the peer's death returned normally"
+    later = []
+    for _ in range(3):  # training on must fail too, never use a partly reduced gradient
+        try:
+            ddp(data).square().mean().backward()
+            later.append("returned normally")
+        except RuntimeError as error:
+            later.append(str(error))
+    return elapsed, message, later
+
+
+@pytest.mark.parametrize("zero_stage", [0, 1, 2])
+@pytest.mark.parametrize("case", list(CASES))
+def test_rank_killed_mid_backward(ranks, case, zero_stage):
+    world, hosts, victim = CASES[case]
+    outcomes = ranks.launch(_train_until_a_rank_dies, world, victim, zero_stage, timeout=90, pg_timeout=60,
+                            env=topology_env(hosts))
+    assert outcomes[victim].exitcode == -signal.SIGKILL, outcomes[victim].error
+    for outcome in outcomes:
+        if outcome.rank == victim:
+            continue
+        assert outcome.ok, outcome.error
+        assert not isinstance(outcome.value, str), f"rank {outcome.rank}: {outcome.value}"
+        elapsed, message, later = outcome.value
+        assert elapsed < 2.0, f"rank {outcome.rank} took {elapsed:.2f} s to notice: {message}"
+        assert f"rank(s) {victim} (pid" in message and "exited" in message, message
+        for text in later:
+            assert "aborted" in text and f"rank(s) {victim} (pid" in text, text
+
+
+def _kill_mid_allreduce(rank, world, victim):
+    dist.all_reduce(torch.ones(1000))  # everyone is up and connected
+    if rank == victim:
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(300_000))
+    except RuntimeError as error:
+        return time.monotonic() - start, str(error)
+    return None
+
+
+@pytest.mark.parametrize("case", ["2x2hosts-nonleader", "2x2hosts-leader"])
+def test_rank_killed_mid_allreduce_across_hosts(ranks, case):
+    world, hosts, victim = CASES[case]
+    outcomes = ranks.launch(_kill_mid_allreduce, world, victim, timeout=90, pg_timeout=60, env=topology_env(hosts))
+    assert outcomes[victim].exitcode == -signal.SIGKILL
+    for outcome in outcomes:
+        if outcome.rank == victim:
+            continue
+        assert outcome.ok and outcome.value is not None, outcome.error
+        elapsed, message = outcome.value
+        assert elapsed < 2.0, f"rank {outcome.rank} took {elapsed:.2f} s to notice: {message}"
+        # The user's op and number, and the dead rank by its global number, on every host.
+        assert message.startswith(f"shardkit allreduce #2 (rank {outcome.rank}): ") or message.startswith(
+            f"shardkit allreduce #2 (") and f"(rank {outcome.rank})" in message, message
+        assert f"rank(s) {victim} (pid" in message and "exited before arriving" in message, message
