@@ -86,7 +86,7 @@ $(CLEAN_VENV)/.shardkit: $(CLEAN_TORCH) $(WHEEL_DIR)/.built
 
 clean-venv: $(CLEAN_VENV)/.shardkit
 
-clean-venv-check: build
+clean-venv-check: venv
 	$(VENV)/bin/python -m pytest tests/python/test_clean_install.py -ra
 
 # --- demo ---------------------------------------------------------------------------------------------

@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+# torch's own rule for the device of an object collective (CPU when the group has a CPU backend); private,
+# present in torch since long before 2.11, the oldest shardkit supports.
 from torch.distributed.distributed_c10d import _get_object_coll_device
 
 
@@ -51,7 +53,8 @@ def gather_object(obj: Any, dst: int, group: dist.ProcessGroup | None = None) ->
 
 
 def _padded_payload(obj: Any, device: str, group: dist.ProcessGroup | None) -> tuple[torch.Tensor, list[int]]:
-    """Steps 1-2: this rank's pickle as a uint8 tensor padded to the largest rank's, and every rank's size."""
+    """Steps 1, 2 and 3's padding: this rank's pickle as a uint8 tensor as long as the largest rank's, and
+    every rank's size."""
     data = pickle.dumps(obj)
     world = dist.get_world_size(group)
     local_size = torch.tensor([len(data)], dtype=torch.int64, device=device)
