@@ -5,6 +5,7 @@
 #   make cuda-check  .venv-cuda (torch 2.14.1, CUDA 13) + the CUDA extension compiled, linked and imported
 #   make bench       the benchmarks under benchmarks/ (results in benchmarks/results/)
 #   make peer-test   torch's own distributed_test.py on gloo and on shardkit side by side (tests/peer/)
+#   make clean-venv-check  the wheel installed into a venv holding only torch (no numpy), examples run there
 
 PYTHON       ?= python3
 VENV         := .venv
@@ -22,7 +23,7 @@ CUDA_HOME    ?= $(if $(wildcard /usr/local/cuda/include/cuda_runtime.h),/usr/loc
 export MAX_JOBS ?= 2
 CSRC := $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' 2>/dev/null) setup.py pyproject.toml
 
-.PHONY: test demo cuda-check bench peer-test apt-deps venv build cpp-test py-test clean
+.PHONY: test demo cuda-check bench peer-test apt-deps venv build cpp-test py-test clean-venv clean-venv-check clean
 
 # --- set-up -------------------------------------------------------------------------------------------
 apt-deps:
@@ -66,6 +67,39 @@ $(VENV)/.peer-deps: $(VENV)/.deps
 PEER_ARGS ?=
 peer-test: build $(VENV)/.peer-deps
 	$(VENV)/bin/python tests/peer/run_peer_suite.py $(PEER_ARGS)
+# --- clean install: the wheel in a venv holding only torch, as the README's Install section says ------------
+# tests/python/test_clean_install.py runs `make clean-venv` (so `make test` covers it) and then the examples
+# from that venv. The wheel is rebuilt when a source changes (ninja recompiles only what changed, in
+# build/temp.*); the venv's torch is installed once; `import numpy` must fail there, or the check proves nothing.
+CLEAN_VENV := build/clean-venv
+WHEEL_DIR  := build/wheel
+PY_SRC     := $(wildcard python/shardkit/*.py)
+CLEAN_TORCH := $(CLEAN_VENV)/.$(subst ==,-,$(TORCH_CPU))
+
+# build/lib.* goes too: a module deleted from python/shardkit/ must not linger in the wheel.
+$(WHEEL_DIR)/.built: $(VENV)/.deps $(CSRC) $(PY_SRC)
+	rm -rf $(WHEEL_DIR) build/lib.* build/bdist.*
+	$(VENV)/bin/pip wheel $(PIP_FLAGS) --no-build-isolation --no-deps -w $(WHEEL_DIR) .
+	touch $@
+
+$(CLEAN_TORCH):
+	rm -rf $(CLEAN_VENV)
+	$(PYTHON) -m venv $(CLEAN_VENV)
+	$(CLEAN_VENV)/bin/pip install $(PIP_FLAGS) $(TORCH_CPU)
+	@if $(CLEAN_VENV)/bin/python -c "import numpy" 2>/dev/null; then \
+	  echo "$(CLEAN_VENV) has numpy: it cannot show that shardkit runs without it"; exit 1; fi
+	touch $@
+
+# Installed with its dependencies resolved (torch is already there), as a user's `pip install` would.
+$(CLEAN_VENV)/.shardkit: $(CLEAN_TORCH) $(WHEEL_DIR)/.built
+	$(CLEAN_VENV)/bin/pip uninstall $(PIP_FLAGS) -y shardkit
+	$(CLEAN_VENV)/bin/pip install $(PIP_FLAGS) $(WHEEL_DIR)/shardkit-*.whl
+	touch $@
+
+clean-venv: $(CLEAN_VENV)/.shardkit
+
+clean-venv-check: venv
+	$(VENV)/bin/python -m pytest tests/python/test_clean_install.py -ra
 
 # --- demo ---------------------------------------------------------------------------------------------
 demo: build

@@ -35,16 +35,16 @@ def main() -> None:
     dist.all_gather(gathered, torch.tensor([rank, rank * rank]))
     assert [g.tolist() for g in gathered] == [[r, r * r] for r in range(world)]
 
-    config = [{"lr": 0.1, "from": rank}]
-    dist.broadcast_object_list(config, src=0)
-    assert config[0]["from"] == 0
+    settings = torch.tensor([0.1, float(rank)], dtype=torch.float64)  # rank 0's learning rate and rank
+    dist.broadcast(settings, src=0)
+    assert settings.tolist() == [0.1, 0.0]
 
     gloo = dist.new_group(backend="gloo")
     big = torch.randn(4 << 20)  # 16 MiB of float32
     shardkit_s = timed_allreduce(big.clone(), None)
     gloo_s = timed_allreduce(big.clone(), gloo)
     if rank == 0:
-        print(f"shardkit demo: {world} ranks, allreduce/allgather/broadcast_object_list all correct")
+        print(f"shardkit demo: {world} ranks, allreduce/allgather/broadcast all correct")
         print(f"16 MiB allreduce: shardkit {shardkit_s * 1e3:.2f} ms, gloo {gloo_s * 1e3:.2f} ms "
               f"({gloo_s / shardkit_s:.1f}x)")
     dist.destroy_process_group()

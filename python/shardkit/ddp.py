@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import _C
+from . import _C, _exchange
 from .hooks import check_state_group
 
 _DEFAULT_BUCKET_CAP_MB = 25
@@ -110,9 +110,7 @@ class DistributedDataParallel(nn.Module):
 
     def _verify_same_parameters_everywhere(self, named: list[tuple[str, torch.Tensor]]) -> None:
         mine = [(name, tuple(p.shape), str(p.dtype)) for name, p in named]
-        world = dist.get_world_size(self.process_group)
-        everyone: list[Any] = [None] * world
-        dist.all_gather_object(everyone, mine, group=self.process_group)
+        everyone = _exchange.all_gather_object(mine, self.process_group)
         rank = dist.get_rank(self.process_group)
         for other_rank, theirs in enumerate(everyone):
             if theirs == mine:

@@ -59,6 +59,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
+from . import _exchange
+
 __all__ = ["ELEMENTWISE_OPTIMIZERS", "ZeroRedundancyOptimizer"]
 
 # Optimizers whose update of an element depends only on that element's gradient and state plus
@@ -221,8 +223,7 @@ class ZeroRedundancyOptimizer(Optimizer):
     def _verify_same_parameters_everywhere(self) -> None:
         mine = [[(tuple(p.shape), str(p.dtype), p.requires_grad) for p in group["params"]]
                 for group in self.param_groups]
-        everyone: list[Any] = [None] * self.world_size
-        dist.all_gather_object(everyone, mine, group=self.process_group)
+        everyone = _exchange.all_gather_object(mine, self.process_group)
         for other, theirs in enumerate(everyone):
             if theirs != mine:
                 raise RuntimeError(f"ZeroRedundancyOptimizer (rank {self.rank}): ranks were given different "
@@ -340,8 +341,7 @@ class ZeroRedundancyOptimizer(Optimizer):
         mine = [(piece.index, piece.start, piece.numel,
                  {key: _detached_cpu_copy(value) for key, value in self.optim.state[piece.leaf].items()})
                 for piece in self._pieces if piece.leaf in self.optim.state]
-        everyone: list[Any] | None = [None] * self.world_size if self.rank == to else None
-        dist.gather_object(mine, everyone, dst=dist.get_global_rank(self.process_group, to), group=self.process_group)
+        everyone = _exchange.gather_object(mine, to, self.process_group)
         self._consolidated_to = to
         self._consolidated = None
         if self.rank != to:

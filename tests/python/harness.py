@@ -141,9 +141,13 @@ def run(fn: Callable[..., Any], world_size: int, *args: Any, **kwargs: Any) -> l
 
 
 def run_torchrun(script: Path, nproc: int, *args: str, timeout: float = 120.0,
-                 env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """Run ``script`` under real ``torchrun --standalone`` (a free port is picked); returns its output."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                 env: dict[str, str] | None = None, python: Path | str = sys.executable,
+                 cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """Run ``script`` under real ``torchrun --standalone`` (a free port is picked); returns its output.
+
+    ``python`` is the interpreter whose torch and shardkit run (default: this one); ``cwd`` the job's directory.
+    """
+    cmd = [str(python), "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            str(script), *args]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=cwd)

@@ -1,0 +1,91 @@
+"""A clean install trains: the shardkit wheel in a venv that holds only torch, as the README's Install section says.
+
+`make clean-venv` (run here, so `make test` covers it; a no-op when nothing changed) builds the wheel with
+`pip wheel --no-build-isolation --no-deps` into build/wheel and installs it into build/clean-venv, a venv
+holding only torch==2.13.0 — no numpy, no pytest. Then, with that venv's interpreter and from a directory
+outside the source tree (so the checkout cannot be imported), both examples and clean_install_steps.py
+(shardkit DDP, ZeRO-1 and ZeRO-2 against torch's DDP) run under torchrun.
+
+What it catches: anything shardkit needs at run time that a user's install lacks — numpy above all (torch's
+object collectives unpickle through Tensor.numpy(), which raised "Numpy is not available" in DDP's and
+ZeRO's constructors before shardkit._exchange), test-only packages, or files of the checkout that the wheel
+does not ship.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+import harness
+
+REPO = Path(__file__).resolve().parents[2]
+CLEAN_VENV = REPO / "build" / "clean-venv"
+# The first run builds the wheel (a full compile) and installs torch into the venv: minutes on 2 cores.
+SETUP_TIMEOUT_S = 1500
+JOB_TIMEOUT_S = 300
+
+pytestmark = pytest.mark.timeout(SETUP_TIMEOUT_S + JOB_TIMEOUT_S)
+
+
+@pytest.fixture(scope="module")
+def clean_python() -> Path:
+    """build/clean-venv's interpreter, after `make clean-venv` brought the venv and the wheel up to date."""
+    # Called from `make test`, the outer make's job-server settings must not leak into this one.
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
+    result = subprocess.run(["make", "--no-print-directory", "clean-venv"], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=SETUP_TIMEOUT_S)
+    assert result.returncode == 0, f"make clean-venv failed:\n{result.stdout}\n{result.stderr}"
+    return CLEAN_VENV / "bin" / "python"
+
+
+@pytest.fixture
+def outside(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A working directory outside the checkout, and no PYTHONPATH that could lead back into it."""
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    return tmp_path
+
+
+def torchrun(clean_python: Path, outside: Path, script: Path, *args: str) -> str:
+    result = harness.run_torchrun(script, 2, *args, timeout=JOB_TIMEOUT_S, python=clean_python, cwd=outside)
+    assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    return result.stdout
+
+
+def test_the_venv_has_torch_and_the_wheel_but_no_numpy(clean_python, outside):
+    probe = ("import importlib.util, torch, shardkit; "
+             "print(importlib.util.find_spec('numpy'), importlib.util.find_spec('pytest')); "
+             "print(torch.__version__); print(shardkit.__file__)")
+    result = subprocess.run([str(clean_python), "-c", probe], cwd=outside, capture_output=True, text=True,
+                            timeout=JOB_TIMEOUT_S)
+    assert result.returncode == 0, result.stderr
+    missing, torch_version, shardkit_file = result.stdout.splitlines()
+    assert missing == "None None"  # else this module proves nothing about a clean install
+    assert torch_version.startswith("2.13.0")
+    assert Path(shardkit_file).is_relative_to(CLEAN_VENV / "lib"), shardkit_file  # the wheel, not the checkout
+
+
+def test_training_example(clean_python, outside):
+    out = torchrun(clean_python, outside, REPO / "examples" / "train_ddp.py", "--steps", "60")
+    assert "2 ranks, 60 steps in" in out and "replicas identical: True" in out, out
+    losses = [float(line.split("loss")[1]) for line in out.splitlines() if line.startswith("step")]
+    assert len(losses) == 3 and losses[-1] < 0.5 * losses[0], losses
+
+
+def test_collectives_demo(clean_python, outside):
+    out = torchrun(clean_python, outside, REPO / "examples" / "collectives_demo.py")
+    assert "shardkit demo: 2 ranks, allreduce/allgather/broadcast all correct" in out, out
+
+
+def test_ddp_zero1_zero2_steps_match_torch_ddp(clean_python, outside):
+    out = torchrun(clean_python, outside, Path(__file__).with_name("clean_install_steps.py"))
+    lines = set(out.splitlines())
+    assert f"shardkit from {CLEAN_VENV}" in out, out
+    expected = {f"rank 1: zero_stage={stage}: parameters match torch DDP after 3 steps" for stage in (0, 1, 2)}
+    expected.add("rank 0: zero_stage=0: parameters match torch DDP after 3 steps")
+    expected |= {f"rank 0: zero_stage={stage}: parameters and consolidated optimizer state match torch DDP "
+                 f"after 3 steps" for stage in (1, 2)}
+    assert expected <= lines, out
