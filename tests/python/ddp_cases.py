@@ -1,9 +1,10 @@
 """Models, data and the lock-step driver for the DDP parity tests (imported by the ranks too).
 
-Every parity test wraps two deep copies of one module, one in torch's DistributedDataParallel and one in
-shardkit's, both on the default ("shardkit") process group, gives each its own optimizer, feeds both the
-same per-rank batch and compares gradients after every backward and parameters/buffers after every
-optimizer step. The two wrappers take turns (torch's forward+backward, then shardkit's), so their
+Every parity test wraps two deep copies of one module, one in torch's DistributedDataParallel on a **gloo**
+group over all ranks (the oracle: no shardkit code on its path, so a backend bug cannot cancel out) and one
+in shardkit's on the default ("shardkit") process group, gives each its own optimizer, feeds both the same
+per-rank batch and compares gradients after every backward and parameters/buffers after every optimizer
+step. The two wrappers take turns (torch's forward+backward, then shardkit's), so their
 collectives never interleave and every rank issues them in the same order.
 """
 
@@ -124,23 +125,37 @@ def error_of(fn: Callable[[], Any], kind: type[BaseException], rank: int) -> str
 
 # --- the lock-step driver -----------------------------------------------------------------------------
 
+_GLOO_WORLD: list[dist.ProcessGroup] = []
+
+
+def gloo_world() -> dist.ProcessGroup:
+    """A gloo group over every rank, created once per process (new_group is a collective: every rank asks for
+    it at the same point, the first Pair)."""
+    if not _GLOO_WORLD:
+        _GLOO_WORLD.append(dist.new_group(backend="gloo"))
+    return _GLOO_WORLD[0]
+
+
 class Pair:
-    """One module wrapped twice: ``self.ref`` (torch DDP) and ``self.dut`` (shardkit DDP), same arguments."""
+    """One module wrapped twice: ``self.ref`` (torch DDP on gloo) and ``self.dut`` (shardkit DDP on the default
+    shardkit group), same arguments."""
 
     def __init__(self, module: nn.Module, make_optimizer: Callable[..., torch.optim.Optimizer] = sgd,
                  **ddp_kwargs: Any) -> None:
-        self.ref = TorchDDP(copy.deepcopy(module), **ddp_kwargs)
+        self.ref_group = gloo_world()
+        self.dut_group = world_pg()
+        self.ref = TorchDDP(copy.deepcopy(module), process_group=self.ref_group, **ddp_kwargs)
         self.dut = shardkit_ddp()(copy.deepcopy(module), **ddp_kwargs)
         self.ref_opt = make_optimizer(self.ref.module.parameters())
         self.dut_opt = make_optimizer(self.dut.module.parameters())
 
-    def register_comm_hook(self, make_state: Callable[[], Any], hook: Callable,
+    def register_comm_hook(self, make_state: Callable[[dist.ProcessGroup], Any], hook: Callable,
                            ref_hook: Callable | None = None) -> tuple[Any, Any]:
         """The same hook on both (``ref_hook`` on torch's, if given), each with its own state:
-        ``make_state()`` is called for torch's, then for shardkit's."""
-        ref_state = make_state()
+        ``make_state(group)`` is called for torch's (its gloo group), then for shardkit's."""
+        ref_state = make_state(self.ref_group)
         self.ref.register_comm_hook(ref_state, ref_hook or hook)
-        dut_state = make_state()
+        dut_state = make_state(self.dut_group)
         self.dut.register_comm_hook(dut_state, hook)
         return ref_state, dut_state
 

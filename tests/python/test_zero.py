@@ -38,7 +38,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-from ddp_cases import IN, OUT, assert_close, assert_modules_match, batch, loss_fn, mlp, shardkit_ddp
+from ddp_cases import IN, OUT, assert_close, assert_modules_match, batch, gloo_world, loss_fn, mlp, shardkit_ddp
 from ddp_cases import error_of as error_of_rank
 
 WORLDS = [2, 3]
@@ -90,12 +90,12 @@ OPTIMIZERS = {
 # --- helpers --------------------------------------------------------------------------------------------
 
 class ZeroPair:
-    """torch DDP + ``optimizer_class`` (the oracle) and shardkit DDP(zero_stage=stage) +
-    ZeroRedundancyOptimizer(optimizer_class)."""
+    """torch DDP on gloo + ``optimizer_class`` (the oracle) and shardkit DDP(zero_stage=stage) on the default
+    shardkit group + ZeroRedundancyOptimizer(optimizer_class)."""
 
     def __init__(self, module: nn.Module, optimizer_class, defaults: dict, groups=lambda m: m.parameters(),
                  stage: int = 1, **ddp_kwargs) -> None:
-        self.ref = TorchDDP(copy.deepcopy(module), **ddp_kwargs)
+        self.ref = TorchDDP(copy.deepcopy(module), process_group=gloo_world(), **ddp_kwargs)
         self.dut = shardkit_ddp()(copy.deepcopy(module), zero_stage=stage, **ddp_kwargs)
         self.ref_opt = optimizer_class(groups(self.ref.module), **defaults)
         self.dut_opt = zero_optimizer()(groups(self.dut.module), optimizer_class, **defaults)
@@ -441,8 +441,8 @@ def _zero2_specifics(rank, world):
 
     # A comm hook (torch's allreduce_hook) still runs under zero_stage=2; each rank keeps its share.
     hooked = ZeroPair(mlp(seed=3), torch.optim.AdamW, {"lr": 1e-2}, stage=2)
-    for model in (hooked.ref, hooked.dut):
-        model.register_comm_hook(None, default_hooks.allreduce_hook)
+    hooked.ref.register_comm_hook(gloo_world(), default_hooks.allreduce_hook)
+    hooked.dut.register_comm_hook(None, default_hooks.allreduce_hook)
     for step in range(3):
         hooked.step(rank, step)
 
