@@ -120,12 +120,23 @@ def test_bad_input_errors_name_rank_op_and_value(ranks):
     assert "shardkit all_to_all_single (rank 1): input split sizes sum to 6, but dim 0 is 4" in errors["splits"]
 
 
+def _rss_mb() -> float:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS in /proc/self/status")
+
+
 def _soak(rank, world, steps):
     import random
 
     fds_before = len(os.listdir("/proc/self/fd"))
+    rss = []  # after warm-up (the allocator's pools and the segment's pages are in use by then), and at the end
     rng = random.Random(1234)  # the same sequence on every rank
     for step in range(steps):
+        if step == 300:
+            rss.append(_rss_mb())
         kind = rng.choice(["allreduce", "broadcast", "allgather", "reduce_scatter", "alltoall", "barrier"])
         n = rng.choice([1, 17, 1024, 5000, 70_000])
         dtype = rng.choice([torch.float32, torch.int64, torch.bfloat16])
@@ -156,9 +167,15 @@ def _soak(rank, world, steps):
             torch.testing.assert_close(mine, expected, rtol=1e-2, atol=1.0)
         else:
             assert torch.equal(mine, expected), f"step {step}: {kind} {dtype} n={n}"
-    return len(os.listdir("/proc/self/fd")) - fds_before
+    rss.append(_rss_mb())
+    return len(os.listdir("/proc/self/fd")) - fds_before, rss
 
 
 def test_soak_thousands_of_random_collectives(ranks):
-    growth = ranks.run(_soak, 4, 2000, timeout=280)
-    assert growth == [0] * 4, f"file descriptors leaked: {growth}"
+    results = ranks.run(_soak, 4, 5000, timeout=400)
+    assert [fds for fds, _ in results] == [0] * 4, f"file descriptors leaked: {results}"
+    # Memory stays flat: what a rank holds after 300 ops is what it holds after 5,000 (the inputs are at most
+    # 4 x 70,000 x 8 bytes, so a leak of even one buffer per op would show as hundreds of MB).
+    for rank, (_, (warm, end)) in enumerate(results):
+        assert end - warm < 48, f"rank {rank}: RSS grew from {warm:.0f} MB to {end:.0f} MB over the soak"
+    print("soak RSS (MB, after warm-up -> end):", [(round(w), round(e)) for _, (w, e) in results])
