@@ -3,35 +3,11 @@
 from __future__ import annotations
 
 import os
-import signal
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
-
-
-def _kill_one_rank_mid_allreduce(rank, world):
-    t = torch.ones(1000)
-    dist.all_reduce(t)  # everyone is up and connected
-    if rank == 2:
-        os.kill(os.getpid(), signal.SIGKILL)
-    start = time.monotonic()
-    try:
-        dist.all_reduce(torch.ones(300_000))
-    except RuntimeError as error:
-        return time.monotonic() - start, str(error)
-    return None
-
-
-def test_killed_rank_is_reported_within_two_seconds(ranks):
-    outcomes = ranks.launch(_kill_one_rank_mid_allreduce, 4, timeout=60, pg_timeout=60)
-    assert outcomes[2].exitcode == -signal.SIGKILL
-    for rank in (0, 1, 3):
-        assert outcomes[rank].ok, outcomes[rank].error
-        elapsed, message = outcomes[rank].value
-        assert elapsed < 2.0, f"rank {rank} took {elapsed:.2f} s to notice"
-        assert "allreduce #2" in message and "rank(s) 2 (pid" in message and "exited" in message, message
 
 
 def _disagree_on_size(rank, world):

@@ -99,8 +99,8 @@ def _kill_mid_allreduce(rank, world, victim):
     return None
 
 
-@pytest.mark.parametrize("case", ["2x2hosts-nonleader", "2x2hosts-leader"])
-def test_rank_killed_mid_allreduce_across_hosts(ranks, case):
+@pytest.mark.parametrize("case", list(CASES))
+def test_rank_killed_mid_allreduce(ranks, case):
     world, hosts, victim = CASES[case]
     outcomes = ranks.launch(_kill_mid_allreduce, world, victim, timeout=90, pg_timeout=60, env=topology_env(hosts))
     assert outcomes[victim].exitcode == -signal.SIGKILL
