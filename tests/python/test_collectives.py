@@ -8,11 +8,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from collective_cases import (ALL_DTYPES, FLOAT_DTYPES, SIZES, TOPOLOGIES, assert_close, make_input, ops_for,
+from collective_cases import (ALL_DTYPES, SIZES, TOPOLOGIES, assert_close, make_input, ops_for,
                               reference_reduce, topology_env)
 
 EVERY_TOPOLOGY = pytest.mark.parametrize("topology", list(TOPOLOGIES))
-MULTI_RANK = [name for name, (world, _) in TOPOLOGIES.items() if world > 1]
 
 
 def run_on(ranks, topology, fn, *args, timeout=240):
