@@ -114,9 +114,10 @@ FuturePtr PowerSGDState::allreduce_before_start(c10d::GradBucket& bucket) {
   const auto group = process_group_;
   input.div_(group->getSize());
   FuturePtr result = tensor_future(input);
+  std::string name = collective_name(*group, bucket.getIndex(), "averaging allreduce");
+  const uint64_t ticket = sequencer_->reserve(1);  // nothing may throw between reserving and submitting
   then_run_in_turn(
-      sequencer_, sequencer_->reserve(1), result, collective_name(*group, bucket.getIndex(), "averaging allreduce"),
-      kOwner, [group, input] { return allreduce_sum(group, input); },
+      sequencer_, ticket, result, std::move(name), kOwner, [group, input] { return allreduce_sum(group, input); },
       [result, input] { result->markCompleted(c10::IValue(input)); });
   return result;
 }
@@ -244,10 +245,11 @@ FuturePtr PowerSGDState::powersgd_hook(c10d::GradBucket& bucket) {
   const auto self = shared_from_this();
   const int64_t world = group->getSize();
   FuturePtr result = tensor_future(input);
-  const uint64_t ticket = sequencer_->reserve(3);
   const auto name = [group, job](const char* collective) { return collective_name(*group, job->index, collective); };
+  std::string u_name = name("uncompressed allreduce");
+  const uint64_t ticket = sequencer_->reserve(3);  // nothing may throw between reserving and submitting
   then_run_in_turn(
-      sequencer_, ticket, result, name("uncompressed allreduce"), kOwner,
+      sequencer_, ticket, result, std::move(u_name), kOwner,
       [group, job] { return allreduce_sum(group, job->uncompressed_memory); },
       [self, job, group, result, world, epsilon, ticket, name] {
     job->uncompressed_memory.div_(world);
@@ -336,9 +338,10 @@ FuturePtr PowerSGDState::batched_powersgd_hook(c10d::GradBucket& bucket) {
   const auto self = shared_from_this();
   const int64_t world = group->getSize();
   FuturePtr result = tensor_future(input);
+  std::string p_name = collective_name(*group, index, "P allreduce");
   const uint64_t ticket = sequencer_->reserve(2);  // P, Q: consecutive, reserved in bucket order
-  then_run_in_turn(sequencer_, ticket, result, collective_name(*group, index, "P allreduce"), kOwner,
-                   [group, p] { return allreduce_sum(group, p); }, [=] {
+  then_run_in_turn(
+      sequencer_, ticket, result, std::move(p_name), kOwner, [group, p] { return allreduce_sum(group, p); }, [=] {
     orthogonalize(p.unsqueeze(0), 0);
     at::Tensor q_out = q.unsqueeze(0);
     transposed_product(q_out, matrix.unsqueeze(0), p.unsqueeze(0));

@@ -18,9 +18,9 @@ uint64_t CollectiveSequencer::reserve(uint64_t count) {
 void CollectiveSequencer::submit(uint64_t ticket, Run run, Abandon abandon) {
   std::unique_lock<std::mutex> lock(mutex_);
   if (ticket >= reserved_ || ticket < next_ || stored_.count(ticket) != 0) {
-    throw std::logic_error("CollectiveSequencer::submit: ticket " + std::to_string(ticket) +
-                           (ticket >= reserved_ ? " was never reserved (reserved: " + std::to_string(reserved_) + ")"
-                                                : " was submitted before (next to run: " + std::to_string(next_) + ")"));
+    const std::string why = ticket >= reserved_ ? " was never reserved (reserved: " + std::to_string(reserved_) + ")"
+                                                : " was submitted before (next to run: " + std::to_string(next_) + ")";
+    throw std::logic_error("CollectiveSequencer::submit: ticket " + std::to_string(ticket) + why);
   }
   if (error_) {
     std::exception_ptr error = error_;

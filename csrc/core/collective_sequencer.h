@@ -12,11 +12,13 @@
 // Protocol:
 //  1. Reserve. The code that knows the order — a comm hook, called on the autograd thread bucket after
 //     bucket, the same order on every rank — takes consecutive tickets, one per collective it will
-//     issue, before it issues any.
+//     issue, before it issues any. Between reserving and submitting nothing may throw: a ticket that is
+//     never submitted (and no failure reported) holds every later ticket back.
 //  2. Submit. When a collective is ready (its inputs computed: at once, or in the callback of the
 //     collective before it), its step — a function that issues it and chains what follows — is handed
 //     in with its ticket. A step whose ticket is next runs now, on the submitting thread; any other is
-//     stored.
+//     stored. A step's collective need not have completed for the next ticket's step to run: the order
+//     that counts is the issue order.
 //  3. Drain. The thread that runs a step then runs, one after another, the stored steps whose tickets
 //     follow, until it meets a ticket not submitted yet: that step will run on the thread that submits
 //     it. One thread drains at a time. A step submitted meanwhile — by another thread, or by the drainer
@@ -54,9 +56,9 @@ class CollectiveSequencer {
 
   // Runs `run` in `ticket`'s turn: now, or later on the thread that runs the ticket before it. Once the
   // sequencer has failed, calls `abandon(first error)` instead (now or later). Exactly one of the two is
-  // called, never under the mutex. If `run` throws, the sequencer fails with that exception and this
-  // step's `abandon` receives it. `abandon` must not throw. A ticket that was not reserved, or was submitted before, is a
-  // std::logic_error (thrown to the caller; the sequencer is unchanged).
+  // called, never under the mutex; `abandon` must not throw. If `run` throws, the sequencer fails with that
+  // exception and this step's `abandon` receives it. A ticket that was not reserved, or was submitted
+  // before, is a std::logic_error (thrown to the caller; the sequencer is unchanged).
   void submit(uint64_t ticket, Run run, Abandon abandon);
 
   // Records `error` unless an earlier one is recorded, and abandons every stored step on this thread.

@@ -55,20 +55,21 @@ def _parity_on_gloo(rank, world, kind):
     module = deep()
     oracle = TorchDDP(copy.deepcopy(module), process_group=oracle_group, **CAP)
     H.register(oracle, H.PowerSGDState(oracle_group, **OPTIONS), kind)
-    # On gloo, the default group: the Python entry and the native hook on torch's DDP, the native hook on
-    # shardkit's DDP.
+    # On gloo, the default group: the Python entry and the native hook on torch's DDP and on shardkit's.
     via_python = TorchDDP(copy.deepcopy(module), **CAP)
     state = H.PowerSGDState(None, **OPTIONS)
     via_python.register_comm_hook(state, counting_hook)
     native = TorchDDP(copy.deepcopy(module), **CAP)
     H.register(native, H.PowerSGDState(None, **OPTIONS), kind)
-    on_shardkit_ddp = shardkit_ddp()(copy.deepcopy(module), **CAP)
-    H.register(on_shardkit_ddp, H.PowerSGDState(None, **OPTIONS), kind)
+    python_on_shardkit = shardkit_ddp()(copy.deepcopy(module), **CAP)
+    python_on_shardkit.register_comm_hook(H.PowerSGDState(None, **OPTIONS), python_hook)
+    native_on_shardkit = shardkit_ddp()(copy.deepcopy(module), **CAP)
+    H.register(native_on_shardkit, H.PowerSGDState(None, **OPTIONS), kind)
     # Two ranks: both backends add two numbers, so the results are bitwise equal; with four, gloo's ring
     # and shardkit's fixed order round differently.
     tolerance = dict(rtol=0, atol=0) if world == 2 else dict(rtol=1e-5, atol=1e-6)
-    train_lock_step(rank, [oracle, via_python, native, on_shardkit_ddp], STEPS, f"rank {rank} {kind} on gloo",
-                    **tolerance)
+    models = [oracle, via_python, native, python_on_shardkit, native_on_shardkit]
+    train_lock_step(rank, models, STEPS, f"rank {rank} {kind} on gloo", **tolerance)
     assert sorted(buckets) == list(range(BUCKETS)), f"rank {rank}: buckets {sorted(buckets)}"
     assert state.iter == STEPS and state.compression_stats()[0] > 1, state.compression_stats()
 
