@@ -1,6 +1,8 @@
 // Future plumbing shared by the compression hooks: every hook returns a Future<Tensor> at once and does
 // the rest of its work in callbacks, on whichever thread completes the collective it waits for (the
-// backend's worker), so the autograd thread never blocks on a wait.
+// backend's worker), so the autograd thread never blocks on a wait. A hook that issues a collective from
+// a callback issues it through a CollectiveSequencer (then_run_in_turn), so that every rank issues its
+// collectives in the same order (csrc/core/collective_sequencer.h explains why and how).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -8,9 +10,15 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/comm.hpp>
 
+#include <cstdint>
 #include <exception>
+#include <memory>
+#include <stdexcept>
+#include <string>
 #include <utility>
 #include <vector>
+
+#include "core/collective_sequencer.h"
 
 namespace shardkit::compress {
 
@@ -46,12 +54,58 @@ void then_run(const FuturePtr& done, const FuturePtr& result, Step step) {
   });
 }
 
-// torch's default averaging allreduce (default_hooks.allreduce_hook): divide, sum, hand `buffer` back.
-inline FuturePtr allreduce_average(const c10::intrusive_ptr<c10d::ProcessGroup>& group, at::Tensor buffer) {
-  buffer.div_(group->getSize());
-  FuturePtr result = tensor_future(buffer);
-  then_run(allreduce_sum(group, buffer), result, [result, buffer] { result->markCompleted(c10::IValue(buffer)); });
-  return result;
+// An exception's message (a c10::Error's without its C++ backtrace).
+inline std::string message_of(const std::exception_ptr& error) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  } catch (const std::exception& e) {
+    return e.what();
+  } catch (...) {
+    return "an exception that is not a std::exception";
+  }
+}
+
+// then_run, with the collective issued in `ticket`'s turn of `sequencer` (a ticket the hook reserved, on
+// the autograd thread, before issuing anything): `issue()` starts the collective and returns its Future;
+// when it completes, `step()` runs on the completing thread (and may submit the next ticket). Nothing here
+// waits for a turn. Any error — `issue`'s, the collective's, `step`'s — completes `result` with it and
+// fails the sequencer, because a collective that failed or never went out breaks the order for every
+// later ticket. A step abandoned for an earlier failure completes `result` with an error that names it
+// (`what`: "shardkit PowerSGD (rank 0): bucket 4's Q allreduce"), its owner, and the first error.
+template <typename Issue, typename Step>
+void then_run_in_turn(const std::shared_ptr<core::CollectiveSequencer>& sequencer, uint64_t ticket,
+                      const FuturePtr& result, std::string what, const char* owner, Issue issue, Step step) {
+  auto run = [sequencer, result, issue = std::move(issue), step = std::move(step)]() mutable {
+    FuturePtr done;
+    try {
+      done = issue();
+    } catch (...) {
+      sequencer->fail(std::current_exception());
+      result->setErrorIfNeeded(std::current_exception());
+      return;
+    }
+    done->addCallback([sequencer, result, step = std::move(step)](c10::ivalue::Future& finished) mutable {
+      if (finished.hasError()) {  // the sequencer first: no later ticket may go out once the error shows
+        sequencer->fail(finished.exception_ptr());
+        result->setErrorIfNeeded(finished.exception_ptr());
+        return;
+      }
+      try {
+        step();
+      } catch (...) {
+        sequencer->fail(std::current_exception());
+        result->setErrorIfNeeded(std::current_exception());
+      }
+    });
+  };
+  auto abandon = [result, what = std::move(what), owner](std::exception_ptr first) {
+    result->setErrorIfNeeded(std::make_exception_ptr(std::runtime_error(
+        what + " was not issued: an earlier collective of this " + owner + " failed, which loses the order of "
+        "collectives across ranks (build a new " + owner + " to go on). The first error: " + message_of(first))));
+  };
+  sequencer->submit(ticket, std::move(run), std::move(abandon));
 }
 
 }  // namespace shardkit::compress

@@ -12,8 +12,15 @@ namespace shardkit::compress {
 
 namespace {
 
+constexpr const char* kOwner = "PowerSGDState";
+
 std::string where(const c10d::ProcessGroup& group) {
   return "shardkit PowerSGD (rank " + std::to_string(group.getRank()) + "): ";
+}
+
+// How an error names one of a bucket's collectives: "shardkit PowerSGD (rank 0): bucket 4's P allreduce".
+std::string collective_name(const c10d::ProcessGroup& group, int64_t bucket, const char* collective) {
+  return where(group) + "bucket " + std::to_string(bucket) + "'s " + collective;
 }
 
 // One bucket's compression in flight: what every continuation of powersgd_hook needs.
@@ -103,7 +110,16 @@ FuturePtr PowerSGDState::allreduce_before_start(c10d::GradBucket& bucket) {
   }
   if (!warming_up) return {};
   finish_bucket(bucket.isLast());  // counted now, as torch's hook does on this path
-  return allreduce_average(process_group_, input);
+  // torch's default averaging allreduce (default_hooks.allreduce_hook): divide, sum, hand the bucket back.
+  const auto group = process_group_;
+  input.div_(group->getSize());
+  FuturePtr result = tensor_future(input);
+  std::string name = collective_name(*group, bucket.getIndex(), "averaging allreduce");
+  const uint64_t ticket = sequencer_->reserve(1);  // nothing may throw between reserving and submitting
+  then_run_in_turn(
+      sequencer_, ticket, result, std::move(name), kOwner, [group, input] { return allreduce_sum(group, input); },
+      [result, input] { result->markCompleted(c10::IValue(input)); });
+  return result;
 }
 
 // Error feedback in place. torch's hook adds the error into the bucket, clones the bucket and allocates
@@ -224,11 +240,18 @@ FuturePtr PowerSGDState::powersgd_hook(c10d::GradBucket& bucket) {
   }
   for (size_t i = 0; i < job->batches.size(); ++i) at::bmm_out(job->ps[i], job->batches[i], job->qs[i]);
 
-  // 4-5. Allreduce the uncompressed gradients, then P, then Q; decompress. Each step in a continuation.
+  // 4-5. Allreduce the uncompressed gradients, then P, then Q; decompress. Each step in a continuation,
+  // each collective in its turn: three consecutive tickets, reserved now (bucket order).
   const auto self = shared_from_this();
   const int64_t world = group->getSize();
   FuturePtr result = tensor_future(input);
-  then_run(allreduce_sum(group, job->uncompressed_memory), result, [self, job, group, result, world, epsilon] {
+  const auto name = [group, job](const char* collective) { return collective_name(*group, job->index, collective); };
+  std::string u_name = name("uncompressed allreduce");
+  const uint64_t ticket = sequencer_->reserve(3);  // nothing may throw between reserving and submitting
+  then_run_in_turn(
+      sequencer_, ticket, result, std::move(u_name), kOwner,
+      [group, job] { return allreduce_sum(group, job->uncompressed_memory); },
+      [self, job, group, result, world, epsilon, ticket, name] {
     job->uncompressed_memory.div_(world);
     int64_t offset = 0;
     for (auto& gradient : job->uncompressed_out) {
@@ -236,10 +259,15 @@ FuturePtr PowerSGDState::powersgd_hook(c10d::GradBucket& bucket) {
       offset += gradient.numel();
     }
     // P is not divided by the world size: it is orthogonalised next.
-    then_run(allreduce_sum(group, job->p_memory), result, [self, job, group, result, world, epsilon] {
+    then_run_in_turn(
+        self->sequencer_, ticket + 1, result, name("P allreduce"), kOwner,
+        [group, job] { return allreduce_sum(group, job->p_memory); },
+        [self, job, group, result, world, epsilon, ticket, name] {
       for (auto& p : job->ps) orthogonalize(p, epsilon);
       for (size_t i = 0; i < job->batches.size(); ++i) transposed_product(job->qs[i], job->batches[i], job->ps[i]);
-      then_run(allreduce_sum(group, job->q_memory), result, [self, job, result, world] {
+      then_run_in_turn(
+          self->sequencer_, ticket + 2, result, name("Q allreduce"), kOwner,
+          [group, job] { return allreduce_sum(group, job->q_memory); }, [self, job, result, world] {
         job->q_memory.div_(world);
         for (size_t i = 0; i < job->batches.size(); ++i) {
           at::bmm_out(job->outputs[i], job->ps[i], job->qs[i].transpose(1, 2));
@@ -310,11 +338,15 @@ FuturePtr PowerSGDState::batched_powersgd_hook(c10d::GradBucket& bucket) {
   const auto self = shared_from_this();
   const int64_t world = group->getSize();
   FuturePtr result = tensor_future(input);
-  then_run(allreduce_sum(group, p), result, [=] {
+  std::string p_name = collective_name(*group, index, "P allreduce");
+  const uint64_t ticket = sequencer_->reserve(2);  // P, Q: consecutive, reserved in bucket order
+  then_run_in_turn(
+      sequencer_, ticket, result, std::move(p_name), kOwner, [group, p] { return allreduce_sum(group, p); }, [=] {
     orthogonalize(p.unsqueeze(0), 0);
     at::Tensor q_out = q.unsqueeze(0);
     transposed_product(q_out, matrix.unsqueeze(0), p.unsqueeze(0));
-    then_run(allreduce_sum(group, q), result, [=] {
+    then_run_in_turn(self->sequencer_, ticket + 1, result, collective_name(*group, index, "Q allreduce"), kOwner,
+                     [group, q] { return allreduce_sum(group, q); }, [=] {
       q.div_(world);
       // P·Qᵀ: the rows wholly inside the bucket straight into it, the rest (the last partial row and the
       // padding rows) into a small tail.

@@ -23,6 +23,14 @@
 // Every collective is chained through futures (csrc/compress/futures.h): a hook returns at once. The state
 // is shared by all buckets and by Python (checkpoints), so its maps are guarded by a mutex; one bucket's
 // steps run one after another, and different buckets touch different entries.
+//
+// Collective order: bucket i's P and Q go out from future callbacks while the autograd thread is already
+// launching bucket i+1, so each state owns a CollectiveSequencer (csrc/core/collective_sequencer.h). A hook
+// reserves one ticket per collective it will issue (averaging: 1; powersgd: uncompressed, P, Q; batched:
+// P, Q) when it runs — bucket order, the same on every rank — and each collective goes out in its turn:
+// every rank issues U0 P0 Q0 U1 P1 Q1 ... whatever the timing. gloo and NCCL need that, as they match
+// collectives by issue order. The price: bucket i+1's first allreduce waits (without blocking anyone)
+// until bucket i's Q is out. After a failed collective the state refuses further work (the error says so).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -37,6 +45,7 @@
 #include <vector>
 
 #include "compress/futures.h"
+#include "core/collective_sequencer.h"
 #include "core/mt19937.h"
 
 namespace shardkit::compress {
@@ -81,7 +90,8 @@ class PowerSGDState : public std::enable_shared_from_this<PowerSGDState> {
   void restore(const Snapshot& snapshot);
 
  private:
-  // Before start_powerSGD_iter: torch's averaging allreduce of the bucket; afterwards null (compress it).
+  // Before start_powerSGD_iter: torch's averaging allreduce of the bucket (in its turn); afterwards null
+  // (compress it).
   FuturePtr allreduce_before_start(c10d::GradBucket& bucket);
   // Counts the bucket's iteration once the last bucket has been reduced (torch's maybe_increase_iter).
   void finish_bucket(bool last_bucket);
@@ -100,6 +110,8 @@ class PowerSGDState : public std::enable_shared_from_this<PowerSGDState> {
   std::map<int64_t, at::Tensor> error_, p_, q_;
   std::map<int64_t, at::Tensor> padded_;  // batched hook without error feedback: each bucket's padded M
   core::Mt19937 rng_;
+  // Issues every collective of the hooks in the order the hooks reserved them (see the top of this file).
+  std::shared_ptr<core::CollectiveSequencer> sequencer_ = std::make_shared<core::CollectiveSequencer>();
 };
 
 // Orthogonalises the columns of each matrix of a batch (b x n x r, r <= n) in place, as torch's

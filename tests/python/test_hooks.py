@@ -49,7 +49,8 @@ def layered(seed: int = 0) -> nn.Sequential:
                          nn.Linear(32, OUT))
 
 
-def train_lock_step(rank: int, models: list[nn.Module], steps: int, where: str, rtol: float = 1e-5) -> None:
+def train_lock_step(rank: int, models: list[nn.Module], steps: int, where: str, rtol: float = 1e-5,
+                    atol: float = 1e-6) -> None:
     """Forward+backward of the same batch on each model; every model's gradients must equal the first's."""
     for step in range(steps):
         x, y = batch(rank, step)
@@ -59,7 +60,7 @@ def train_lock_step(rank: int, models: list[nn.Module], steps: int, where: str, 
         want = [p.grad for p in models[0].parameters()]
         for k, model in enumerate(models[1:], start=1):
             for i, (g, w) in enumerate(zip((p.grad for p in model.parameters()), want)):
-                assert_close(g, w, f"{where} model {k} step {step} parameter {i}.grad", rtol=rtol, atol=1e-6)
+                assert_close(g, w, f"{where} model {k} step {step} parameter {i}.grad", rtol=rtol, atol=atol)
         with torch.no_grad():  # a plain SGD step, the same for all, so later steps see moved parameters
             for model in models:
                 for p in model.parameters():
