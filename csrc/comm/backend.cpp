@@ -81,9 +81,15 @@ template <typename OpOptions, typename Body>
 c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::launch(c10d::OpType type, const char* profiling_title,
                                                             const char* op, std::vector<at::Tensor> outputs,
                                                             const OpOptions& opts, Body body) {
-  const OpContext context{op, ++seq_, op_timeout(opts.timeout), getRank()};
-  auto work = c10::make_intrusive<ShardkitWork>(getRank(), type, profiling_title, std::move(outputs), context.seq);
-  auto run = [this, context, body = std::move(body)]() mutable { body(route(context), context); };
+  const uint64_t issued = ++seq_;
+  auto work = c10::make_intrusive<ShardkitWork>(getRank(), type, profiling_title, std::move(outputs), issued);
+  // Numbered again when it runs: collectives issued from future callbacks run at once (work_queue.h), so the
+  // order in which ops run, not the order of the calls, is the one every rank shares. Messages and the shm
+  // agreement check use that number.
+  auto run = [this, op, timeout = op_timeout(opts.timeout), body = std::move(body)]() mutable {
+    const OpContext context{op, ++executed_, timeout, getRank()};
+    body(route(context), context);
+  };
   if (compat::is_async_op(opts)) {
     queue_.enqueue(work, std::move(run));
   } else {

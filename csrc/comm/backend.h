@@ -102,7 +102,7 @@ class ProcessGroupShardkit : public c10d::Backend {
   void monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks = false) override;
   // The group's collective count (what OpContext::seq numbers): equal on every rank that issued the same
   // collectives. torch's DETAIL debug mode compares it across ranks.
-  void setSequenceNumberForGroup() override { seq_ = 0; }
+  void setSequenceNumberForGroup() override { seq_ = 0; }  // at creation, before any op
   uint64_t getSequenceNumberForGroup() override { return seq_; }
   c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst_rank, int tag) override;
   c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src_rank, int tag) override;
@@ -127,7 +127,8 @@ class ProcessGroupShardkit : public c10d::Backend {
   std::chrono::milliseconds timeout_;
   std::shared_ptr<InnerBackends> inner_;
   std::unique_ptr<Engine> engine_;
-  std::atomic<uint64_t> seq_{0};  // collectives issued on this group (numbered on the issuing thread)
+  std::atomic<uint64_t> seq_{0};       // collectives issued on this group (torch's sequence number)
+  std::atomic<uint64_t> executed_{0};  // collectives started, in the order ops run (OpContext::seq)
   WorkQueue queue_;  // last: destroyed first, so queued work finishes while the engine still exists
 };
 

@@ -31,7 +31,7 @@ namespace shardkit::comm {
 // One collective as the user issued it.
 struct OpContext {
   const char* op = "";  // the user's collective ("allreduce", "all_gather_into_tensor", ...)
-  uint64_t seq = 0;     // its number in the group (1, 2, ...): getSequenceNumberForGroup() counts the same
+  uint64_t seq = 0;     // its number in the group (1, 2, ...), in the order collectives run (the same on every rank)
   std::chrono::milliseconds timeout{0};
   int rank = 0;  // this rank in the group
 
