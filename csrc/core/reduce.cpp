@@ -1,5 +1,6 @@
 // Reduction loops behind reduce.h: a portable blocked scalar path for every (dtype, op), plus hand-written
-// AVX2 / AVX-512 Sum and divide kernels for f32, f16 and bf16, chosen once at runtime.
+// AVX2 / AVX-512 / AVX-512 with AVX512-BF16 Sum and divide kernels for f32, f16 and bf16, chosen once at
+// runtime (or by SHARDKIT_REDUCE_ISA).
 //
 // Why the code is shaped this way:
 //  * The library is compiled with plain -O3 (no -march), so anything wider than SSE2 lives in functions
@@ -13,10 +14,15 @@
 //    written: the vector kernels keep the accumulators in registers, the scalar loop in a small stack block.
 //  * Bandwidth: the vector kernels read each source once and write dst once, in one pass, with four
 //    independent accumulators per step so loads from all sources are in flight together.
+//  * Half precision per byte. f32 Sum is bound by memory; f16 and bf16 carry half the bytes per element
+//    but pay for the conversions in instructions, so those are kept few: F16C converts 8/16 lanes in one
+//    instruction each way; bf16 widens with a shift and a mask and narrows with an integer round whose NaN
+//    handling runs only when a vector holds a NaN (or, with AVX512-BF16, with vcvtne2ps2bf16).
 #include "core/reduce.h"
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -204,15 +210,20 @@ using DivKernel = size_t (*)(void* data, size_t count, float divisor);  // in pl
 #if defined(__x86_64__)
 
 #define SK_AVX2 __attribute__((target("avx2,f16c")))
-#define SK_AVX512 __attribute__((target("avx512f,avx2,f16c")))
+#define SK_AVX512 __attribute__((target("avx512f,avx512bw,avx2,f16c")))
+#define SK_AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512dq,avx512bf16,avx2,f16c")))
 #define SK_AVX2_INLINE __attribute__((target("avx2,f16c"), always_inline)) inline
-#define SK_AVX512_INLINE __attribute__((target("avx512f,avx2,f16c"), always_inline)) inline
+#define SK_AVX512_INLINE __attribute__((target("avx512f,avx512bw,avx2,f16c"), always_inline)) inline
+#define SK_AVX512BF16_INLINE \
+  __attribute__((target("avx512f,avx512bw,avx512dq,avx512bf16,avx2,f16c"), always_inline)) inline
 
 // bf16 without shuffles: a register of bf16 pairs is split into its even elements (low halves shifted up)
 // and odd elements (high halves masked), each already a valid f32. Rounding works in place on the f32 bit
-// pattern (the bf16 ends up in the upper half), and the two halves are merged back with a shift and a mask.
-// This keeps the loop off the shuffle port, which the widening/narrowing moves (vpmovzxwd/vpmovdw) saturate.
-// Per lane it is exactly f32_to_bf16(): +0x7FFF plus the kept lsb, or for NaN just the quiet bit.
+// pattern (the bf16 ends up in the upper half), and the two halves are merged back with a shift and a word
+// blend. This keeps the loop off the shuffle port, which the widening/narrowing moves (vpmovzxwd/vpmovdw)
+// saturate. Per lane it is exactly f32_to_bf16(): +0x7FFF plus the kept lsb, or for NaN just the quiet bit.
+// The NaN select costs about as much as the rounding, so store() first asks, with one unordered compare of
+// the even and odd halves, whether any of the vector's elements is NaN, and takes the select only then.
 
 struct F32x8 {
   using T = float;
@@ -253,16 +264,27 @@ struct BF16x16 {
   SK_AVX2_INLINE static Acc div(Acc a, float d) {
     return {_mm256_div_ps(a.even, _mm256_set1_ps(d)), _mm256_div_ps(a.odd, _mm256_set1_ps(d))};
   }
-  SK_AVX2_INLINE static __m256i round(__m256 v) {  // bf16 in the upper 16 bits of each lane
-    const __m256i x = _mm256_castps_si256(v);
+  // f32_to_bf16() on every lane that is not NaN, the bf16 in the upper 16 bits: + 0x7FFF + the kept lsb.
+  SK_AVX2_INLINE static __m256i round_numbers(__m256i x) {
     const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(x, 16), _mm256_set1_epi32(1));
-    const __m256i rounded = _mm256_add_epi32(x, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
+    return _mm256_add_epi32(x, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
+  }
+  // The same with NaN lanes kept as x with the quiet bit set.
+  SK_AVX2_INLINE static __m256i round_any(__m256 v) {
+    const __m256i x = _mm256_castps_si256(v);
     const __m256i quiet_nan = _mm256_or_si256(x, _mm256_set1_epi32(0x00400000));
-    return _mm256_blendv_epi8(rounded, quiet_nan, _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+    return _mm256_blendv_epi8(round_numbers(x), quiet_nan, _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
   }
   SK_AVX2_INLINE static void store(T* p, Acc a) {
-    const __m256i hi = _mm256_and_si256(round(a.odd), _mm256_set1_epi32(static_cast<int>(0xFFFF0000u)));
-    const __m256i out = _mm256_or_si256(_mm256_srli_epi32(round(a.even), 16), hi);
+    __m256i even, odd;
+    if (__builtin_expect(_mm256_movemask_ps(_mm256_cmp_ps(a.even, a.odd, _CMP_UNORD_Q)) != 0, 0)) {
+      even = round_any(a.even);
+      odd = round_any(a.odd);
+    } else {
+      even = round_numbers(_mm256_castps_si256(a.even));
+      odd = round_numbers(_mm256_castps_si256(a.odd));
+    }
+    const __m256i out = _mm256_blend_epi16(_mm256_srli_epi32(even, 16), odd, 0xAA);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), out);
   }
 };
@@ -307,16 +329,46 @@ struct BF16x32 {
   SK_AVX512_INLINE static Acc div(Acc a, float d) {
     return {_mm512_div_ps(a.even, _mm512_set1_ps(d)), _mm512_div_ps(a.odd, _mm512_set1_ps(d))};
   }
-  SK_AVX512_INLINE static __m512i round(__m512 v) {  // bf16 in the upper 16 bits of each lane
+  // As BF16x16's, with masks: + 0x7FFF, then + 1 in the lanes whose kept lsb (bit 16) is set.
+  SK_AVX512_INLINE static __m512i round_numbers(__m512i x) {
+    const __m512i up = _mm512_add_epi32(x, _mm512_set1_epi32(0x7FFF));
+    const __mmask16 odd_lsb = _mm512_test_epi32_mask(x, _mm512_set1_epi32(0x10000));
+    return _mm512_mask_add_epi32(up, odd_lsb, up, _mm512_set1_epi32(1));
+  }
+  SK_AVX512_INLINE static __m512i round_any(__m512 v) {
     const __m512i x = _mm512_castps_si512(v);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(x, 16), _mm512_set1_epi32(1));
-    const __m512i rounded = _mm512_add_epi32(x, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
-    const __m512i quiet_nan = _mm512_or_si512(x, _mm512_set1_epi32(0x00400000));
-    return _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), rounded, quiet_nan);
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    return _mm512_mask_or_epi32(round_numbers(x), nan, x, _mm512_set1_epi32(0x00400000));
   }
   SK_AVX512_INLINE static void store(T* p, Acc a) {
-    const __m512i hi = _mm512_and_si512(round(a.odd), _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)));
-    _mm512_storeu_si512(p, _mm512_or_si512(_mm512_srli_epi32(round(a.even), 16), hi));
+    __m512i even, odd;
+    if (__builtin_expect(_mm512_cmp_ps_mask(a.even, a.odd, _CMP_UNORD_Q) != 0, 0)) {
+      even = round_any(a.even);
+      odd = round_any(a.odd);
+    } else {
+      even = round_numbers(_mm512_castps_si512(a.even));
+      odd = round_numbers(_mm512_castps_si512(a.odd));
+    }
+    _mm512_storeu_si512(p, _mm512_mask_blend_epi16(0xAAAAAAAAu, _mm512_srli_epi32(even, 16), odd));
+  }
+};
+
+// With AVX512-BF16, vcvtne2ps2bf16 rounds 32 lanes to nearest even in one instruction, exactly like
+// f32_to_bf16() (NaN: quiet bit set, payload truncated; MXCSR ignored) except that it flushes f32 denormals
+// to zero. A vector holding a denormal (rare: 0 < |x| < 2^-126) therefore takes BF16x32's integer rounding
+// instead. The instruction puts the even elements in the low 16 words and the odd ones in the high 16, so
+// one word permute restores the element order.
+struct BF16x32Cvt : BF16x32 {
+  SK_AVX512BF16_INLINE static void store(T* p, Acc a) {
+    constexpr int kDenormal = 0x20;  // vfpclassps category: denormal
+    if (_mm512_kor(_mm512_fpclass_ps_mask(a.even, kDenormal), _mm512_fpclass_ps_mask(a.odd, kDenormal))) {
+      return BF16x32::store(p, a);
+    }
+    const __m512i packed = (__m512i)_mm512_cvtne2ps_pbh(a.odd, a.even);  // a vector cast: same 64 bytes
+    // Word 2j <- word j (even element j), word 2j+1 <- word 16 + j (odd element j).
+    const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
+                                           6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    _mm512_storeu_si512(p, _mm512_permutexvar_epi16(order, packed));
   }
 };
 
@@ -366,8 +418,10 @@ struct BF16x32 {
 
 SK_DEFINE_SUM_KERNEL(sum_avx2, SK_AVX2)
 SK_DEFINE_SUM_KERNEL(sum_avx512, SK_AVX512)
+SK_DEFINE_SUM_KERNEL(sum_avx512bf16, SK_AVX512BF16)
 SK_DEFINE_DIV_KERNEL(div_avx2, SK_AVX2)
 SK_DEFINE_DIV_KERNEL(div_avx512, SK_AVX512)
+SK_DEFINE_DIV_KERNEL(div_avx512bf16, SK_AVX512BF16)
 #undef SK_DEFINE_SUM_KERNEL
 #undef SK_DEFINE_DIV_KERNEL
 
@@ -387,6 +441,9 @@ constexpr IsaKernels kAvx2{"avx2",           &sum_avx2<F32x8>, &sum_avx2<F16x8>,
                            &div_avx2<F32x8>, &div_avx2<F16x8>, &div_avx2<BF16x16>};
 constexpr IsaKernels kAvx512{"avx512",           &sum_avx512<F32x16>, &sum_avx512<F16x16>, &sum_avx512<BF16x32>,
                              &div_avx512<F32x16>, &div_avx512<F16x16>, &div_avx512<BF16x32>};
+constexpr IsaKernels kAvx512Bf16{"avx512_bf16",      &sum_avx512<F32x16>, &sum_avx512<F16x16>,
+                                 &sum_avx512bf16<BF16x32Cvt>, &div_avx512<F32x16>, &div_avx512<F16x16>,
+                                 &div_avx512bf16<BF16x32Cvt>};
 #endif
 
 bool cpu_can_run(const IsaKernels* isa) {
@@ -395,15 +452,42 @@ bool cpu_can_run(const IsaKernels* isa) {
   __builtin_cpu_init();
   // __builtin_cpu_supports also checks that the OS saves the wide registers (XCR0).
   const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
-  if (isa == &kAvx512) return avx2 && __builtin_cpu_supports("avx512f");
+  const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+  if (isa == &kAvx512Bf16) {
+    return avx512 && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512bf16");
+  }
+  if (isa == &kAvx512) return avx512;
   if (isa == &kAvx2) return avx2;
 #endif
   return isa == &kScalar;
 }
 
+const IsaKernels* find_isa(const char* name, const char* where) {
+  const IsaKernels* candidates[] = {
+#if defined(__x86_64__)
+      &kAvx512Bf16, &kAvx512, &kAvx2,
+#endif
+      &kScalar};
+  for (const IsaKernels* c : candidates) {
+    if (std::strcmp(c->name, name) != 0) continue;
+    if (!cpu_can_run(c)) {
+      throw std::invalid_argument(std::string("shardkit reduce: this CPU cannot run ISA '") + name + "'" + where);
+    }
+    return c;
+  }
+  throw std::invalid_argument(std::string("shardkit reduce: unknown ISA '") + name + "'" + where +
+                              " (expected avx512_bf16, avx512, avx2 or scalar)");
+}
+
+// SHARDKIT_REDUCE_ISA, when set, replaces the automatic choice (like ATen's ATEN_CPU_CAPABILITY): to
+// measure or check a slower path on a CPU that has a faster one. A bad value fails every reduction with
+// the message above, naming the variable, rather than being ignored.
 const IsaKernels* detected_isa() {
   static const IsaKernels* const best = [] {
+    const char* env = std::getenv("SHARDKIT_REDUCE_ISA");
+    if (env != nullptr && *env != '\0') return find_isa(env, " (from SHARDKIT_REDUCE_ISA)");
 #if defined(__x86_64__)
+    if (cpu_can_run(&kAvx512Bf16)) return &kAvx512Bf16;
     if (cpu_can_run(&kAvx512)) return &kAvx512;
     if (cpu_can_run(&kAvx2)) return &kAvx2;
 #endif
@@ -577,21 +661,7 @@ void set_reduce_isa_for_testing(const char* isa) {
     g_forced_isa.store(nullptr, std::memory_order_relaxed);
     return;
   }
-  const IsaKernels* candidates[] = {
-#if defined(__x86_64__)
-      &kAvx512, &kAvx2,
-#endif
-      &kScalar};
-  for (const IsaKernels* c : candidates) {
-    if (std::strcmp(c->name, isa) != 0) continue;
-    if (!cpu_can_run(c)) {
-      throw std::invalid_argument(std::string("shardkit reduce: this CPU cannot run ISA '") + isa + "'");
-    }
-    g_forced_isa.store(c, std::memory_order_relaxed);
-    return;
-  }
-  throw std::invalid_argument(std::string("shardkit reduce: unknown ISA '") + isa +
-                              "' (expected avx512, avx2 or scalar)");
+  g_forced_isa.store(find_isa(isa, ""), std::memory_order_relaxed);
 }
 
 }  // namespace shardkit::core

@@ -44,7 +44,7 @@ bool is_bitwise(ReduceOp op) { return op == ReduceOp::BAnd || op == ReduceOp::BO
 // Every ISA this CPU can run, the automatic choice first.
 std::vector<const char*> runnable_isas() {
   std::vector<const char*> out{nullptr};
-  for (const char* isa : {"avx512", "avx2", "scalar"}) {
+  for (const char* isa : {"avx512_bf16", "avx512", "avx2", "scalar"}) {
     try {
       set_reduce_isa_for_testing(isa);
       out.push_back(isa);
@@ -569,7 +569,8 @@ TEST(ReduceDivide, IntegersTruncateTowardZeroAndWrap) {
 
 TEST(ReduceIsa, ReportsAndOverridesTheDispatch) {
   const std::string detected = shardkit::core::reduce_isa();
-  EXPECT_TRUE(detected == "avx512" || detected == "avx2" || detected == "scalar") << detected;
+  EXPECT_TRUE(detected == "avx512_bf16" || detected == "avx512" || detected == "avx2" || detected == "scalar")
+      << detected;
   std::cout << "[ reduce  ] dispatched ISA: " << detected << "\n";
   {
     IsaGuard guard("scalar");
