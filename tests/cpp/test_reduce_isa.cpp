@@ -141,25 +141,64 @@ TEST_P(IsaPath, HalfSumsWithScatteredSpecialsMatchTheReference) {
   }
 }
 
-// AVG's second half: every encoding divided by 3 is the reference quotient, rounded once.
+// AVG's second half: every encoding divided, rounded once from the f32 quotient. Powers of two take a
+// multiply by the exact inverse inside the library, which must give the quotient's bits exactly (subnormal
+// results included); 3 and 6 take the divide.
+const int64_t kDivisors[] = {3, 6, 1, 2, 4, 64, -8, int64_t{1} << 40};
+
 TEST_P(IsaPath, HalfDivideRoundsOnceForEveryEncoding) {
   for (DType d : {DType::F16, DType::BF16}) {
-    std::vector<uint16_t> h(65536);
-    for (size_t i = 0; i < h.size(); ++i) h[i] = static_cast<uint16_t>(i);
-    divide_in_place(h.data(), h.size(), d, 3);
-    int failures = 0;
-    for (size_t i = 0; i < h.size() && failures < 5; ++i) {
-      const uint16_t in = static_cast<uint16_t>(i);
-      const bool ok = is_nan_half(d, in)
-                          ? h[i] == (in | quiet_bit(d))
-                          : static_cast<bool>(float_matches(
-                                decode_half(h[i], format_of(d)),
-                                round_to_format(static_cast<float>(decode_half(in, format_of(d))) / 3.0f, format_of(d)),
-                                true));
-      if (!ok) {
-        ++failures;
-        ADD_FAILURE() << dtype_name(d) << " " << in << " / 3 gave bits " << h[i];
+    for (int64_t divisor : kDivisors) {
+      std::vector<uint16_t> h(65536);
+      for (size_t i = 0; i < h.size(); ++i) h[i] = static_cast<uint16_t>(i);
+      divide_in_place(h.data(), h.size(), d, divisor);
+      int failures = 0;
+      for (size_t i = 0; i < h.size() && failures < 5; ++i) {
+        const uint16_t in = static_cast<uint16_t>(i);
+        const float quotient = static_cast<float>(decode_half(in, format_of(d))) / static_cast<float>(divisor);
+        const bool ok = is_nan_half(d, in) ? h[i] == (in | quiet_bit(d))
+                                           : static_cast<bool>(float_matches(decode_half(h[i], format_of(d)),
+                                                                             round_to_format(quotient, format_of(d)),
+                                                                             true));
+        if (!ok) {
+          ++failures;
+          ADD_FAILURE() << dtype_name(d) << " " << in << " / " << divisor << " gave bits " << h[i];
+        }
       }
+    }
+  }
+}
+
+// f32 and f64: the library's quotient is the plain one, bit for bit (NaN payloads too), for random values
+// of every magnitude including subnormals.
+TEST_P(IsaPath, FloatDivideGivesThePlainQuotientsBits) {
+  std::mt19937_64 rng(11);
+  std::vector<uint32_t> f(1037);
+  std::vector<uint64_t> g(1037);
+  for (uint32_t& x : f) x = static_cast<uint32_t>(rng());
+  for (uint64_t& x : g) x = rng();
+  for (size_t i = 0; i < 64; ++i) {
+    f[i] &= 0x807FFFFFu;  // subnormals (and zeros): their quotients lose bits, rounded
+    g[i] &= 0x800FFFFFFFFFFFFFull;
+  }
+  for (int64_t divisor : kDivisors) {
+    std::vector<uint32_t> fq = f;
+    std::vector<uint64_t> gq = g;
+    divide_in_place(fq.data(), fq.size(), DType::F32, divisor);
+    divide_in_place(gq.data(), gq.size(), DType::F64, divisor);
+    for (size_t i = 0; i < f.size(); ++i) {
+      float x, want;
+      std::memcpy(&x, &f[i], 4);
+      want = x / static_cast<float>(divisor);
+      uint32_t want_bits;
+      std::memcpy(&want_bits, &want, 4);
+      ASSERT_EQ(fq[i], want_bits) << "f32 element " << i << " / " << divisor;
+      double y, want64;
+      std::memcpy(&y, &g[i], 8);
+      want64 = y / static_cast<double>(divisor);
+      uint64_t want64_bits;
+      std::memcpy(&want64_bits, &want64, 8);
+      ASSERT_EQ(gq[i], want64_bits) << "f64 element " << i << " / " << divisor;
     }
   }
 }
