@@ -568,6 +568,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "finished": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
     }, row_keys={"rows": row_key, "dtype_compare": lambda e: (e["world"], e["size_bytes"]),
                  "targets": lambda t: t["target"]})
+    merged.get("seconds", {}).pop("total", None)  # from files before per-run totals; each run's is in "runs"
     json_path = write_json(path, merged)
     png_path = plot(merged["rows"], args.out / "collectives.png")
     print(f"\nwrote {json_path}" + (f" and {png_path}" if png_path else "")
