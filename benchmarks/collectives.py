@@ -282,8 +282,10 @@ def compare_dtypes(world: int, cfg: BenchConfig, barrier: Callable[[], None], gl
     """shardkit's allreduce in every dtype of ALLREDUCE_DTYPES at each size, repetitions interleaved.
 
     algbw is bytes per second, so ``algbw[bf16] / algbw[f32]`` is bf16's per-byte speed relative to f32's
-    (1.0: a bf16 tensor of half the elements takes the same time as an f32 one of the same bytes).
+    (1.0: a bf16 tensor of half the elements takes the same time as an f32 one of the same bytes). Twice the
+    usual repetitions, as the ratios are what this is for.
     """
+    timing = dataclasses.replace(cfg.timing, reps=2 * cfg.timing.reps, point_s=2 * cfg.timing.point_s)
     out = []
     progress(f"world {world}: allreduce per byte, dtypes interleaved:")
     for size in cfg.sizes:
@@ -291,7 +293,7 @@ def compare_dtypes(world: int, cfg: BenchConfig, barrier: Callable[[], None], gl
         tensors = {d: torch.zeros(size // torch.tensor([], dtype=DTYPES[d]).element_size(), dtype=DTYPES[d])
                    for d in ALLREDUCE_DTYPES}
         calls = {d: (lambda t=t: dist.all_reduce(t)) for d, t in tensors.items()}
-        timings = time_interleaved(calls, {d: barrier for d in calls}, gloo, cfg.timing)
+        timings = time_interleaved(calls, {d: barrier for d in calls}, gloo, timing)
         out.append({"world": world, "size_bytes": size,
                     "latency_s": {d: t.seconds for d, t in timings.items()},
                     "algbw_GBps": {d: size / t.seconds / 1e9 for d, t in timings.items()},
@@ -361,8 +363,8 @@ def print_dtype_compare(world: int, compare: Sequence[dict[str, Any]], isa: str)
         bw = entry["algbw_GBps"]
         table.append([format_size(entry["size_bytes"]), *(f"{bw[d]:.3f}" for d in ALLREDUCE_DTYPES),
                       *(f"{bw[d] / bw['f32']:.2f}" for d in ALLREDUCE_DTYPES[1:])])
-    print(f"\n--- world {world}: bf16/f16 per-byte vs f32 — shardkit allreduce algbw, the dtypes' repetitions "
-          f"interleaved; reduce ISA {isa} ---")
+    print(f"\n--- world {world}: bf16/f16 per-byte vs f32 — shardkit allreduce algbw (median), the dtypes' "
+          f"repetitions interleaved in rotating order; reduce ISA {isa} ---")
     print(format_table(["size", *(f"{d} GB/s" for d in ALLREDUCE_DTYPES),
                         *(f"{d}/f32" for d in ALLREDUCE_DTYPES[1:])], table))
 
