@@ -129,6 +129,7 @@ $(VENV)/.bench-deps: $(VENV)/.deps
 
 bench: build $(VENV)/.bench-deps
 	$(VENV)/bin/python benchmarks/collectives.py
+	$(VENV)/bin/python benchmarks/collectives.py --hosts 2x2
 	$(VENV)/bin/python benchmarks/ddp_step.py
 	$(VENV)/bin/python benchmarks/powersgd.py
 

@@ -289,12 +289,90 @@ def time_collective(call: Callable[[], Any], barrier: Callable[[], Any], sync_gr
     return Timing(seconds=statistics.median(samples), iters=iters, samples=samples)
 
 
+def time_interleaved(calls: Mapping[str, Callable[[], Any]], barriers: Mapping[str, Callable[[], Any]],
+                     sync_group: Any, cfg: TimingConfig) -> dict[str, Timing]:
+    """Time several collectives against each other: repetition r of every call runs before r + 1 of any.
+
+    For ratios between calls (one dtype against another, one backend against another) on a machine whose
+    load drifts: each call's samples are spread over the same stretch of time, so a busy spell slows all of
+    them rather than whichever happened to run then. The order rotates from one repetition to the next, so
+    no call always runs first (measured: a 1-2% edge on a 2-core VM). ``barriers[name]`` lines up that
+    call's ranks before each of its repetitions. Iterations per call are chosen as in :func:`time_collective`.
+    """
+    iters: dict[str, int] = {}
+    for name, call in calls.items():  # warm-up and per-call estimate, as time_collective does
+        batch, warmed = 1, 0.0
+        while True:
+            start = time.perf_counter()
+            for _ in range(batch):
+                call()
+            elapsed = agree_max([time.perf_counter() - start], sync_group)[0]
+            warmed += elapsed
+            if warmed >= cfg.warmup_s or batch >= cfg.max_iters:
+                break
+            batch *= 4
+        iters[name] = max(1, min(cfg.max_iters, int(cfg.point_s / cfg.reps / max(elapsed / batch, 1e-9))))
+
+    own: dict[str, list[float]] = {name: [] for name in calls}
+    names = list(calls)
+    for rep in range(cfg.reps):
+        for name in names[rep % len(names):] + names[:rep % len(names)]:
+            barriers[name]()
+            start = time.perf_counter()
+            for _ in range(iters[name]):
+                calls[name]()
+            own[name].append((time.perf_counter() - start) / iters[name])
+    timings = {}
+    for name in calls:
+        samples = agree_max(own[name], sync_group)
+        timings[name] = Timing(seconds=statistics.median(samples), iters=iters[name], samples=samples)
+    return timings
+
+
 # --- results ----------------------------------------------------------------------------------------------
+
+def add_target(checks: list[dict[str, Any]], name: str, value: float | None, limit: float,
+               higher_is_better: bool, unit: str) -> None:
+    """Print one target and append it to ``checks``: PASS or MISS against ``limit``, SKIP if not measured."""
+    if value is None:
+        status, shown = "SKIP", "not measured"
+    else:
+        ok = value >= limit if higher_is_better else value <= limit
+        status, shown = ("PASS" if ok else "MISS"), f"{value:.3g}{unit}"
+    checks.append({"target": name, "status": status, "value": value, "limit": limit})
+    print(f"[{status}] {name}: {shown}")
+
 
 def write_json(path: Path, payload: Mapping[str, Any]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n")
     return path
+
+
+def merge_results(path: Path, new: Mapping[str, Any], row_keys: Mapping[str, Callable[[dict[str, Any]], Any]]
+                  ) -> dict[str, Any]:
+    """``new`` laid over the results already in ``path``, so a partial run does not drop other series.
+
+    Top-level values of ``new`` replace the old ones, except: a list named in ``row_keys`` keeps the old
+    entries whose key (``row_keys[name](entry)``) no new entry has, then adds the new ones; a dict merges
+    key by key (e.g. per world size). A missing or unreadable file counts as empty.
+    """
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, ValueError):
+        old = {}
+    merged: dict[str, Any] = dict(old) if isinstance(old, dict) else {}
+    for name, value in new.items():
+        previous = merged.get(name)
+        if name in row_keys and isinstance(previous, list):
+            key = row_keys[name]
+            fresh = {key(entry) for entry in value}
+            merged[name] = [entry for entry in previous if key(entry) not in fresh] + list(value)
+        elif isinstance(value, dict) and isinstance(previous, dict):
+            merged[name] = {**previous, **value}
+        else:
+            merged[name] = value
+    return merged
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,12 +3,19 @@
     python benchmarks/collectives.py                  # world 2 and 4, 4K … 64M (a few minutes)
     python benchmarks/collectives.py --quick          # fewer sizes, shorter timing (seconds)
     python benchmarks/collectives.py --world 2 --sizes 4K 1M --iters 200
+    python benchmarks/collectives.py --hosts 2x2      # 2 simulated hosts × 2 ranks: hierarchical vs flat gloo
 
 Each world size is one job of spawned ranks (file:// rendezvous in a temp dir, no ports) whose default
 group is shardkit and which also holds a gloo group over the same ranks, so both backends see the same
-processes, buffers and machine state. Measured: allreduce (f32, bf16), allgather, reduce_scatter and
+processes, buffers and machine state. Measured: allreduce (f32, bf16, f16), allgather, reduce_scatter and
 broadcast (f32). "Size" is the per-rank buffer in bytes as in nccl-tests: the allreduce/broadcast tensor,
 the allgather output, the reduce_scatter input.
+
+Half precision per byte: after the table, shardkit's allreduce is timed again in f32, bf16 and f16 with the
+repetitions of the three interleaved (see ``time_interleaved``), so that their algbw — bytes per second, the
+per-byte speed — can be compared on a machine whose load drifts. ``SHARDKIT_REDUCE_ISA`` (avx512_bf16,
+avx512, avx2, scalar) picks the reduction kernels, e.g. to see a CPU without AVX-512 on one that has it.
+``--hosts HxR`` runs the simulated-hosts job of ``_collectives_hosts.py`` instead of the world sizes.
 
   algbw = size / latency
   busbw = algbw × factor (allreduce 2(n-1)/n; allgather, reduce_scatter (n-1)/n; broadcast 1) — the
@@ -16,7 +23,8 @@ the allgather output, the reduce_scatter input.
 
 It also measures the memory-bandwidth bound (every rank copying a large buffer at once) and from it the
 fastest a large allreduce could run with shardkit's data movement (see :func:`allreduce_bound`), then
-checks the targets of the issue. Results: ``benchmarks/results/collectives.{json,png}``.
+checks the targets of the issue. Results: ``benchmarks/results/collectives.{json,png}``; a run replaces the
+series it measured and keeps the others (a ``--world 2`` run keeps the world-4 and simulated-host rows).
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _collectives_hosts import hosts_rank_main, hosts_targets, parse_hosts, print_hosts  # noqa: E402
 from _common import (  # noqa: E402  (the benchmarks folder is not a package)
     RESULTS_DIR,
     ForeignLoad,
@@ -47,16 +56,20 @@ from _common import (  # noqa: E402  (the benchmarks folder is not a package)
     format_size,
     format_table,
     format_us,
+    add_target,
     launch_ranks,
     machine_info,
+    merge_results,
     parse_size,
     plot_panels,
     time_collective,
+    time_interleaved,
     write_json,
 )
 
 OPS = ("allreduce", "allgather", "reduce_scatter", "broadcast")
-DTYPES: dict[str, torch.dtype] = {"f32": torch.float32, "bf16": torch.bfloat16}
+DTYPES: dict[str, torch.dtype] = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
+ALLREDUCE_DTYPES = ("f32", "bf16", "f16")  # the other ops run in f32 only
 BACKENDS = ("shardkit", "gloo")
 DEFAULT_SIZES = ("4K", "64K", "1M", "16M", "64M")
 QUICK_SIZES = ("4K", "1M", "64M")
@@ -95,7 +108,7 @@ class BenchConfig:
 
 def cases_for(cfg: BenchConfig) -> list[Case]:
     return [Case(op, dtype, size) for op in cfg.ops
-            for dtype in (("f32", "bf16") if op == "allreduce" else ("f32",)) for size in cfg.sizes]
+            for dtype in (ALLREDUCE_DTYPES if op == "allreduce" else ("f32",)) for size in cfg.sizes]
 
 
 # --- the collectives ---------------------------------------------------------------------------------------
@@ -128,7 +141,7 @@ def check_against_gloo(case: Case, rank: int, world: int, gloo: Any) -> None:
     """Run the case once on each backend with rank-dependent data and require identical results.
 
     Guards the timing against measuring a collective that silently does the wrong thing. The values are
-    small integers, exact in bf16 and in any summation order.
+    small integers, exact in bf16 and f16 and in any summation order.
     """
     dtype = DTYPES[case.dtype]
     results = []
@@ -206,7 +219,7 @@ def allreduce_bound(size: int, world: int, aggregate_GBps: float) -> dict[str, f
 # --- one rank ----------------------------------------------------------------------------------------------
 
 def rank_main(rank: int, world: int, store: str, cfg: BenchConfig) -> dict[str, Any] | None:
-    import shardkit  # noqa: F401  (registers the backend in this process)
+    import shardkit  # registers the backend in this process
 
     if cfg.pin:
         # Before init, so the backend's worker thread and gloo's threads inherit the mask.
@@ -259,7 +272,35 @@ def rank_main(rank: int, world: int, store: str, cfg: BenchConfig) -> dict[str, 
                          "samples_s": timing.samples})
     progress("", "\n")
     memory = copy_bandwidth(cfg.copy_bytes, world, windows)
-    return {"memory": memory, "rows": rows} if rank == 0 else None
+    compare = compare_dtypes(world, cfg, barriers["shardkit"], gloo, progress) if "allreduce" in cfg.ops else []
+    isa = shardkit._C.reduce_isa()
+    return {"memory": memory, "rows": rows, "dtype_compare": compare, "reduce_isa": isa} if rank == 0 else None
+
+
+def compare_dtypes(world: int, cfg: BenchConfig, barrier: Callable[[], None], gloo: Any,
+                   progress: Callable[..., None]) -> list[dict[str, Any]]:
+    """shardkit's allreduce in every dtype of ALLREDUCE_DTYPES at each size, repetitions interleaved.
+
+    algbw is bytes per second, so ``algbw[bf16] / algbw[f32]`` is bf16's per-byte speed relative to f32's
+    (1.0: a bf16 tensor of half the elements takes the same time as an f32 one of the same bytes). Twice the
+    usual repetitions, as the ratios are what this is for.
+    """
+    timing = dataclasses.replace(cfg.timing, reps=2 * cfg.timing.reps, point_s=2 * cfg.timing.point_s)
+    out = []
+    progress(f"world {world}: allreduce per byte, dtypes interleaved:")
+    for size in cfg.sizes:
+        progress(f" {format_size(size)}")
+        tensors = {d: torch.zeros(size // torch.tensor([], dtype=DTYPES[d]).element_size(), dtype=DTYPES[d])
+                   for d in ALLREDUCE_DTYPES}
+        calls = {d: (lambda t=t: dist.all_reduce(t)) for d, t in tensors.items()}
+        timings = time_interleaved(calls, {d: barrier for d in calls}, gloo, timing)
+        out.append({"world": world, "size_bytes": size,
+                    "latency_s": {d: t.seconds for d, t in timings.items()},
+                    "algbw_GBps": {d: size / t.seconds / 1e9 for d, t in timings.items()},
+                    "iters": {d: t.iters for d, t in timings.items()},
+                    "samples_s": {d: t.samples for d, t in timings.items()}})
+    progress("", "\n")
+    return out
 
 
 # --- reporting ---------------------------------------------------------------------------------------------
@@ -314,20 +355,28 @@ def print_world(world: int, rows: Sequence[dict[str, Any]], memory: dict[str, An
     return {"size_bytes": size, **bound, "measured_s": measured["latency_s"], "efficiency": efficiency}
 
 
-def check_targets(rows: Sequence[dict[str, Any]], bounds: dict[int, dict[str, Any] | None]
-                  ) -> list[dict[str, Any]]:
+def print_dtype_compare(world: int, compare: Sequence[dict[str, Any]], isa: str) -> None:
+    if not compare:
+        return
+    table = []
+    for entry in compare:
+        bw = entry["algbw_GBps"]
+        table.append([format_size(entry["size_bytes"]), *(f"{bw[d]:.3f}" for d in ALLREDUCE_DTYPES),
+                      *(f"{bw[d] / bw['f32']:.2f}" for d in ALLREDUCE_DTYPES[1:])])
+    print(f"\n--- world {world}: bf16/f16 per-byte vs f32 — shardkit allreduce algbw (median), the dtypes' "
+          f"repetitions interleaved in rotating order; reduce ISA {isa} ---")
+    print(format_table(["size", *(f"{d} GB/s" for d in ALLREDUCE_DTYPES),
+                        *(f"{d}/f32" for d in ALLREDUCE_DTYPES[1:])], table))
+
+
+def check_targets(rows: Sequence[dict[str, Any]], bounds: dict[int, dict[str, Any] | None],
+                  compare: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """The issue's targets for this 2-core machine class; a target whose point was not measured is SKIP."""
     k4, m64 = 4 << 10, 64 << 20
     checks: list[dict[str, Any]] = []
 
     def add(name: str, value: float | None, limit: float, higher_is_better: bool, unit: str) -> None:
-        if value is None:
-            status, shown = "SKIP", "not measured"
-        else:
-            ok = value >= limit if higher_is_better else value <= limit
-            status, shown = ("PASS" if ok else "MISS"), f"{value:.3g}{unit}"
-        checks.append({"target": name, "status": status, "value": value, "limit": limit})
-        print(f"[{status}] {name}: {shown}")
+        add_target(checks, name, value, limit, higher_is_better, unit)
 
     def get(world: int, backend: str, size: int) -> dict[str, Any] | None:
         return find_row(rows, world, backend, "allreduce", "f32", size)
@@ -343,23 +392,37 @@ def check_targets(rows: Sequence[dict[str, Any]], bounds: dict[int, dict[str, An
     add("world 2, 64M f32 allreduce ≥ 80% of the memory-bandwidth bound", eff and eff * 100, 80, True, " %")
     sk4 = get(4, "shardkit", k4)
     add("world 4, 4K f32 allreduce latency ≤ 100 µs", sk4 and sk4["latency_s"] * 1e6, 100, False, " µs")
+    # Half precision at least as fast per byte: algbw (bytes/s) at least f32's, from the interleaved timing.
+    same = next((e for e in compare if (e["world"], e["size_bytes"]) == (2, m64)), None)
+    for half in ALLREDUCE_DTYPES[1:]:
+        add(f"world 2, 64M {half} allreduce algbw ≥ f32's (interleaved; {half}/f32)",
+            same and same["algbw_GBps"][half] / same["algbw_GBps"]["f32"], 1.0, True, "×")
     return checks
 
 
-def plot(rows: Sequence[dict[str, Any]], worlds: Sequence[int], cfg: BenchConfig, path: Path) -> Path | None:
+def row_key(row: dict[str, Any]) -> tuple[Any, ...]:
+    """What a row measured: rows with the same key replace each other when results are merged."""
+    return (row.get("topology", f"1x{row['world']}"), row["world"], row["backend"], row["op"], row["dtype"],
+            row["size_bytes"])
+
+
+def plot(rows: Sequence[dict[str, Any]], path: Path) -> Path | None:
+    """Latency vs size: one panel per single-host world size in ``rows``, one per simulated-host topology."""
     panels: dict[str, list[Series]] = {}
-    for world in worlds:
+    for topology in sorted({row_key(r)[0] for r in rows}, key=lambda t: (t.startswith("1x") is False, t)):
         series = []
-        for op in cfg.ops:
-            for dtype in (("f32", "bf16") if op == "allreduce" else ("f32",)):
+        for op in OPS:
+            for dtype in (ALLREDUCE_DTYPES if op == "allreduce" else ("f32",)):
                 for backend, style in (("shardkit", "-"), ("gloo", "--")):
-                    pts = sorted((r["size_bytes"], r["latency_s"] * 1e6) for r in rows if
-                                 (r["world"], r["backend"], r["op"], r["dtype"]) == (world, backend, op, dtype))
+                    pts = sorted((r["size_bytes"], r["latency_s"] * 1e6) for r in rows if row_key(r)[0] == topology
+                                 and (r["backend"], r["op"], r["dtype"]) == (backend, op, dtype))
                     if pts:
                         series.append(Series(f"{op} {dtype} {backend}", [p[0] for p in pts], [p[1] for p in pts],
                                              color_key=f"{op} {dtype}", linestyle=style,
                                              marker="o" if backend == "shardkit" else "x"))
-        panels[f"world {world}"] = series
+        hosts, per_host = topology.split("x")
+        title = f"world {per_host}" if hosts == "1" else f"{hosts} simulated hosts × {per_host} ranks"
+        panels[title] = series
     return plot_panels(path, panels, xlabel="size (bytes per rank)", ylabel="latency (µs)",
                        suptitle="shardkit (solid) vs gloo (dashed), CPU collectives",
                        xtick_labels=lambda x: format_size(int(x)))
@@ -384,8 +447,76 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pin", action="store_true",
                    help="pin rank r to core r %% cores (default: the OS places ranks, as under torchrun); "
                         "gloo's I/O threads then share their rank's core, which slows gloo")
+    p.add_argument("--hosts", default=None, metavar="HxR",
+                   help="instead of --world: H simulated hosts of R ranks (SHARDKIT_HOST_ID = rank // R), "
+                        "f32 allreduce, shardkit's hierarchical path against flat gloo over all H·R ranks")
     p.add_argument("--out", type=Path, default=RESULTS_DIR, help="directory for collectives.json/png")
     return p.parse_args(argv)
+
+
+def run_worlds(args: argparse.Namespace, cfg: BenchConfig, machine: dict[str, Any]) -> dict[str, Any]:
+    """The single-host jobs, one per world size; returns this run's part of the results."""
+    rows: list[dict[str, Any]] = []
+    compares: list[dict[str, Any]] = []
+    memories: dict[int, dict[str, Any]] = {}
+    bounds: dict[int, dict[str, Any] | None] = {}
+    seconds: dict[str, float] = {}
+    foreign_cores: dict[str, float | None] = {}
+    isa = "?"
+    for world in args.world:
+        t0 = time.monotonic()
+        with ForeignLoad() as load:
+            result = launch_ranks(rank_main, world, cfg, timeout=900.0)[0]
+        seconds[f"world_{world}"] = time.monotonic() - t0
+        foreign_cores[str(world)] = load.cores
+        rows.extend(result["rows"])
+        compares.extend(result["dtype_compare"])
+        memories[world] = result["memory"]
+        isa = result["reduce_isa"]
+        bounds[world] = print_world(world, result["rows"], result["memory"], cfg)
+        print_dtype_compare(world, result["dtype_compare"], isa)
+        if load.cores is not None:
+            print(f"other processes used {load.cores:.2f} of {machine['usable_cores']} cores on average during "
+                  f"this world's run" + (" — numbers are noisy" if load.cores > 0.1 else ""))
+
+    print("\n=== targets (2-core machine class) ===")
+    checks = check_targets(rows, bounds, compares)
+    return {
+        "config": {"worlds": args.world, "sizes": list(cfg.sizes), "ops": list(cfg.ops),
+                   "timing": dataclasses.asdict(cfg.timing), "copy_bytes": cfg.copy_bytes,
+                   "quick": args.quick, "pin": cfg.pin, "omp_num_threads": 1,
+                   "shm_slot_bytes_env": os.environ.get("SHARDKIT_SHM_SLOT_BYTES"), "reduce_isa": isa},
+        "memory_bandwidth": {str(w): m for w, m in memories.items()},
+        "allreduce_bound": {str(w): b for w, b in bounds.items()},
+        "rows": rows,
+        "dtype_compare": compares,
+        "targets": checks,
+        "foreign_load_cores": foreign_cores,
+        "seconds": seconds,
+    }
+
+
+def run_hosts(args: argparse.Namespace, cfg: BenchConfig, hosts: int, per_host: int) -> dict[str, Any]:
+    """The simulated-hosts job (``--hosts``); returns this run's part of the results."""
+    world = hosts * per_host
+    t0 = time.monotonic()
+    with ForeignLoad() as load:
+        rows = launch_ranks(hosts_rank_main, world, cfg, per_host, timeout=900.0)[0]
+    elapsed = time.monotonic() - t0
+    print_hosts(rows, hosts, per_host, cfg.sizes)
+    if load.cores is not None:
+        print(f"other processes used {load.cores:.2f} cores on average during the run")
+    print("\n=== targets (simulated hosts) ===")
+    checks = hosts_targets(rows, hosts, per_host, cfg.sizes)
+    topology = f"{hosts}x{per_host}"
+    return {
+        "hosts_config": {topology: {"sizes": list(cfg.sizes), "timing": dataclasses.asdict(cfg.timing),
+                                    "host_id": f"SHARDKIT_HOST_ID = bench-host-<rank // {per_host}>"}},
+        "rows": rows,
+        "targets": checks,
+        "foreign_load_cores": {f"hosts_{topology}": load.cores},
+        "seconds": {f"hosts_{topology}": elapsed},
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -393,13 +524,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.monotonic()
     try:
         sizes = tuple(sorted({parse_size(s) for s in (args.sizes or (QUICK_SIZES if args.quick else DEFAULT_SIZES))}))
+        hosts = parse_hosts(args.hosts) if args.hosts else None
     except ValueError as error:
-        raise SystemExit(f"--sizes: {error}") from None
-    for world in args.world:
+        raise SystemExit(str(error)) from None
+    for world in ([hosts[0] * hosts[1]] if hosts else args.world):
         if world < 2:
             raise SystemExit(f"--world: a collective needs at least 2 ranks, got {world}")
         for size in sizes:
-            # every op must split the buffer into `world` equal parts of whole bf16/f32 elements
+            # every op must split the buffer into `world` equal parts of whole f32 (and 2-byte) elements
             if size % (world * 4):
                 raise SystemExit(f"--sizes: {size} bytes is not a multiple of 4·world = {4 * world}")
     quick = args.quick
@@ -416,52 +548,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
 
     machine = machine_info()
+    what = f"{args.hosts} simulated hosts" if hosts else f"worlds {args.world}"
     print(f"shardkit collectives benchmark — {machine['cpu_model']}, {machine['usable_cores']} cores, "
-          f"torch {machine['torch']}; worlds {args.world}, sizes {' '.join(format_size(s) for s in sizes)}")
+          f"torch {machine['torch']}; {what}, sizes {' '.join(format_size(s) for s in sizes)}")
     if machine["load_avg_1m"] > 0.5 * machine["usable_cores"]:
         print(f"warning: the machine is busy before the run (1-minute load {machine['load_avg_1m']:.1f} on "
               f"{machine['usable_cores']} cores): expect noisy numbers")
-    rows: list[dict[str, Any]] = []
-    memories: dict[int, dict[str, Any]] = {}
-    bounds: dict[int, dict[str, Any] | None] = {}
-    world_seconds: dict[int, float] = {}
-    foreign_cores: dict[int, float | None] = {}
-    for world in args.world:
-        t0 = time.monotonic()
-        with ForeignLoad() as load:
-            result = launch_ranks(rank_main, world, cfg, timeout=900.0)[0]
-        world_seconds[world] = time.monotonic() - t0
-        foreign_cores[world] = load.cores
-        rows.extend(result["rows"])
-        memories[world] = result["memory"]
-        bounds[world] = print_world(world, result["rows"], result["memory"], cfg)
-        if load.cores is not None:
-            print(f"other processes used {load.cores:.2f} of {machine['usable_cores']} cores on average during "
-                  f"this world's run" + (" — numbers are noisy" if load.cores > 0.1 else ""))
-
-    print("\n=== targets (2-core machine class) ===")
-    checks = check_targets(rows, bounds)
+    part = run_hosts(args, cfg, *hosts) if hosts else run_worlds(args, cfg, machine)
     elapsed = time.monotonic() - started
+    for entry in (*part["rows"], *part.get("dtype_compare", ())):
+        entry["run"] = machine["date"]  # which run measured it, once results of several runs are merged
 
-    args.out.mkdir(parents=True, exist_ok=True)
-    json_path = write_json(args.out / "collectives.json", {
+    path = args.out / "collectives.json"
+    merged = merge_results(path, {
         "benchmark": "collectives",
         "machine": machine,
-        "config": {"worlds": args.world, "sizes": list(sizes), "ops": list(cfg.ops),
-                   "timing": dataclasses.asdict(cfg.timing), "copy_bytes": cfg.copy_bytes,
-                   "quick": quick, "pin": cfg.pin, "omp_num_threads": 1,
-                   "shm_slot_bytes_env": os.environ.get("SHARDKIT_SHM_SLOT_BYTES")},
-        "memory_bandwidth": {str(w): m for w, m in memories.items()},
-        "allreduce_bound": {str(w): b for w, b in bounds.items()},
-        "rows": rows,
-        "targets": checks,
-        "foreign_load_cores": {str(w): c for w, c in foreign_cores.items()},
-        "seconds": {"total": elapsed, **{f"world_{w}": s for w, s in world_seconds.items()}},
+        **part,
+        "runs": {machine["date"]: {"git_commit": machine["git_commit"], "cpu_model": machine["cpu_model"],
+                                   "load_avg_1m": machine["load_avg_1m"], "argv": list(argv or sys.argv[1:]),
+                                   "reduce_isa_env": os.environ.get("SHARDKIT_REDUCE_ISA"), "seconds": elapsed}},
         "finished": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-    })
-    png_path = plot(rows, args.world, cfg, args.out / "collectives.png")
-    print(f"\nwrote {json_path}" + (f" and {png_path}" if png_path else ""))
-    print(f"total {elapsed:.0f} s (" + ", ".join(f"world {w}: {s:.0f} s" for w, s in world_seconds.items()) + ")")
+    }, row_keys={"rows": row_key, "dtype_compare": lambda e: (e["world"], e["size_bytes"]),
+                 "targets": lambda t: t["target"]})
+    merged.get("seconds", {}).pop("total", None)  # from files before per-run totals; each run's is in "runs"
+    json_path = write_json(path, merged)
+    png_path = plot(merged["rows"], args.out / "collectives.png")
+    print(f"\nwrote {json_path}" + (f" and {png_path}" if png_path else "")
+          + " (this run's series replaced, the others kept)")
+    print(f"total {elapsed:.0f} s")
     return 0
 
 

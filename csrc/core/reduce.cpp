@@ -1,9 +1,8 @@
-// Reduction loops behind reduce.h: a portable blocked scalar path for every (dtype, op), plus hand-written
-// AVX2 / AVX-512 Sum and divide kernels for f32, f16 and bf16, chosen once at runtime.
+// Reduction loops behind reduce.h: a portable blocked scalar path for every (dtype, op), validation, and
+// the dispatch to the vector Sum / divide kernels of reduce_kernels.h (AVX2, AVX-512, AVX-512 + BF16 in
+// reduce_x86.cpp), chosen once at runtime or by SHARDKIT_REDUCE_ISA.
 //
 // Why the code is shaped this way:
-//  * The library is compiled with plain -O3 (no -march), so anything wider than SSE2 lives in functions
-//    with __attribute__((target(...))) and is only called after __builtin_cpu_supports said yes.
 //  * Bitwise identical results across paths. Every path combines element i as acc = load(s0[i]);
 //    acc = op(acc, load(sk[i])) for k = 1.. in order; store(acc). Vector lanes are independent elements, so
 //    a vector kernel is just that many scalar chains side by side. The f16/bf16 conversions below are written
@@ -11,24 +10,19 @@
 //    so a vector kernel can stop at any multiple of its width and the scalar loop finishes the tail.
 //  * Exact aliasing (dst == some src) is safe because element i of every source is read before dst[i] is
 //    written: the vector kernels keep the accumulators in registers, the scalar loop in a small stack block.
-//  * Bandwidth: the vector kernels read each source once and write dst once, in one pass, with four
-//    independent accumulators per step so loads from all sources are in flight together.
 #include "core/reduce.h"
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
 
-#if defined(__x86_64__)
-// GCC 12's AVX-512 headers trip a false -Wmaybe-uninitialized on their own _mm512_undefined_*() (GCC PR 105593).
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#include <immintrin.h>
-#pragma GCC diagnostic pop
-#endif
+#include "core/reduce_kernels.h"
 
 namespace shardkit::core {
 namespace {
@@ -193,220 +187,42 @@ void reduce_scalar(void* dst, const void* const* srcs, int nsrcs, size_t begin, 
   }
 }
 
-// ---- vector Sum kernels ---------------------------------------------------------------------------------
-// Each returns how many leading elements it reduced (a multiple of its width); the caller runs the scalar
-// loop on the rest. A "lane policy" V says how one dtype loads into f32 lanes (Acc), adds, divides, and
-// stores back rounding once; kWidth is the number of elements one Acc covers.
-
-using SumKernel = size_t (*)(void* dst, const void* const* srcs, int nsrcs, size_t count);
-using DivKernel = size_t (*)(void* data, size_t count, float divisor);  // in place, for AVG
-
-#if defined(__x86_64__)
-
-#define SK_AVX2 __attribute__((target("avx2,f16c")))
-#define SK_AVX512 __attribute__((target("avx512f,avx2,f16c")))
-#define SK_AVX2_INLINE __attribute__((target("avx2,f16c"), always_inline)) inline
-#define SK_AVX512_INLINE __attribute__((target("avx512f,avx2,f16c"), always_inline)) inline
-
-// bf16 without shuffles: a register of bf16 pairs is split into its even elements (low halves shifted up)
-// and odd elements (high halves masked), each already a valid f32. Rounding works in place on the f32 bit
-// pattern (the bf16 ends up in the upper half), and the two halves are merged back with a shift and a mask.
-// This keeps the loop off the shuffle port, which the widening/narrowing moves (vpmovzxwd/vpmovdw) saturate.
-// Per lane it is exactly f32_to_bf16(): +0x7FFF plus the kept lsb, or for NaN just the quiet bit.
-
-struct F32x8 {
-  using T = float;
-  using Acc = __m256;
-  static constexpr size_t kWidth = 8;
-  SK_AVX2_INLINE static Acc load(const T* p) { return _mm256_loadu_ps(p); }
-  SK_AVX2_INLINE static Acc add(Acc a, Acc b) { return _mm256_add_ps(a, b); }
-  SK_AVX2_INLINE static Acc div(Acc a, float d) { return _mm256_div_ps(a, _mm256_set1_ps(d)); }
-  SK_AVX2_INLINE static void store(T* p, Acc v) { _mm256_storeu_ps(p, v); }
-};
-struct F16x8 {
-  using T = uint16_t;
-  using Acc = __m256;
-  static constexpr size_t kWidth = 8;
-  SK_AVX2_INLINE static Acc load(const T* p) {
-    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  }
-  SK_AVX2_INLINE static Acc add(Acc a, Acc b) { return _mm256_add_ps(a, b); }
-  SK_AVX2_INLINE static Acc div(Acc a, float d) { return _mm256_div_ps(a, _mm256_set1_ps(d)); }
-  SK_AVX2_INLINE static void store(T* p, Acc v) {
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
-  }
-};
-struct BF16x16 {
-  using T = uint16_t;
-  struct Acc {
-    __m256 even, odd;
-  };
-  static constexpr size_t kWidth = 16;
-  SK_AVX2_INLINE static Acc load(const T* p) {
-    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    return {_mm256_castsi256_ps(_mm256_slli_epi32(w, 16)),
-            _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))))};
-  }
-  SK_AVX2_INLINE static Acc add(Acc a, Acc b) {
-    return {_mm256_add_ps(a.even, b.even), _mm256_add_ps(a.odd, b.odd)};
-  }
-  SK_AVX2_INLINE static Acc div(Acc a, float d) {
-    return {_mm256_div_ps(a.even, _mm256_set1_ps(d)), _mm256_div_ps(a.odd, _mm256_set1_ps(d))};
-  }
-  SK_AVX2_INLINE static __m256i round(__m256 v) {  // bf16 in the upper 16 bits of each lane
-    const __m256i x = _mm256_castps_si256(v);
-    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(x, 16), _mm256_set1_epi32(1));
-    const __m256i rounded = _mm256_add_epi32(x, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
-    const __m256i quiet_nan = _mm256_or_si256(x, _mm256_set1_epi32(0x00400000));
-    return _mm256_blendv_epi8(rounded, quiet_nan, _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
-  }
-  SK_AVX2_INLINE static void store(T* p, Acc a) {
-    const __m256i hi = _mm256_and_si256(round(a.odd), _mm256_set1_epi32(static_cast<int>(0xFFFF0000u)));
-    const __m256i out = _mm256_or_si256(_mm256_srli_epi32(round(a.even), 16), hi);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), out);
-  }
-};
-
-struct F32x16 {
-  using T = float;
-  using Acc = __m512;
-  static constexpr size_t kWidth = 16;
-  SK_AVX512_INLINE static Acc load(const T* p) { return _mm512_loadu_ps(p); }
-  SK_AVX512_INLINE static Acc add(Acc a, Acc b) { return _mm512_add_ps(a, b); }
-  SK_AVX512_INLINE static Acc div(Acc a, float d) { return _mm512_div_ps(a, _mm512_set1_ps(d)); }
-  SK_AVX512_INLINE static void store(T* p, Acc v) { _mm512_storeu_ps(p, v); }
-};
-struct F16x16 {
-  using T = uint16_t;
-  using Acc = __m512;
-  static constexpr size_t kWidth = 16;
-  SK_AVX512_INLINE static Acc load(const T* p) {
-    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  }
-  SK_AVX512_INLINE static Acc add(Acc a, Acc b) { return _mm512_add_ps(a, b); }
-  SK_AVX512_INLINE static Acc div(Acc a, float d) { return _mm512_div_ps(a, _mm512_set1_ps(d)); }
-  SK_AVX512_INLINE static void store(T* p, Acc v) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
-                        _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-  }
-};
-struct BF16x32 {
-  using T = uint16_t;
-  struct Acc {
-    __m512 even, odd;
-  };
-  static constexpr size_t kWidth = 32;
-  SK_AVX512_INLINE static Acc load(const T* p) {
-    const __m512i w = _mm512_loadu_si512(p);
-    return {_mm512_castsi512_ps(_mm512_slli_epi32(w, 16)),
-            _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))))};
-  }
-  SK_AVX512_INLINE static Acc add(Acc a, Acc b) {
-    return {_mm512_add_ps(a.even, b.even), _mm512_add_ps(a.odd, b.odd)};
-  }
-  SK_AVX512_INLINE static Acc div(Acc a, float d) {
-    return {_mm512_div_ps(a.even, _mm512_set1_ps(d)), _mm512_div_ps(a.odd, _mm512_set1_ps(d))};
-  }
-  SK_AVX512_INLINE static __m512i round(__m512 v) {  // bf16 in the upper 16 bits of each lane
-    const __m512i x = _mm512_castps_si512(v);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(x, 16), _mm512_set1_epi32(1));
-    const __m512i rounded = _mm512_add_epi32(x, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
-    const __m512i quiet_nan = _mm512_or_si512(x, _mm512_set1_epi32(0x00400000));
-    return _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), rounded, quiet_nan);
-  }
-  SK_AVX512_INLINE static void store(T* p, Acc a) {
-    const __m512i hi = _mm512_and_si512(round(a.odd), _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)));
-    _mm512_storeu_si512(p, _mm512_or_si512(_mm512_srli_epi32(round(a.even), 16), hi));
-  }
-};
-
-// One body, stamped once per ISA: a template cannot take its target attribute as a parameter, and an
-// untargeted shared helper would not compile (GCC refuses to inline target-specific code into it).
-// Four independent steps per iteration keep loads from every source in flight; element i of every source
-// is loaded before dst[i] is stored, which is what makes dst == srcs[k] safe.
-#define SK_DEFINE_SUM_KERNEL(NAME, TARGET)                                                \
-  template <class V>                                                                      \
-  TARGET size_t NAME(void* dst, const void* const* srcs, int nsrcs, size_t count) {       \
-    using T = typename V::T;                                                              \
-    constexpr size_t W = V::kWidth;                                                       \
-    T* d = static_cast<T*>(dst);                                                          \
-    const T* s0 = static_cast<const T*>(srcs[0]);                                         \
-    size_t i = 0;                                                                         \
-    for (; i + 4 * W <= count; i += 4 * W) {                                              \
-      auto a0 = V::load(s0 + i), a1 = V::load(s0 + i + W);                                \
-      auto a2 = V::load(s0 + i + 2 * W), a3 = V::load(s0 + i + 3 * W);                    \
-      for (int k = 1; k < nsrcs; ++k) {                                                   \
-        const T* p = static_cast<const T*>(srcs[k]) + i;                                  \
-        a0 = V::add(a0, V::load(p));                                                      \
-        a1 = V::add(a1, V::load(p + W));                                                  \
-        a2 = V::add(a2, V::load(p + 2 * W));                                              \
-        a3 = V::add(a3, V::load(p + 3 * W));                                              \
-      }                                                                                   \
-      V::store(d + i, a0);                                                                \
-      V::store(d + i + W, a1);                                                            \
-      V::store(d + i + 2 * W, a2);                                                        \
-      V::store(d + i + 3 * W, a3);                                                        \
-    }                                                                                     \
-    for (; i + W <= count; i += W) {                                                      \
-      auto a = V::load(s0 + i);                                                           \
-      for (int k = 1; k < nsrcs; ++k) a = V::add(a, V::load(static_cast<const T*>(srcs[k]) + i)); \
-      V::store(d + i, a);                                                                 \
-    }                                                                                     \
-    return i;                                                                             \
-  }
-
-#define SK_DEFINE_DIV_KERNEL(NAME, TARGET)                                                \
-  template <class V>                                                                      \
-  TARGET size_t NAME(void* data, size_t count, float divisor) {                           \
-    auto* p = static_cast<typename V::T*>(data);                                          \
-    size_t i = 0;                                                                         \
-    for (; i + V::kWidth <= count; i += V::kWidth) V::store(p + i, V::div(V::load(p + i), divisor)); \
-    return i;                                                                             \
-  }
-
-SK_DEFINE_SUM_KERNEL(sum_avx2, SK_AVX2)
-SK_DEFINE_SUM_KERNEL(sum_avx512, SK_AVX512)
-SK_DEFINE_DIV_KERNEL(div_avx2, SK_AVX2)
-SK_DEFINE_DIV_KERNEL(div_avx512, SK_AVX512)
-#undef SK_DEFINE_SUM_KERNEL
-#undef SK_DEFINE_DIV_KERNEL
-
-#endif  // __x86_64__
-
 // ---- dispatch -------------------------------------------------------------------------------------------
 
-struct IsaKernels {  // nullptr kernels: the scalar loop does everything
-  const char* name;
-  SumKernel sum_f32, sum_f16, sum_bf16;
-  DivKernel div_f32, div_f16, div_bf16;
-};
+using detail::DivKernel;
+using detail::IsaKernels;
+using detail::SumKernel;
 
-constexpr IsaKernels kScalar{"scalar", nullptr, nullptr, nullptr, nullptr, nullptr, nullptr};
-#if defined(__x86_64__)
-constexpr IsaKernels kAvx2{"avx2",           &sum_avx2<F32x8>, &sum_avx2<F16x8>, &sum_avx2<BF16x16>,
-                           &div_avx2<F32x8>, &div_avx2<F16x8>, &div_avx2<BF16x16>};
-constexpr IsaKernels kAvx512{"avx512",           &sum_avx512<F32x16>, &sum_avx512<F16x16>, &sum_avx512<BF16x32>,
-                             &div_avx512<F32x16>, &div_avx512<F16x16>, &div_avx512<BF16x32>};
-#endif
+bool always() { return true; }
+constexpr IsaKernels kScalar{"scalar", &always, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr};
 
-bool cpu_can_run(const IsaKernels* isa) {
-#if defined(__x86_64__)
-  // Detection can run from a static initializer, before libgcc's own constructor has probed the CPU.
-  __builtin_cpu_init();
-  // __builtin_cpu_supports also checks that the OS saves the wide registers (XCR0).
-  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
-  if (isa == &kAvx512) return avx2 && __builtin_cpu_supports("avx512f");
-  if (isa == &kAvx2) return avx2;
-#endif
-  return isa == &kScalar;
+const IsaKernels* find_isa(const char* name, const char* where) {
+  size_t n = 0;
+  const IsaKernels* const* vector = detail::vector_isas(&n);
+  for (size_t i = 0; i <= n; ++i) {
+    const IsaKernels* c = i < n ? vector[i] : &kScalar;
+    if (std::strcmp(c->name, name) != 0) continue;
+    if (!c->cpu_can_run()) {
+      throw std::invalid_argument(std::string("shardkit reduce: this CPU cannot run ISA '") + name + "'" + where);
+    }
+    return c;
+  }
+  throw std::invalid_argument(std::string("shardkit reduce: unknown ISA '") + name + "'" + where +
+                              " (expected avx512_bf16, avx512, avx2 or scalar)");
 }
 
+// SHARDKIT_REDUCE_ISA, when set, replaces the automatic choice (like ATen's ATEN_CPU_CAPABILITY): to
+// measure or check a slower path on a CPU that has a faster one. A bad value fails every reduction with
+// the message above, naming the variable, rather than being ignored.
 const IsaKernels* detected_isa() {
   static const IsaKernels* const best = [] {
-#if defined(__x86_64__)
-    if (cpu_can_run(&kAvx512)) return &kAvx512;
-    if (cpu_can_run(&kAvx2)) return &kAvx2;
-#endif
+    const char* env = std::getenv("SHARDKIT_REDUCE_ISA");
+    if (env != nullptr && *env != '\0') return find_isa(env, " (from SHARDKIT_REDUCE_ISA)");
+    size_t n = 0;
+    const IsaKernels* const* vector = detail::vector_isas(&n);
+    for (size_t i = 0; i < n; ++i) {
+      if (vector[i]->cpu_can_run()) return vector[i];
+    }
     return &kScalar;
   }();
   return best;
@@ -499,11 +315,25 @@ void validate(const void* dst, const void* const* srcs, int nsrcs, size_t count,
 }
 
 // Floats divide in their compute type (f32 for f16/bf16) and round once; kernel == nullptr for f64.
+// When the divisor is a power of two whose inverse is a normal number (world sizes 2, 4, 8, ...), x / d
+// and x * (1 / d) are the same real number, so they round to the same bits (subnormal results, inf, NaN
+// payloads and MXCSR's FTZ/DAZ included); the multiply is several times cheaper, which is what keeps
+// AVG of a 2-byte dtype bound by memory instead of by the divider.
 template <class E>
 void divide_float(DivKernel kernel, void* data, size_t count, typename E::A divisor) {
-  const size_t done = kernel ? kernel(data, count, static_cast<float>(divisor)) : 0;
+  using A = typename E::A;
+  int exponent = 0;
+  const A inverse = A(1) / divisor;
+  const bool multiply = std::fabs(std::frexp(divisor, &exponent)) == A(0.5) &&
+                        std::fabs(inverse) >= std::numeric_limits<A>::min();
+  const A factor = multiply ? inverse : divisor;
+  const size_t done = kernel ? kernel(data, count, static_cast<float>(factor), multiply) : 0;
   auto* p = static_cast<typename E::T*>(data);
-  for (size_t i = done; i < count; ++i) p[i] = E::store(E::load(p[i]) / divisor);
+  if (multiply) {
+    for (size_t i = done; i < count; ++i) p[i] = E::store(E::load(p[i]) * factor);
+  } else {
+    for (size_t i = done; i < count; ++i) p[i] = E::store(E::load(p[i]) / factor);
+  }
 }
 
 template <class T>
@@ -577,21 +407,7 @@ void set_reduce_isa_for_testing(const char* isa) {
     g_forced_isa.store(nullptr, std::memory_order_relaxed);
     return;
   }
-  const IsaKernels* candidates[] = {
-#if defined(__x86_64__)
-      &kAvx512, &kAvx2,
-#endif
-      &kScalar};
-  for (const IsaKernels* c : candidates) {
-    if (std::strcmp(c->name, isa) != 0) continue;
-    if (!cpu_can_run(c)) {
-      throw std::invalid_argument(std::string("shardkit reduce: this CPU cannot run ISA '") + isa + "'");
-    }
-    g_forced_isa.store(c, std::memory_order_relaxed);
-    return;
-  }
-  throw std::invalid_argument(std::string("shardkit reduce: unknown ISA '") + isa +
-                              "' (expected avx512, avx2 or scalar)");
+  g_forced_isa.store(find_isa(isa, ""), std::memory_order_relaxed);
 }
 
 }  // namespace shardkit::core

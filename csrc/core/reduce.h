@@ -43,14 +43,20 @@ void reduce_into(void* dst, const void* const* srcs, int nsrcs, size_t count, DT
 // Throws std::invalid_argument for Bool, for an integer dtype with divisor == 0, or null data with count > 0.
 void divide_in_place(void* data, size_t count, DType dtype, int64_t divisor);
 
-// The vector ISA the f32 / f16 / bf16 Sum and divide loops dispatch to: "avx512", "avx2" or "scalar".
-// Chosen once, on first use, from what the CPU and OS support.
+// The vector ISA the f32 / f16 / bf16 Sum and divide loops dispatch to, fastest first:
+//   "avx512_bf16"  AVX-512 F+BW+DQ with AVX512-BF16 (bf16 rounding by vcvtne2ps2bf16)
+//   "avx512"       AVX-512 F+BW
+//   "avx2"         AVX2 + F16C
+//   "scalar"       portable C++
+// Chosen once, on first use, from what the CPU and OS support, unless the environment variable
+// SHARDKIT_REDUCE_ISA names one of these (to measure a slower path); a name that is unknown or that this CPU
+// cannot run makes every reduction throw std::invalid_argument naming the variable and the value.
 const char* reduce_isa();
 
 // --- testing ---------------------------------------------------------------------------------------------
-// Forces the dispatch to `isa` ("avx512", "avx2", "scalar"), so tests can check that every path gives the
-// same bytes; nullptr restores the automatic choice. Throws std::invalid_argument for an unknown name or an
-// ISA this CPU cannot run. Safe to call while other threads reduce: every ISA gives the same bytes.
+// Forces the dispatch to `isa` (a name above), so tests can check that every path gives the same bytes;
+// nullptr restores the automatic choice. Throws std::invalid_argument for an unknown name or an ISA this CPU
+// cannot run. Safe to call while other threads reduce: every ISA gives the same bytes.
 void set_reduce_isa_for_testing(const char* isa);
 
 }  // namespace shardkit::core
