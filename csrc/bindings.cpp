@@ -46,6 +46,7 @@ PYBIND11_MODULE(_C, m) {
       .def(py::init<>())
       .def_readwrite("shm_name", &ProcessGroupShardkit::Config::shm_name)
       .def_readwrite("slot_bytes", &ProcessGroupShardkit::Config::slot_bytes)
+      .def_readwrite("processes_on_machine", &ProcessGroupShardkit::Config::processes_on_machine)
       .def_readwrite("timeout", &ProcessGroupShardkit::Config::timeout)
       .def_readwrite("local_rank", &ProcessGroupShardkit::Config::local_rank)
       .def_readwrite("local_size", &ProcessGroupShardkit::Config::local_size)

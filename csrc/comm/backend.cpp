@@ -45,6 +45,7 @@ ProcessGroupShardkit::ProcessGroupShardkit(int rank, int size, const Config& con
   options.rank = config.local_rank;
   options.size = config.local_size;
   options.slot_bytes = config.slot_bytes;
+  options.processes_on_machine = config.processes_on_machine;
   options.timeout = config.timeout;
   if (config.num_hosts > 1) options.rank_names = layout.ranks_of(config.host_index);
   std::unique_ptr<core::ShmGroup> local;

@@ -33,6 +33,7 @@ class ProcessGroupShardkit : public c10d::Backend {
   struct Config {
     std::string shm_name;  // agreed through the Store by the Python creator (python/shardkit/backend.py)
     size_t slot_bytes = size_t{1} << 20;
+    int processes_on_machine = 0;  // see core::ShmGroup::Options (the creator passes LOCAL_WORLD_SIZE)
     std::chrono::milliseconds timeout{kBackendDefaultTimeout};
     int local_rank = 0;  // this rank's place among the ranks of its host
     int local_size = 1;  // ranks on this host (== size on one host)

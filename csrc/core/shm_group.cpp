@@ -27,8 +27,9 @@ constexpr size_t kPage = 4096;
 constexpr size_t kAbortMessageBytes = 1024;
 
 // How a wait escalates: spin (cheapest wake-up), then sched_yield, then sleep on the futex. When the
-// host's ranks outnumber the cores this process may run on (4 ranks on 2 cores in CI), every spinning
-// waiter steals the core from a rank that has not arrived yet, so the spin and yield phases shrink.
+// machine's busy processes (this group's ranks, or Options::processes_on_machine if more) outnumber the
+// cores this process may run on (4 ranks on 2 cores in CI), every spinning waiter steals the core from a
+// rank that has not arrived yet, so the spin and yield phases shrink.
 struct WaitPolicy {
   int spin_iterations;
   std::chrono::microseconds yield_for;
@@ -117,7 +118,7 @@ ShmGroup::ShmGroup(const Options& options)
       timeout_(options.timeout),
       op_timeout_(options.timeout),
       rank_names_(options.rank_names),
-      usable_cores_(usable_cores()) {
+      oversubscribed_(std::max(options.size, options.processes_on_machine) > usable_cores()) {
   if (size_ < 1 || rank_ < 0 || rank_ >= size_) {
     throw std::invalid_argument("shardkit shm: invalid rank " + std::to_string(rank_) + " for group size " +
                                 std::to_string(size_));
@@ -291,7 +292,7 @@ void ShmGroup::sync(const OpHeader& header) {
     if (aborted()) {
       throw std::runtime_error("shardkit " + where(header) + ": group aborted: " + abort_message());
     }
-    const WaitPolicy& policy = size_ > usable_cores_ ? kOversubscribed : kDedicatedCores;
+    const WaitPolicy& policy = oversubscribed_ ? kOversubscribed : kDedicatedCores;
     if (iteration < policy.spin_iterations) {
       cpu_relax();
       continue;

@@ -95,6 +95,9 @@ class ShmGroup {
     // How messages name the ranks: rank_names[r] for this group's rank r (e.g. its rank in a process group
     // spanning several hosts). Empty: the group's own numbering.
     std::vector<int> rank_names;
+    // Busy processes expected on this machine (e.g. torchrun's LOCAL_WORLD_SIZE, which also counts ranks of
+    // other groups, or of simulated hosts); waits spin less when they outnumber the cores. 0: the group size.
+    int processes_on_machine = 0;
   };
 
   explicit ShmGroup(const Options& options);
@@ -164,7 +167,7 @@ class ShmGroup {
   std::chrono::milliseconds timeout_;     // default deadline
   std::chrono::milliseconds op_timeout_;  // the running op's deadline (from its CallInfo)
   std::vector<int> rank_names_;
-  int usable_cores_;  // cores this process may run on: decides how long waits spin (see WaitPolicy)
+  bool oversubscribed_;  // more busy processes than usable cores: waits spin less (see WaitPolicy)
   std::unique_ptr<ShmSegment> segment_;
   GroupHeader* header_ = nullptr;
   RankControl* controls_ = nullptr;

@@ -44,6 +44,13 @@ def _slot_bytes() -> int:
     return value
 
 
+def _env_int(name: str, default: int) -> int:
+    try:
+        return int(os.environ.get(name, default))
+    except ValueError:
+        return default
+
+
 def host_id() -> str:
     """This machine's identity: ranks with equal ids share /dev/shm."""
     override = os.environ.get("SHARDKIT_HOST_ID")
@@ -122,6 +129,9 @@ def _create_backend(options: "dist.distributed_c10d._DistributedBackendOptions",
     config.local_of = topology.local_of
     config.shm_name = _agree_segment_name(store, config.local_rank, config.host_index, group_id)
     config.slot_bytes = _slot_bytes()
+    # torchrun's count of ranks on this machine: with simulated hosts (or several jobs' groups) more
+    # processes compete for the cores than this host's group holds, and waits should spin less.
+    config.processes_on_machine = _env_int("LOCAL_WORLD_SIZE", 0)
     config.timeout = timeout
 
     fallback = dist.ProcessGroupGloo(dist.PrefixStore("shardkit/gloo", store), rank, size, timeout)
