@@ -66,7 +66,8 @@ class Engine {
   virtual void alltoall(const OpContext& op, const at::Tensor& input, const std::vector<size_t>& send_counts,
                         at::Tensor& output, const std::vector<size_t>& recv_counts) = 0;
 
-  // destroy_process_group(): release inner backends (idempotent; nothing runs afterwards).
+  // destroy_process_group(): release what the engine alone holds (idempotent; nothing runs afterwards). The
+  // backend shuts the shared InnerBackends down itself.
   virtual void shutdown() {}
 };
 

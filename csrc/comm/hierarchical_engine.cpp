@@ -74,13 +74,13 @@ HierarchicalEngine::HierarchicalEngine(int rank, int size, HostLayout layout, st
       layout_(std::move(layout)),
       host_(layout_.host_of.at(rank)),
       local_rank_(layout_.local_of.at(rank)),
-      my_host_ranks_(layout_.ranks_of(host_)),
       max_local_size_(0),
       local_(std::move(local)),
       inner_(std::move(inner)),
       store_(std::move(store)) {
   for (int h = 0; h < layout_.num_hosts(); ++h) {
-    max_local_size_ = std::max(max_local_size_, static_cast<int>(layout_.ranks_of(h).size()));
+    hosts_.push_back(layout_.ranks_of(h));
+    max_local_size_ = std::max(max_local_size_, static_cast<int>(hosts_.back().size()));
   }
 }
 
@@ -217,7 +217,7 @@ void HierarchicalEngine::allgather(const OpContext& op, const at::Tensor& input,
     local_->gather(input.data_ptr(), leader() ? host_block.data_ptr() : nullptr, static_cast<size_t>(n), dtype, 0,
                    op.call(true));
     if (leader()) {
-      const int hosts = layout_.num_hosts();
+      const int64_t hosts = static_cast<int64_t>(hosts_.size());
       at::Tensor all_hosts = at::empty({block * hosts}, input.options());
       if (n > 0) {
         at::Tensor out_bytes = as_bytes(all_hosts);
@@ -228,8 +228,8 @@ void HierarchicalEngine::allgather(const OpContext& op, const at::Tensor& input,
                    inner_->leaders(op.where())->_allgather_base(out_bytes, in_bytes, options));
       }
       at::Tensor flat = output.view({-1});
-      for (int h = 0; h < hosts; ++h) {
-        const std::vector<int> ranks = layout_.ranks_of(h);
+      for (int64_t h = 0; h < hosts; ++h) {
+        const std::vector<int>& ranks = hosts_[h];
         for (size_t l = 0; l < ranks.size(); ++l) {
           flat.narrow(0, ranks[l] * n, n).copy_(all_hosts.narrow(0, h * block + static_cast<int64_t>(l) * n, n));
         }
@@ -251,10 +251,11 @@ void HierarchicalEngine::reduce_scatter(const OpContext& op, const at::Tensor& i
     at::Tensor host_blocks;  // the leader's: this host's ranks' blocks, in local order
     if (leader()) {
       if (n > 0) leaders_allreduce(op, partial, reduce);
-      host_blocks = at::empty({n * static_cast<int64_t>(my_host_ranks_.size())}, input.options());
+      const std::vector<int>& mine = hosts_[host_];
+      host_blocks = at::empty({n * static_cast<int64_t>(mine.size())}, input.options());
       at::Tensor flat = partial.view({-1});
-      for (size_t l = 0; l < my_host_ranks_.size(); ++l) {
-        host_blocks.narrow(0, static_cast<int64_t>(l) * n, n).copy_(flat.narrow(0, my_host_ranks_[l] * n, n));
+      for (size_t l = 0; l < mine.size(); ++l) {
+        host_blocks.narrow(0, static_cast<int64_t>(l) * n, n).copy_(flat.narrow(0, mine[l] * n, n));
       }
     }
     local_->scatter(leader() ? host_blocks.data_ptr() : nullptr, output.data_ptr(), static_cast<size_t>(n), dtype, 0,
@@ -301,7 +302,5 @@ void HierarchicalEngine::alltoall(const OpContext& op, const at::Tensor& input, 
                inner_->all_ranks(op.where())->alltoall_base(out, in, recv_bytes, send_bytes, options));
   });
 }
-
-void HierarchicalEngine::shutdown() { inner_->shutdown(); }
 
 }  // namespace shardkit::comm

@@ -68,7 +68,6 @@ class HierarchicalEngine : public Engine {
                       core::ReduceOp reduce) override;
   void alltoall(const OpContext& op, const at::Tensor& input, const std::vector<size_t>& send_counts,
                 at::Tensor& output, const std::vector<size_t>& recv_counts) override;
-  void shutdown() override;
 
  private:
   // Runs one collective's steps; on any failure aborts the group everywhere (see the header) and throws.
@@ -90,8 +89,8 @@ class HierarchicalEngine : public Engine {
   HostLayout layout_;
   int host_;
   int local_rank_;
-  std::vector<int> my_host_ranks_;  // global ranks of this host, in local order
-  int max_local_size_;
+  std::vector<std::vector<int>> hosts_;  // hosts_[h]: global ranks of host h, in local order
+  int max_local_size_;                   // ranks on the fullest host
   std::unique_ptr<core::ShmGroup> local_;
   std::shared_ptr<InnerBackends> inner_;
   c10::intrusive_ptr<c10d::Store> store_;

@@ -182,9 +182,11 @@ void ShmGroup::fail(const std::string& message) {
   throw std::runtime_error("shardkit (" + rank_name(rank_) + "): group aborted: " + abort_message());
 }
 
-std::string ShmGroup::rank_name(int r) const {
-  return "rank " + std::to_string(rank_names_.empty() ? r : rank_names_[r]);
+int ShmGroup::rank_number(int r) const {
+  return r >= 0 && r < static_cast<int>(rank_names_.size()) ? rank_names_[r] : r;
 }
+
+std::string ShmGroup::rank_name(int r) const { return "rank " + std::to_string(rank_number(r)); }
 
 std::string ShmGroup::where(const OpHeader& header) const {
   return describe(header) + " (" + rank_name(rank_) + ")";
@@ -224,7 +226,7 @@ std::string ShmGroup::describe(const OpHeader& h) const {
     if (h.kind == OpKind::AllReduce || h.kind == OpKind::Reduce || h.kind == OpKind::ReduceScatter) {
       out << ", " << reduce_op_name(h.reduce_op);
     }
-    if (h.root >= 0) out << ", root " << (rank_names_.empty() ? h.root : rank_names_[h.root]);
+    if (h.root >= 0) out << ", root " << rank_number(h.root);
   }
   out << ")";
   return out.str();
@@ -308,7 +310,7 @@ void ShmGroup::sync(const OpHeader& header) {
       for (int peer : pending) {
         int32_t pid = controls_[peer].pid;
         if (pid > 0 && process_exited(pid)) {
-          dead += (dead.empty() ? "" : ", ") + rank_name(peer).substr(5) + " (pid " + std::to_string(pid) + ")";
+          dead += (dead.empty() ? "" : ", ") + std::to_string(rank_number(peer)) + " (pid " + std::to_string(pid) + ")";
         }
       }
       if (!dead.empty()) {
@@ -317,7 +319,7 @@ void ShmGroup::sync(const OpHeader& header) {
     }
     if (now >= deadline) {
       std::string missing;
-      for (int peer : pending) missing += (missing.empty() ? "" : ", ") + rank_name(peer).substr(5);
+      for (int peer : pending) missing += (missing.empty() ? "" : ", ") + std::to_string(rank_number(peer));
       fail("shardkit " + where(header) + ": Timed out after " + std::to_string(op_timeout_.count()) +
            " ms waiting for rank(s) [" + missing + "]");
     }

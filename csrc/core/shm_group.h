@@ -152,7 +152,9 @@ class ShmGroup {
   uint8_t* slot(int rank, uint64_t round) const;
   // Aborts from inside an op and throws: `message` if this rank aborted first, else the first reason.
   [[noreturn]] void fail(const std::string& message);
-  // "rank 3": how messages name this group's rank r.
+  // How messages number this group's rank r (rank_names[r]; r itself without names or out of range), and
+  // name it ("rank 3").
+  int rank_number(int r) const;
   std::string rank_name(int r) const;
   std::string where(const OpHeader& header) const;  // "allreduce #3 (f32 x 16, sum) (rank 0)"
   void check_peer_header(int peer, const OpHeader& mine, uint64_t target);

@@ -44,6 +44,11 @@ def _slot_bytes() -> int:
     return value
 
 
+def _name_part(text: str, limit: int) -> str:
+    """`text` made safe for a shared-memory segment name: letters, digits and '_', at most `limit` chars."""
+    return "".join(ch if ch.isalnum() or ch == "_" else "_" for ch in text)[:limit]
+
+
 def _env_int(name: str, default: int) -> int:
     try:
         return int(os.environ.get(name, default))
@@ -104,7 +109,7 @@ def _agree_segment_name(store: dist.Store, local_rank: int, host_index: int, gro
     """Each host's first rank draws a name unique to this job, group and host; its peers read it."""
     key = f"shardkit/shm_name/{host_index}"
     if local_rank == 0:
-        tag = "".join(ch if ch.isalnum() or ch == "_" else "_" for ch in os.environ.get("SHARDKIT_SHM_TAG", ""))[:32]
+        tag = _name_part(os.environ.get("SHARDKIT_SHM_TAG", ""), 32)
         name = f"/shardkit-{tag + '-' if tag else ''}{os.getpid()}-{secrets.token_hex(6)}-{group_id or 'default'}-h{host_index}"
         store.set(key, name)
         return name
@@ -116,7 +121,7 @@ def _create_backend(options: "dist.distributed_c10d._DistributedBackendOptions",
         raise ValueError(f"the shardkit backend takes no pg_options, got {pg_options!r}")
     store, rank, size = options.store, options.group_rank, options.group_size
     timeout = options.timeout if isinstance(options.timeout, timedelta) else timedelta(seconds=options.timeout)
-    group_id = "".join(ch if ch.isalnum() else "_" for ch in str(options.group_id))[:40]
+    group_id = _name_part(str(options.group_id), 40)
     topology = HostTopology.from_host_ids(_exchange_host_ids(store, rank, size))
     _TOPOLOGIES[str(options.group_id)] = topology
 

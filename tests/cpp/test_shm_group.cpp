@@ -234,6 +234,25 @@ TEST(ShmGroup, TimeoutNamesTheMissingRank) {
   EXPECT_NE(errors[1].find("Timed out after 300 ms"), std::string::npos) << errors[1];
 }
 
+// A host's group inside a larger process group: messages name the ranks as the process group numbers them,
+// and the collective as the caller labelled it (here one step of a hierarchical allreduce).
+TEST(ShmGroup, MessagesUseTheCallersRankNamesAndLabel) {
+  const std::string name = unique_name();
+  auto errors = run_threads(2, [&](int rank) {
+    ShmGroup::Options options = options_for(name, rank, 2);
+    options.rank_names = {4, 9};
+    ShmGroup group(options);
+    if (rank == 1) return;  // never arrives
+    float value = 1;
+    shardkit::core::CallInfo call{std::chrono::milliseconds(300), "allreduce", 17, true};
+    group.reduce(&value, &value, 1, DType::F32, ReduceOp::Sum, 0, call);
+  });
+  EXPECT_NE(errors[0].find("allreduce #17 (step: reduce within the host, f32 x 1, sum, root 4) (rank 4): Timed out "
+                           "after 300 ms waiting for rank(s) [9]"),
+            std::string::npos)
+      << errors[0];
+}
+
 // Regression: a peer that has already moved on to the next op rewrites its header while a slower rank
 // still validates the previous one; that must never read as a disagreement (it did, before the header
 // got its own seqlock version). Four processes on however few cores, thousands of back-to-back ops.
