@@ -10,6 +10,7 @@
 
 #include "comm/backend.h"
 #include "compress/hooks.h"
+#include "core/flat_layout.h"
 #include "core/reduce.h"
 #include "ddp/reducer.h"
 #ifdef SHARDKIT_WITH_CUDA
@@ -152,6 +153,37 @@ PYBIND11_MODULE(_C, m) {
           reducer->register_comm_hook(shardkit::compress::make_native_hook(kind, std::move(state), std::move(group)));
         },
         py::arg("reducer"), py::arg("kind"), py::arg("state"), py::arg("group"));
+
+  using shardkit::core::FlatLayout;
+  using shardkit::core::FlatPiece;
+  py::class_<FlatPiece>(m, "FlatPiece")
+      .def_readonly("param", &FlatPiece::param)
+      .def_readonly("rank", &FlatPiece::rank)
+      .def_readonly("param_begin", &FlatPiece::param_begin)
+      .def_readonly("flat_begin", &FlatPiece::flat_begin)
+      .def_readonly("shard_begin", &FlatPiece::shard_begin)
+      .def_readonly("numel", &FlatPiece::numel)
+      .def("__repr__", [](const FlatPiece& p) {
+        return "FlatPiece(param=" + std::to_string(p.param) + ", rank=" + std::to_string(p.rank) +
+               ", param_begin=" + std::to_string(p.param_begin) + ", flat_begin=" + std::to_string(p.flat_begin) +
+               ", shard_begin=" + std::to_string(p.shard_begin) + ", numel=" + std::to_string(p.numel) + ")";
+      });
+  py::class_<FlatLayout>(m, "FlatLayout")
+      .def(py::init<std::vector<int64_t>, int, int64_t>(), py::arg("numels"), py::arg("world"),
+           py::arg("alignment") = 1)
+      .def_property_readonly("world", &FlatLayout::world)
+      .def_property_readonly("alignment", &FlatLayout::alignment)
+      .def_property_readonly("numels", &FlatLayout::numels)
+      .def_property_readonly("offsets", &FlatLayout::offsets)
+      .def_property_readonly("used_numel", &FlatLayout::used_numel)
+      .def_property_readonly("param_numel", &FlatLayout::param_numel)
+      .def_property_readonly("shard_numel", &FlatLayout::shard_numel)
+      .def_property_readonly("padded_numel", &FlatLayout::padded_numel)
+      .def("rank_begin", &FlatLayout::rank_begin, py::arg("rank"))
+      .def("piece", &FlatLayout::piece, py::arg("param"), py::arg("rank"))
+      .def("pieces_of_rank", &FlatLayout::pieces_of_rank, py::arg("rank"))
+      .def("pieces_of_param", &FlatLayout::pieces_of_param, py::arg("param"))
+      .def("owned_numel", &FlatLayout::owned_numel, py::arg("rank"));
 
   m.def("reduce_isa", &shardkit::core::reduce_isa, "Vector ISA the reduction loops dispatched to at runtime.");
 #ifdef SHARDKIT_WITH_CUDA
