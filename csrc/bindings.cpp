@@ -13,6 +13,7 @@
 #include "core/flat_layout.h"
 #include "core/reduce.h"
 #include "ddp/reducer.h"
+#include "fsdp/flat_param.h"
 #ifdef SHARDKIT_WITH_CUDA
 #include "cuda/cuda_ops.h"
 #endif
@@ -153,6 +154,46 @@ PYBIND11_MODULE(_C, m) {
           reducer->register_comm_hook(shardkit::compress::make_native_hook(kind, std::move(state), std::move(group)));
         },
         py::arg("reducer"), py::arg("kind"), py::arg("state"), py::arg("group"));
+
+  using shardkit::fsdp::FlatParamHandle;
+  py::class_<FlatParamHandle, std::shared_ptr<FlatParamHandle>>(m, "FlatParamHandle")
+      .def(py::init([](std::vector<at::Tensor> params, py::object shard_group, py::object replicate_group, std::string label,
+                       std::optional<at::ScalarType> param_dtype, std::optional<at::ScalarType> reduce_dtype) {
+             FlatParamHandle::Options options;
+             options.label = std::move(label);
+             options.param_dtype = param_dtype;
+             options.reduce_dtype = reduce_dtype;
+             auto group = [](const py::object& g) {  // None: no group
+               return g.is_none() ? c10::intrusive_ptr<c10d::ProcessGroup>()
+                                  : g.cast<c10::intrusive_ptr<c10d::ProcessGroup>>();
+             };
+             return std::make_shared<FlatParamHandle>(params, group(shard_group), group(replicate_group),
+                                                      std::move(options));
+           }),
+           py::arg("params"), py::arg("shard_group"), py::arg("replicate_group"), py::arg("label"),
+           py::arg("param_dtype") = std::nullopt, py::arg("reduce_dtype") = std::nullopt)
+      .def_property_readonly("layout", &FlatParamHandle::layout, py::return_value_policy::reference_internal)
+      .def_property_readonly("shard", &FlatParamHandle::shard)
+      .def_property_readonly("compute_dtype", &FlatParamHandle::compute_dtype)
+      .def_property_readonly("full_bytes", &FlatParamHandle::full_bytes)
+      .def_property_readonly("unsharded", &FlatParamHandle::unsharded)
+      .def_property_readonly("in_flight", &FlatParamHandle::in_flight)
+      .def_property_readonly("allocated", &FlatParamHandle::allocated)
+      .def_property_readonly("full_is_shard", &FlatParamHandle::full_is_shard)
+      .def_property_readonly("reduce_pending", &FlatParamHandle::reduce_pending)
+      .def("shard_views", &FlatParamHandle::shard_views)
+      .def("unshard_start", &FlatParamHandle::unshard_start, py::call_guard<py::gil_scoped_release>())
+      .def("unshard_wait", &FlatParamHandle::unshard_wait, py::call_guard<py::gil_scoped_release>())
+      .def("reshard", &FlatParamHandle::reshard, py::call_guard<py::gil_scoped_release>())
+      .def("full_alias", &FlatParamHandle::full_alias)
+      .def("views", &FlatParamHandle::views, py::arg("base"))
+      .def("reduce_start", &FlatParamHandle::reduce_start, py::arg("flat_grad"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("reduce_finish", &FlatParamHandle::reduce_finish, py::arg("params"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("accumulate_unsynced", &FlatParamHandle::accumulate_unsynced, py::arg("flat_grad"))
+      .def("gather_full_precision", &FlatParamHandle::gather_full_precision, py::call_guard<py::gil_scoped_release>())
+      .def("write_back", &FlatParamHandle::write_back, py::arg("full_values"));
 
   using shardkit::core::FlatLayout;
   using shardkit::core::FlatPiece;

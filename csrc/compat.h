@@ -3,6 +3,7 @@
 #pragma once
 
 #include <torch/csrc/autograd/variable.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Types.hpp>
 #include <torch/version.h>
 
@@ -39,5 +40,25 @@ inline bool is_async_op(const Options& opts) {
 // The handle torch returns for a parameter's gradient accumulator (an autograd Node). Its holder type has
 // changed between releases (std::shared_ptr, then c10::intrusive_ptr); take whatever this torch returns.
 using GradAccumulatorHandle = decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
+
+// One-tensor all-gather and reduce-scatter on a ProcessGroup. torch 2.13 renamed _allgather_base and
+// _reduce_scatter_base to all_gather_single / reduce_scatter_single (the old names now warn as deprecated).
+inline c10::intrusive_ptr<c10d::Work> all_gather_single(c10d::ProcessGroup& group, at::Tensor& output,
+                                                        at::Tensor& input) {
+#if SHARDKIT_TORCH_AT_LEAST(2, 13)
+  return group.all_gather_single(output, input);
+#else
+  return group._allgather_base(output, input);
+#endif
+}
+
+inline c10::intrusive_ptr<c10d::Work> reduce_scatter_single(c10d::ProcessGroup& group, at::Tensor& output,
+                                                            at::Tensor& input, const c10d::ReduceScatterOptions& opts) {
+#if SHARDKIT_TORCH_AT_LEAST(2, 13)
+  return group.reduce_scatter_single(output, input, opts);
+#else
+  return group._reduce_scatter_base(output, input, opts);
+#endif
+}
 
 }  // namespace shardkit::compat

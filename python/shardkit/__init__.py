@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import torch  # noqa: F401  (loads libtorch before the extension)
 
-from . import _C, hooks
+from . import _C, fsdp, hooks, wrap
 from .backend import register_backend
 from .ddp import DistributedDataParallel
+from .fsdp import FullyShardedDataParallel
 from .zero import ZeroRedundancyOptimizer
 
 __version__ = "0.1.0"
-__all__ = ["DistributedDataParallel", "ZeroRedundancyOptimizer", "__version__", "hooks", "register_backend"]
+__all__ = ["DistributedDataParallel", "FullyShardedDataParallel", "ZeroRedundancyOptimizer", "__version__", "fsdp",
+           "hooks", "register_backend", "wrap"]
 
 register_backend()

@@ -1,0 +1,265 @@
+#include "fsdp/flat_param.h"
+
+#include <c10/core/StorageImpl.h>
+
+#include <algorithm>
+#include <utility>
+
+#include "compat.h"
+
+namespace shardkit::fsdp {
+
+namespace {
+
+// Frees a tensor's memory but keeps its storage object, so every tensor sharing that storage (autograd's
+// saved views) sees the memory again after restore_storage().
+void release_storage(const at::Tensor& tensor) {
+  c10::StorageImpl* storage = tensor.storage().unsafeGetStorageImpl();
+  storage->set_data_ptr_noswap(at::DataPtr(nullptr, storage->device()));
+  storage->set_nbytes(0);
+}
+
+void restore_storage(const at::Tensor& tensor, size_t nbytes) {
+  c10::StorageImpl* storage = tensor.storage().unsafeGetStorageImpl();
+  if (storage->nbytes() == nbytes) return;
+  TORCH_INTERNAL_ASSERT(storage->allocator() != nullptr, "FSDP full buffer without an allocator");
+  storage->set_data_ptr_noswap(storage->allocator()->allocate(nbytes));
+  storage->set_nbytes(nbytes);
+}
+
+void wait_or_explain(const c10::intrusive_ptr<c10d::Work>& work, const std::string& where) {
+  try {
+    work->wait();
+  } catch (const std::exception& error) {
+    TORCH_CHECK(false, where, error.what());
+  }
+}
+
+}  // namespace
+
+FlatParamHandle::FlatParamHandle(const std::vector<at::Tensor>& params,
+                                 c10::intrusive_ptr<c10d::ProcessGroup> shard_group,
+                                 c10::intrusive_ptr<c10d::ProcessGroup> replicate_group, Options options)
+    : shard_group_(std::move(shard_group)), replicate_group_(std::move(replicate_group)), options_(std::move(options)) {
+  rank_ = shard_group_ ? shard_group_->getRank() : 0;
+  TORCH_CHECK(!params.empty(), where("flatten"), "no parameters to flatten");
+  const at::Tensor& first = params.front();
+  std::vector<int64_t> numels;
+  for (const at::Tensor& p : params) {
+    TORCH_CHECK(p.scalar_type() == first.scalar_type() && p.device() == first.device(), where("flatten"),
+                "parameters of one flat parameter must share dtype and device; got ", p.scalar_type(), " on ",
+                p.device(), " beside ", first.scalar_type(), " on ", first.device());
+    shapes_.push_back(p.sizes().vec());
+    numels.push_back(p.numel());
+  }
+  compute_dtype_ = options_.param_dtype.value_or(first.scalar_type());
+  reduce_dtype_ = options_.reduce_dtype.value_or(compute_dtype_);
+  const int64_t element = static_cast<int64_t>(c10::elementSize(compute_dtype_));
+  layout_ = core::FlatLayout(std::move(numels), shard_world(), std::max<int64_t>(1, options_.alignment_bytes / element));
+
+  shard_ = at::zeros({layout_.shard_numel()}, first.options().requires_grad(false));
+  {
+    at::NoGradGuard no_grad;
+    for (const core::FlatPiece& piece : layout_.pieces_of_rank(rank_)) {
+      shard_.narrow(0, piece.shard_begin, piece.numel)
+          .copy_(params[piece.param].detach().reshape(-1).narrow(0, piece.param_begin, piece.numel));
+    }
+  }
+  full_is_shard_ = shard_world() == 1 && compute_dtype_ == first.scalar_type();
+  if (full_is_shard_) {
+    full_ = shard_;
+    state_ = State::kUnsharded;
+  } else {
+    full_ = at::empty({layout_.padded_numel()}, shard_.options().dtype(compute_dtype_));
+    release_storage(full_);
+  }
+}
+
+std::string FlatParamHandle::where(const std::string& op) const {
+  return "shardkit FSDP (rank " + std::to_string(rank_) + ", unit '" + options_.label + "') " + op + ": ";
+}
+
+std::vector<at::Tensor> FlatParamHandle::shard_views() const {
+  std::vector<at::Tensor> views;
+  views.reserve(shapes_.size());
+  for (size_t i = 0; i < shapes_.size(); ++i) {
+    if (shard_world() == 1) {
+      views.push_back(shard_.narrow(0, layout_.offsets()[i], layout_.numels()[i]).view(shapes_[i]));
+    } else {
+      const core::FlatPiece piece = layout_.piece(i, rank_);
+      views.push_back(shard_.narrow(0, piece.shard_begin, piece.numel));
+    }
+  }
+  return views;
+}
+
+int64_t FlatParamHandle::full_bytes() const {
+  return layout_.padded_numel() * static_cast<int64_t>(c10::elementSize(compute_dtype_));
+}
+
+void FlatParamHandle::unshard_start() {
+  if (state_ != State::kSharded) return;
+  restore_storage(full_, static_cast<size_t>(full_bytes()));
+  const int64_t S = layout_.shard_numel();
+  at::Tensor mine = full_.narrow(0, rank_ * S, S);
+  {
+    at::NoGradGuard no_grad;
+    mine.copy_(shard_);  // the copy-in: straight into this rank's slice of the output, cast on the way
+  }
+  if (shard_world() == 1) {
+    state_ = State::kUnsharded;
+    return;
+  }
+  gather_ = compat::all_gather_single(*shard_group_, full_, mine);
+  state_ = State::kGathering;
+}
+
+void FlatParamHandle::unshard_wait() {
+  if (state_ == State::kSharded) unshard_start();
+  if (state_ == State::kGathering) {
+    auto work = std::move(gather_);
+    state_ = State::kUnsharded;  // the buffer is ours again whatever the outcome
+    wait_or_explain(work, where("all-gather"));
+  }
+}
+
+void FlatParamHandle::reshard() {
+  if (full_is_shard_ || state_ == State::kSharded) return;
+  if (state_ == State::kGathering) unshard_wait();  // never free memory a collective still writes
+  release_storage(full_);
+  state_ = State::kSharded;
+}
+
+at::Tensor FlatParamHandle::full_alias() const {
+  TORCH_CHECK(state_ == State::kUnsharded, where("views"), "the parameters are not gathered");
+  return full_.variable_data();
+}
+
+std::vector<at::Tensor> FlatParamHandle::views(const at::Tensor& base) const {
+  TORCH_CHECK(base.dim() == 1 && base.numel() == layout_.padded_numel(), where("views"),
+              "expected a flat tensor of ", layout_.padded_numel(), " elements, got shape ", base.sizes());
+  // One split over parameters, alignment gaps and padding: autograd's SplitBackward concatenates the
+  // parameters' gradients (zeros for gaps and unused parameters) into one flat gradient, in one pass.
+  std::vector<int64_t> sizes;
+  std::vector<size_t> chunk_of_param;
+  int64_t cursor = 0;
+  for (size_t i = 0; i < shapes_.size(); ++i) {
+    if (layout_.offsets()[i] > cursor) sizes.push_back(layout_.offsets()[i] - cursor);
+    chunk_of_param.push_back(sizes.size());
+    sizes.push_back(layout_.numels()[i]);
+    cursor = layout_.offsets()[i] + layout_.numels()[i];
+  }
+  if (layout_.padded_numel() > cursor) sizes.push_back(layout_.padded_numel() - cursor);
+  std::vector<at::Tensor> chunks = at::split_with_sizes(base, sizes);
+  std::vector<at::Tensor> views;
+  views.reserve(shapes_.size());
+  for (size_t i = 0; i < shapes_.size(); ++i) views.push_back(chunks[chunk_of_param[i]].view(shapes_[i]));
+  return views;
+}
+
+void FlatParamHandle::reduce_start(at::Tensor flat_grad) {
+  TORCH_CHECK(!pending_.has_value(), where("reduce-scatter"), "the previous reduction was not finished");
+  TORCH_CHECK(flat_grad.dim() == 1 && flat_grad.numel() == layout_.padded_numel(), where("reduce-scatter"),
+              "expected a flat gradient of ", layout_.padded_numel(), " elements, got shape ", flat_grad.sizes());
+  at::NoGradGuard no_grad;
+  if (unsynced_grad_.defined()) {
+    flat_grad.add_(unsynced_grad_);
+    unsynced_grad_ = at::Tensor();
+  }
+  // Divide before the sum, as torch's DDP does: every rank contributes grad / ranks.
+  const int64_t contributors = static_cast<int64_t>(shard_world()) * replicate_world();
+  PendingReduce pending;
+  if (flat_grad.scalar_type() == reduce_dtype_) {
+    pending.input = flat_grad.div_(contributors);
+  } else {
+    pending.input = at::empty_like(flat_grad, flat_grad.options().dtype(reduce_dtype_));
+    at::div_out(pending.input, flat_grad, at::scalar_tensor(contributors, flat_grad.options()));  // cast fused
+  }
+  if (shard_world() > 1) {
+    pending.output = at::empty({layout_.shard_numel()}, pending.input.options());
+    c10d::ReduceScatterOptions opts;
+    opts.reduceOp = c10d::ReduceOp::SUM;
+    pending.scatter = compat::reduce_scatter_single(*shard_group_, pending.output, pending.input, opts);
+  } else {
+    pending.output = pending.input;
+  }
+  if (replicate_group_) {
+    // The replica all-reduce needs the scattered shard: issued once the reduce-scatter is done.
+    if (pending.scatter) wait_or_explain(std::exchange(pending.scatter, {}), where("reduce-scatter"));
+    std::vector<at::Tensor> tensors{pending.output};
+    pending.replicate = replicate_group_->allreduce(tensors);
+  }
+  pending_ = std::move(pending);
+}
+
+void FlatParamHandle::reduce_finish(const std::vector<at::Tensor>& params) {
+  if (!pending_.has_value()) return;
+  PendingReduce pending = std::move(*pending_);
+  pending_.reset();
+  TORCH_CHECK(params.size() == shapes_.size(), where("reduce"), "expected ", shapes_.size(), " parameters, got ",
+              params.size());
+  if (pending.scatter) wait_or_explain(pending.scatter, where("reduce-scatter"));
+  if (pending.replicate) wait_or_explain(pending.replicate, where("replica all-reduce"));
+  at::NoGradGuard no_grad;
+  at::Tensor result = pending.output.scalar_type() == shard_.scalar_type() ? pending.output
+                                                                             : pending.output.to(shard_.scalar_type());
+  for (size_t i = 0; i < params.size(); ++i) {
+    at::Tensor piece;
+    if (shard_world() == 1) {
+      piece = result.narrow(0, layout_.offsets()[i], layout_.numels()[i]).view(shapes_[i]);
+    } else {
+      const core::FlatPiece where_piece = layout_.piece(i, rank_);
+      piece = result.narrow(0, where_piece.shard_begin, where_piece.numel);
+    }
+    at::Tensor param = params[i];
+    TORCH_CHECK(param.sizes() == piece.sizes(), where("reduce"), "parameter ", i, " has shape ", param.sizes(),
+                " but its shard piece has shape ", piece.sizes(),
+                " (was the parameter replaced with `p.data = ...` outside summon_full_params?)");
+    at::Tensor& grad = param.mutable_grad();
+    if (grad.defined()) {
+      grad.add_(piece);
+    } else {
+      grad = piece;
+    }
+  }
+}
+
+void FlatParamHandle::accumulate_unsynced(const at::Tensor& flat_grad) {
+  at::NoGradGuard no_grad;
+  if (unsynced_grad_.defined()) {
+    unsynced_grad_.add_(flat_grad);
+  } else {
+    unsynced_grad_ = flat_grad;
+  }
+}
+
+std::vector<at::Tensor> FlatParamHandle::gather_full_precision() {
+  at::NoGradGuard no_grad;
+  at::Tensor buffer = at::empty({layout_.padded_numel()}, shard_.options());
+  const int64_t S = layout_.shard_numel();
+  at::Tensor mine = buffer.narrow(0, rank_ * S, S);
+  mine.copy_(shard_);
+  if (shard_world() > 1) wait_or_explain(compat::all_gather_single(*shard_group_, buffer, mine), where("all-gather"));
+  std::vector<at::Tensor> values;
+  values.reserve(shapes_.size());
+  for (size_t i = 0; i < shapes_.size(); ++i) {
+    values.push_back(buffer.narrow(0, layout_.offsets()[i], layout_.numels()[i]).view(shapes_[i]));
+  }
+  return values;
+}
+
+void FlatParamHandle::write_back(const std::vector<at::Tensor>& full_values) {
+  TORCH_CHECK(full_values.size() == shapes_.size(), where("write back"), "expected ", shapes_.size(),
+              " values, got ", full_values.size());
+  for (size_t i = 0; i < shapes_.size(); ++i) {
+    TORCH_CHECK(full_values[i].sizes() == at::IntArrayRef(shapes_[i]), where("write back"), "value ", i,
+                " has shape ", full_values[i].sizes(), ", the parameter's is ", at::IntArrayRef(shapes_[i]));
+  }
+  at::NoGradGuard no_grad;
+  for (const core::FlatPiece& piece : layout_.pieces_of_rank(rank_)) {
+    shard_.narrow(0, piece.shard_begin, piece.numel)
+        .copy_(full_values[piece.param].detach().reshape(-1).narrow(0, piece.param_begin, piece.numel));
+  }
+}
+
+}  // namespace shardkit::fsdp

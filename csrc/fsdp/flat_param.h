@@ -1,0 +1,130 @@
+// FlatParamHandle: the parameters of one FSDP unit that share a dtype and requires_grad, as one flat,
+// sharded parameter (shardkit.FullyShardedDataParallel, python/shardkit/fsdp.py, drives it from module hooks).
+//
+// Layout: core::FlatLayout over the parameters' numels, the shard group's size and a 16-byte alignment.
+// Between steps this rank holds only `shard` (S elements of the parameters' own dtype, the master copy);
+// the user's parameters are views of it (shard_views: this rank's piece of each, 1-D, possibly empty; the
+// whole parameter in its own shape when the shard group has one rank), so an optimizer steps the shard in
+// place and holds state for this rank's elements only.
+//
+// Unshard (forward, backward): the full buffer holds world · S elements of the compute dtype (param_dtype of
+// mixed precision, else the parameters' dtype). This rank's shard is cast-copied straight into its own
+// slice of the full buffer, which is then the all-gather's input: no staging buffer, no copy-out, because
+// the parameters are used as views of the full buffer (views(), autograd-aware when given the leaf that
+// aliases it). Reshard releases the full buffer's storage but keeps the storage object, so tensors autograd
+// saved in forward see the data again once the next unshard re-allocates and re-fills it (the backward
+// all-gather of FULL_SHARD). The buffer is written only through a tensor with its own version counter, so
+// re-filling it never trips autograd's in-place check on the saved views.
+//
+// Reduce (after a unit's backward): the flat gradient (compute dtype, full size) is divided by the number
+// of ranks that contribute (shard group × replicate group) while cast into the reduce dtype — one pass —,
+// reduce-scattered (SUM) over the shard group into S elements and, when there is a replicate group
+// (HYBRID_SHARD, NO_SHARD), all-reduced over it. reduce_finish() waits and hands each parameter its piece
+// of the result as .grad: a view of the reduced shard when the parameter had no gradient, added into it
+// otherwise (what .grad accumulation across backwards does). No work on gradient elements happens for
+// frozen parameters: they live in a handle of their own that never reduces.
+//
+// Errors name the unit (`label`), the rank and the offending value. Collectives are issued on the calling
+// thread in call order; the caller (the autograd thread, in hook order) keeps that order the same on
+// every rank.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "core/flat_layout.h"
+
+namespace shardkit::fsdp {
+
+class FlatParamHandle {
+ public:
+  struct Options {
+    std::string label;                          // the unit's module path, for messages
+    std::optional<at::ScalarType> param_dtype;  // compute dtype of the full buffer (mixed precision)
+    std::optional<at::ScalarType> reduce_dtype; // dtype of the gradient reduction
+    int64_t alignment_bytes = 16;
+  };
+
+  // `params`: the unit's parameters of one dtype and device, full-shaped (their current values become the
+  // shard). `shard_group` null: this rank alone holds the whole flat parameter (NO_SHARD); `replicate_group`
+  // null: no replication.
+  FlatParamHandle(const std::vector<at::Tensor>& params, c10::intrusive_ptr<c10d::ProcessGroup> shard_group,
+                  c10::intrusive_ptr<c10d::ProcessGroup> replicate_group, Options options);
+
+  const core::FlatLayout& layout() const { return layout_; }
+  const at::Tensor& shard() const { return shard_; }
+  // Per parameter: the user-visible sharded value (see the header comment).
+  std::vector<at::Tensor> shard_views() const;
+  at::ScalarType compute_dtype() const { return compute_dtype_; }
+  int64_t full_bytes() const;
+
+  // --- unshard / reshard ---
+  // Issues the all-gather into the full buffer (nothing when unsharded or in flight already).
+  void unshard_start();
+  // Waits for an all-gather in flight (starting one first if none is).
+  void unshard_wait();
+  bool unsharded() const { return state_ == State::kUnsharded; }
+  bool in_flight() const { return state_ == State::kGathering; }
+  bool allocated() const { return state_ != State::kSharded; }
+  // The full buffer is the shard itself (one-rank shard group, no cast): always there, never released.
+  bool full_is_shard() const { return full_is_shard_; }
+  void reshard();
+  // The full buffer as a tensor of its own version counter (an autograd leaf is made from it).
+  at::Tensor full_alias() const;
+  // Per parameter: `base` (the full buffer or a tensor aliasing it, e.g. the autograd leaf) split into the
+  // parameters' shapes, in one split so that autograd packs their gradients into one flat gradient.
+  std::vector<at::Tensor> views(const at::Tensor& base) const;
+
+  // --- gradients ---
+  // `flat_grad`: the gradient of the full buffer (compute dtype, padded size; consumed). `unsynced`: the
+  // gradient accumulated under no_sync, added first.
+  void reduce_start(at::Tensor flat_grad);
+  // Waits for the reduction and writes each parameter's piece into its .grad (params: the user's
+  // parameters, in handle order). Nothing when no reduction is pending.
+  void reduce_finish(const std::vector<at::Tensor>& params);
+  bool reduce_pending() const { return pending_.has_value(); }
+  // no_sync(): accumulates a backward's flat gradient locally (full size), reduced with the next synced one.
+  void accumulate_unsynced(const at::Tensor& flat_grad);
+
+  // --- full precision gather (summon_full_params, state dicts) ---
+  // A blocking all-gather of the shard in its own dtype; returns per parameter a full-shaped tensor.
+  std::vector<at::Tensor> gather_full_precision();
+  // Copies this rank's piece of each given full-shaped value into the shard (summon writeback, loading).
+  void write_back(const std::vector<at::Tensor>& full_values);
+
+ private:
+  enum class State { kSharded, kGathering, kUnsharded };
+  struct PendingReduce {
+    at::Tensor input;   // reduce dtype, padded size (kept alive until the collective completes)
+    at::Tensor output;  // reduce dtype, S elements
+    c10::intrusive_ptr<c10d::Work> scatter;     // null when the shard group has one rank
+    c10::intrusive_ptr<c10d::Work> replicate;   // null without a replicate group (issued after `scatter`)
+  };
+
+  std::string where(const std::string& op) const;
+  int shard_world() const { return shard_group_ ? shard_group_->getSize() : 1; }
+  int replicate_world() const { return replicate_group_ ? replicate_group_->getSize() : 1; }
+
+  std::vector<std::vector<int64_t>> shapes_;
+  core::FlatLayout layout_;
+  c10::intrusive_ptr<c10d::ProcessGroup> shard_group_;
+  c10::intrusive_ptr<c10d::ProcessGroup> replicate_group_;
+  Options options_;
+  int rank_ = 0;
+  at::ScalarType compute_dtype_;
+  at::ScalarType reduce_dtype_;
+  at::Tensor shard_;
+  // The full buffer; when it is the shard itself (one-rank shard group, no cast) it is never released.
+  at::Tensor full_;
+  bool full_is_shard_ = false;
+  State state_ = State::kSharded;
+  c10::intrusive_ptr<c10d::Work> gather_;
+  std::optional<PendingReduce> pending_;
+  at::Tensor unsynced_grad_;
+};
+
+}  // namespace shardkit::fsdp

@@ -1,0 +1,597 @@
+"""shardkit.FullyShardedDataParallel: fused flat-parameter sharding (ZeRO-3) with torch FSDP1's arguments.
+
+Units. The auto-wrap policy (``shardkit.wrap``, FSDP1's signatures) picks modules as units; the wrapped
+module itself is the root unit. Nothing is replaced in the module tree: units are ordinary modules with
+forward hooks, so ``named_parameters()`` and ``state_dict()`` keys equal the unwrapped model's. Each
+parameter belongs to exactly one unit: the closest unit enclosing every module that registers it (a tied
+embedding and LM head are one parameter, owned once). A unit's parameters of one dtype and requires_grad
+form one flat parameter, a C++ ``FlatParamHandle`` (csrc/fsdp/flat_param.h: layout, copy-in, all-gather,
+views, reduce-scatter, mixed-precision casts). Frozen parameters therefore never get gradient memory.
+
+Between steps every parameter is a view of this rank's piece of its flat shard (1-D, possibly empty; the
+whole parameter under NO_SHARD), so an optimizer built from ``model.parameters()`` steps 1/N of the model.
+
+One iteration, per unit (hooks run on the autograd/forward thread, in an order every rank shares, so the
+collectives they issue match on every backend — DESIGN.md, "Collective order"):
+
+  pre-forward    all-gather the flat parameter (or wait for the prefetched one); the module's parameters
+                 become views of the full buffer; forward_prefetch issues the next unit's all-gather.
+  post-forward   the sharded parameters come back; FULL_SHARD / HYBRID_SHARD free the full buffer (the
+                 root keeps it: backward starts with it); a hook on the outputs marks the pre-backward.
+  pre-backward   all-gather again if freed; BACKWARD_PRE prefetches the next unit in backward order.
+  post-backward  (autograd accumulated the unit's flat gradient into the leaf that aliases the full
+                 buffer) the gradient is cast/divided and reduce-scattered; the full buffer is freed.
+  end            (an autograd callback) every reduction is finished in issue order and each parameter's
+                 piece lands in its ``.grad``; every full buffer is freed.
+
+Prefetch orders are those of the first iteration. ``limit_all_gathers``: a prefetch is issued only while
+fewer than two non-root units hold full buffers, so at most the root and two units are gathered at once.
+At most one reduction is in flight besides the one just issued.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import enum
+import math
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import _C, _exchange
+from .backend import host_id
+from .wrap import as_policy, assign_parameters, choose_units
+
+__all__ = ["BackwardPrefetch", "FullyShardedDataParallel", "MixedPrecision", "ShardingStrategy"]
+
+_BROADCAST_BUCKET_BYTES = 250 << 20
+
+
+class ShardingStrategy(enum.Enum):
+    FULL_SHARD = enum.auto()  # parameters, gradients and optimizer state sharded; full buffers freed after use
+    SHARD_GRAD_OP = enum.auto()  # as FULL_SHARD, but the full buffers live from forward through backward
+    NO_SHARD = enum.auto()  # replicated (DDP's memory), gradients all-reduced
+    HYBRID_SHARD = enum.auto()  # FULL_SHARD inside each host, replicated across hosts
+
+
+class BackwardPrefetch(enum.Enum):
+    BACKWARD_PRE = enum.auto()  # the next unit's all-gather is issued when a unit's backward starts
+    BACKWARD_POST = enum.auto()  # ... when a unit's backward ends
+
+
+@dataclasses.dataclass
+class MixedPrecision:
+    """FSDP1's MixedPrecision: the full buffers (forward and backward compute) in ``param_dtype``, the gradient
+    reduction in ``reduce_dtype`` (default: param_dtype), floating buffers in ``buffer_dtype`` (cast once, at
+    wrapping). The shards, and so the optimizer, stay in the parameters' own dtype."""
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    buffer_dtype: torch.dtype | None = None
+    keep_low_precision_grads: bool = False
+    cast_forward_inputs: bool = False
+    cast_root_forward_inputs: bool = True
+
+
+@dataclasses.dataclass(eq=False)
+class _FlatGroup:
+    """One FlatParamHandle and the user's parameters it holds, in handle order."""
+
+    handle: Any  # _C.FlatParamHandle
+    params: list[nn.Parameter]
+    names: list[str]
+    occurrences: list[list[tuple[nn.Module, str]]]  # every (module, attribute) registering each parameter
+    trainable: bool
+    leaf: torch.Tensor | None = None  # this iteration's autograd leaf aliasing the full buffer
+
+
+@dataclasses.dataclass(eq=False)
+class _Unit:
+    name: str
+    module: nn.Module
+    groups: list[_FlatGroup]
+    is_root: bool
+    parent: "_Unit | None" = None
+
+    @property
+    def label(self) -> str:
+        return self.name or "(root)"
+
+
+class FullyShardedDataParallel(nn.Module):
+    """ZeRO-3 data parallelism with torch FSDP1's arguments (``use_orig_params=True`` semantics, the only mode).
+
+    See the module docstring for how it works and README "Sharding" for what differs from torch.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        process_group: dist.ProcessGroup | tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None,
+        sharding_strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD,
+        auto_wrap_policy: Callable[..., bool] | set[type[nn.Module]] | None = None,
+        mixed_precision: MixedPrecision | None = None,
+        backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE,
+        forward_prefetch: bool = False,
+        limit_all_gathers: bool = True,
+        sync_module_states: bool = False,
+        device_id: int | torch.device | None = None,
+        ignored_modules: list[nn.Module] | None = None,
+    ) -> None:
+        super().__init__()
+        _refuse_wrapped(module)
+        if not isinstance(sharding_strategy, ShardingStrategy):
+            raise TypeError(f"sharding_strategy must be a shardkit.fsdp.ShardingStrategy, got {sharding_strategy!r}")
+        mixed_precision = mixed_precision or MixedPrecision()
+        if mixed_precision.keep_low_precision_grads:
+            raise NotImplementedError("shardkit FSDP: MixedPrecision(keep_low_precision_grads=True) is not supported; "
+                                      "gradients are returned in the parameters' dtype")
+        self._fsdp_wrapped_module = module
+        self.sharding_strategy = sharding_strategy
+        self.mixed_precision = mixed_precision
+        self.backward_prefetch = backward_prefetch
+        self.forward_prefetch = forward_prefetch
+        self.limit_all_gathers = limit_all_gathers
+        if device_id is not None:
+            module.to(torch.device("cuda", device_id) if isinstance(device_id, int) else torch.device(device_id))
+        self._shard_group, self._replicate_group, self.process_group = _groups(sharding_strategy, process_group)
+        self.rank = dist.get_rank(self.process_group)
+
+        ignored = {id(p) for m in (ignored_modules or []) for p in m.parameters()}
+        managed = [(n, p) for n, p in module.named_parameters() if id(p) not in ignored]
+        if not managed:
+            raise ValueError(f"shardkit FSDP (rank {self.rank}): the module has no parameters to shard "
+                             f"({type(module).__name__}{', all ignored' if ignored else ''})")
+        devices = {str(p.device) for _, p in managed}
+        if len(devices) > 1:
+            raise ValueError(f"shardkit FSDP (rank {self.rank}): parameters on mixed devices {sorted(devices)}: "
+                             + ", ".join(f"{n} on {p.device}" for n, p in managed[:8]))
+        if sync_module_states:
+            self._broadcast_from_rank0([p.detach() for _, p in managed] + [b.detach() for b in module.buffers()])
+        if mixed_precision.buffer_dtype is not None:
+            for b in module.buffers():
+                if b.is_floating_point():
+                    b.data = b.data.to(mixed_precision.buffer_dtype)
+
+        unit_modules = choose_units(module, as_policy(auto_wrap_policy), {id(m) for m in ignored_modules or []})
+        owners = assign_parameters(module, unit_modules, ignored)
+        self._verify_same_layout_everywhere(owners)
+        self._units = [self._make_unit(name, m, owners[name]) for name, m in unit_modules]
+        by_module = {id(u.module): u for u in self._units}
+        for u in self._units[1:]:
+            path = u.name.split(".")
+            for cut in range(len(path) - 1, -1, -1):  # the closest enclosing unit
+                parent = by_module.get(id(module.get_submodule(".".join(path[:cut]))))
+                if parent is not None:
+                    u.parent = parent
+                    break
+        self._root = self._units[0]
+        for u in self._units:
+            u.module._shardkit_fsdp_unit = u
+            u.module.register_forward_pre_hook(self._make_pre_forward(u), with_kwargs=True)
+            u.module.register_forward_hook(self._make_post_forward(u))
+
+        # Iteration state.
+        self._require_backward_grad_sync = True
+        self._forward_order: list[_Unit] = []
+        self._backward_order: list[_Unit] = []
+        self._orders_frozen = False
+        self._backward_pending = False  # a forward with autograd ran; its backward has not ended yet
+        self._callback_queued = False
+        self._pending: list[_FlatGroup] = []  # reductions in flight, in issue order
+        self._summoned = False
+        self._gathered_bytes = 0
+        self.peak_gathered_bytes = 0  # the most bytes of full buffers (compute dtype) alive at once
+        self.collective_counts = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
+
+    # --- construction ---------------------------------------------------------------------------------
+    def _make_unit(self, name: str, module: nn.Module, params: list[tuple[str, nn.Parameter]]) -> _Unit:
+        occurrences: dict[int, list[tuple[nn.Module, str]]] = {}
+        for sub in module.modules():
+            for attr, p in sub._parameters.items():
+                if p is not None:
+                    occurrences.setdefault(id(p), []).append((sub, attr))
+        keyed: dict[tuple[torch.dtype, bool], list[tuple[str, nn.Parameter]]] = {}
+        for fqn, p in params:
+            keyed.setdefault((p.dtype, p.requires_grad), []).append((fqn, p))
+        groups = []
+        mp = self.mixed_precision
+        for (dtype, trainable), members in keyed.items():
+            floating = dtype.is_floating_point
+            handle = _C.FlatParamHandle([p.detach() for _, p in members], self._shard_group, self._replicate_group,
+                                        label=name or "(root)", param_dtype=mp.param_dtype if floating else None,
+                                        reduce_dtype=(mp.reduce_dtype or mp.param_dtype) if floating else None)
+            ps = [p for _, p in members]
+            for p, view in zip(ps, handle.shard_views()):
+                p.data = view
+            groups.append(_FlatGroup(handle, ps, [n for n, _ in members], [occurrences[id(p)] for p in ps], trainable))
+        return _Unit(name, module, groups, is_root=name == "")
+
+    def _verify_same_layout_everywhere(self, owners: dict[str, list[tuple[str, nn.Parameter]]]) -> None:
+        mine = [(unit, [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in params])
+                for unit, params in owners.items()]
+        everyone = _exchange.all_gather_object(mine, self.process_group)
+        reference = everyone[0]
+        differing = [r for r, theirs in enumerate(everyone) if theirs != reference]
+        if not differing:
+            return
+        theirs = everyone[differing[0]]
+        for position in range(max(len(reference), len(theirs))):
+            a = reference[position] if position < len(reference) else None
+            b = theirs[position] if position < len(theirs) else None
+            if a != b:
+                unit = (a or b)[0] or "(root)"
+                raise RuntimeError(
+                    f"shardkit FSDP (rank {self.rank}): unit '{unit}' differs between ranks: rank 0 has "
+                    f"{_describe_unit(a)}, rank{'s' if len(differing) > 1 else ''} "
+                    f"{', '.join(map(str, differing))} {'have' if len(differing) > 1 else 'has'} "
+                    f"{_describe_unit(b)}; wrap the same model with the same policy on every rank")
+
+    def _broadcast_from_rank0(self, tensors: list[torch.Tensor]) -> None:
+        # Replicas first, then inside each shard group: every rank ends with global rank 0's values.
+        for group in (self._replicate_group, self._shard_group):
+            if group is not None and tensors:
+                dist._broadcast_coalesced(group, tensors, _BROADCAST_BUCKET_BYTES, 0)
+
+    # --- nn.Module surface ----------------------------------------------------------------------------
+    @property
+    def module(self) -> nn.Module:
+        """The wrapped module (FSDP1's name)."""
+        return self._fsdp_wrapped_module
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "_fsdp_wrapped_module":
+                raise
+            return getattr(self._fsdp_wrapped_module, name)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
+        """The unwrapped model's names (no wrapper prefix); values are the sharded parameters."""
+        return self._fsdp_wrapped_module.named_parameters(prefix, recurse, remove_duplicate)
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True,
+                      remove_duplicate: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+        return self._fsdp_wrapped_module.named_buffers(prefix, recurse, remove_duplicate)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self._fsdp_wrapped_module(*args, **kwargs)
+
+    def state_dict(self, *args: Any, destination=None, prefix: str = "", keep_vars: bool = False):
+        """The full state dict (FSDP1's default FULL_STATE_DICT): the unwrapped model's keys and shapes, on
+        every rank. A collective: call it on every rank."""
+        if args:
+            raise TypeError("state_dict takes keyword arguments only (destination=, prefix=, keep_vars=)")
+        with FullyShardedDataParallel.summon_full_params(self, writeback=False):
+            state = self._fsdp_wrapped_module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+            if keep_vars:  # the parameters go back to their shards on exit: hand out the gathered values
+                for key, value in list(state.items()):
+                    if isinstance(value, nn.Parameter):
+                        state[key] = value.detach()
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True, assign: bool = False):
+        """Loads a full (unwrapped model's) state dict, from any world size. A collective."""
+        if assign:
+            raise NotImplementedError("shardkit FSDP: load_state_dict(assign=True) is not supported; the parameters "
+                                      "are views of the flat shards and are loaded by copy")
+        with FullyShardedDataParallel.summon_full_params(self, writeback=True):
+            return self._fsdp_wrapped_module.load_state_dict(state_dict, strict=strict)
+
+    # --- training API -----------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate full (unsharded) gradients locally; the first backward after it
+        reduces them together with its own."""
+        previous = self._require_backward_grad_sync
+        self._require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self._require_backward_grad_sync = previous
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """torch.nn.utils.clip_grad_norm_ over the whole model, from the gradient shards (a collective:
+        call on every rank). Returns the total norm (float32) and scales every gradient by
+        ``max_norm / (total + 1e-6)`` when that is below 1."""
+        norm_type = float(norm_type)
+        grads = [p.grad for u in self._units for g in u.groups if g.trainable for p in g.params if p.grad is not None]
+        device = next(self.parameters()).device
+        if norm_type == math.inf:
+            local = torch.stack([g.abs().max() for g in grads if g.numel()]).max().float() if any(
+                g.numel() for g in grads) else torch.zeros((), device=device)
+            local = local.reshape(1).clone()
+            if self._shard_group is not None:
+                dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self._shard_group)
+            total = local[0]
+        else:
+            norms = [torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in grads]
+            local = (torch.stack(norms).pow(norm_type).sum() if norms else torch.zeros((), device=device)).reshape(1)
+            if self._shard_group is not None:
+                dist.all_reduce(local, op=dist.ReduceOp.SUM, group=self._shard_group)
+            total = local[0] ** (1.0 / norm_type)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coef.to(g.dtype))
+        return total
+
+    @staticmethod
+    @contextlib.contextmanager
+    def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool = True, rank0_only: bool = False,
+                           offload_to_cpu: bool = False, with_grads: bool = False) -> Iterator[None]:
+        """Inside, every parameter of ``module``'s shardkit FSDP roots is whole (full precision, its own shape)
+        on every rank: for evaluation, generation, inspection. ``writeback=True`` keeps what was changed
+        (this rank's piece of each parameter goes back into its shard). A collective: call on every rank."""
+        if rank0_only or with_grads:
+            raise NotImplementedError(f"shardkit FSDP: summon_full_params({'rank0_only' if rank0_only else 'with_grads'}"
+                                      "=True) is not supported")
+        roots = [m for m in module.modules() if isinstance(m, FullyShardedDataParallel)]
+        if not roots:
+            raise ValueError(f"summon_full_params: {type(module).__name__} holds no shardkit FullyShardedDataParallel")
+        with contextlib.ExitStack() as stack:
+            for root in roots:
+                stack.enter_context(root._summon(writeback, offload_to_cpu))
+            yield
+
+    # --- summon ---------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _summon(self, writeback: bool, offload_to_cpu: bool) -> Iterator[None]:
+        if self._summoned:
+            raise RuntimeError(f"shardkit FSDP (rank {self.rank}): summon_full_params is already active")
+        self._end_iteration()
+        groups = [g for u in self._units for g in u.groups]
+        for g in groups:  # every rank gathers the groups in the same order
+            values = g.handle.gather_full_precision()
+            for p, value in zip(g.params, values):
+                p.data = value.cpu() if offload_to_cpu else value
+        self._summoned = True
+        try:
+            yield
+        finally:
+            self._summoned = False
+            for g in groups:
+                if writeback:
+                    g.handle.write_back([p.data for p in g.params])
+                for p, view in zip(g.params, g.handle.shard_views()):
+                    p.data = view
+
+    # --- hooks --------------------------------------------------------------------------------------------
+    def _make_pre_forward(self, unit: _Unit):
+        def pre_forward(module: nn.Module, args: tuple, kwargs: dict):
+            if self._summoned:
+                return None
+            if unit.is_root:
+                self._start_iteration()
+            training = torch.is_grad_enabled()
+            if training and not self._orders_frozen and unit not in self._forward_order:
+                self._forward_order.append(unit)
+            self._unshard(unit)
+            if self.forward_prefetch and self._orders_frozen:
+                self._prefetch_after(unit, self._forward_order)
+            self._use_full_views(unit, training)
+            mp = self.mixed_precision
+            if mp.param_dtype is not None and (mp.cast_forward_inputs or (unit.is_root and mp.cast_root_forward_inputs)):
+                return _cast_floating((args, kwargs), mp.param_dtype)
+            return None
+
+        return pre_forward
+
+    def _make_post_forward(self, unit: _Unit):
+        def post_forward(module: nn.Module, args: tuple, output: Any):
+            if self._summoned:
+                return None
+            for g in unit.groups:
+                for p, places in zip(g.params, g.occurrences):
+                    for owner, attr in places:
+                        owner._parameters[attr] = p
+            outputs = [t for t in _tensors_in(output) if t.requires_grad]
+            will_backward = torch.is_grad_enabled() and bool(outputs)
+            if will_backward:
+                torch.autograd.graph.register_multi_grad_hook(outputs, lambda _: self._pre_backward(unit), mode="any")
+                self._backward_pending = True
+            keep = unit.is_root or self.sharding_strategy in (ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.NO_SHARD)
+            if not (keep and will_backward):
+                self._reshard(unit)
+            return None
+
+        return post_forward
+
+    def _pre_backward(self, unit: _Unit) -> None:
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        if not self._orders_frozen and unit not in self._backward_order:
+            self._backward_order.append(unit)
+        self._unshard(unit)
+        if self.backward_prefetch == BackwardPrefetch.BACKWARD_PRE and self._orders_frozen:
+            self._prefetch_after(unit, self._backward_order)
+
+    def _post_backward(self, unit: _Unit, group: _FlatGroup) -> None:
+        """Runs when autograd has accumulated `group`'s flat gradient into its leaf."""
+        grad, group.leaf.grad = group.leaf.grad, None
+        if grad is not None:
+            if self._require_backward_grad_sync:
+                while self._pending:  # at most one reduction in flight besides this one
+                    done = self._pending.pop(0)
+                    done.handle.reduce_finish(done.params)
+                group.handle.reduce_start(grad)
+                self._pending.append(group)
+                self.collective_counts["reduce_scatter"] += self._shard_group is not None
+                self.collective_counts["all_reduce"] += self._replicate_group is not None
+            else:
+                group.handle.accumulate_unsynced(grad)
+        # Every backward node that read this group's views ran before autograd accumulated into its leaf, so
+        # its full buffer can go now. Frozen groups have no leaf: later nodes may still read them; they are
+        # freed at the end of backward.
+        self._reshard_group(group)
+        if self.backward_prefetch == BackwardPrefetch.BACKWARD_POST and self._orders_frozen:
+            self._prefetch_after(unit, self._backward_order)
+
+    def _end_of_backward(self) -> None:
+        for g in self._pending:
+            g.handle.reduce_finish(g.params)
+        self._pending.clear()
+        for u in self._units:
+            for g in u.groups:
+                g.leaf = None
+            self._reshard(u)
+        self._callback_queued = False
+        self._backward_pending = False
+        self._orders_frozen = True
+
+    def _start_iteration(self) -> None:
+        if not self._backward_pending:
+            self._end_iteration()
+
+    def _end_iteration(self) -> None:
+        """Drops what a forward without backward (evaluation, an abandoned graph) left gathered: the shards
+        may change before the next forward (optimizer step, load_state_dict)."""
+        for g in self._pending:
+            g.handle.reduce_finish(g.params)
+        self._pending.clear()
+        for u in self._units:
+            for g in u.groups:
+                g.leaf = None
+            self._reshard(u)
+        self._backward_pending = False
+
+    # --- gathering ------------------------------------------------------------------------------------
+    def _start_gather(self, unit: _Unit) -> None:
+        for g in unit.groups:
+            if not g.handle.allocated:
+                g.handle.unshard_start()
+                self._gathered_bytes += g.handle.full_bytes
+                self.peak_gathered_bytes = max(self.peak_gathered_bytes, self._gathered_bytes)
+                self.collective_counts["all_gather"] += self._shard_group is not None
+
+    def _unshard(self, unit: _Unit) -> None:
+        self._start_gather(unit)
+        for g in unit.groups:
+            g.handle.unshard_wait()
+
+    def _reshard(self, unit: _Unit) -> None:
+        for g in unit.groups:
+            self._reshard_group(g)
+
+    def _reshard_group(self, group: _FlatGroup) -> None:
+        if group.handle.allocated and not group.handle.full_is_shard:
+            group.handle.reshard()
+            self._gathered_bytes -= group.handle.full_bytes
+
+    def _prefetch_after(self, unit: _Unit, order: list[_Unit]) -> None:
+        try:
+            following = order[order.index(unit) + 1]
+        except (ValueError, IndexError):
+            return
+        if all(g.handle.allocated for g in following.groups):
+            return
+        if self.limit_all_gathers:
+            held = sum(1 for u in self._units if not u.is_root and u is not following
+                       and any(g.handle.allocated and not g.handle.full_is_shard for g in u.groups))
+            if held >= 2:
+                return
+        self._start_gather(following)
+
+    def _use_full_views(self, unit: _Unit, training: bool) -> None:
+        for g in unit.groups:
+            if g.trainable and training:
+                if g.leaf is None:
+                    g.leaf = g.handle.full_alias().requires_grad_(True)
+                    g.leaf.register_post_accumulate_grad_hook(
+                        lambda _leaf, unit=unit, group=g: self._post_backward(unit, group))
+                base = g.leaf
+            else:
+                base = g.handle.full_alias()
+            for places, view in zip(g.occurrences, g.handle.views(base)):
+                for owner, attr in places:
+                    owner._parameters[attr] = view
+
+
+# --- helpers -----------------------------------------------------------------------------------------------
+def _refuse_wrapped(module: nn.Module) -> None:
+    if isinstance(module, FullyShardedDataParallel):
+        raise ValueError("shardkit FSDP: the module is already a shardkit FullyShardedDataParallel")
+    for name, sub in module.named_modules():
+        if isinstance(sub, FullyShardedDataParallel) or hasattr(sub, "_shardkit_fsdp_unit"):
+            raise ValueError(f"shardkit FSDP: submodule '{name or '(root)'}' is already wrapped by shardkit "
+                             "FullyShardedDataParallel; wrap the unwrapped model once (use auto_wrap_policy for "
+                             "nested units)")
+
+
+def _groups(strategy: ShardingStrategy, process_group):
+    """(shard group, replicate group, the group spanning both) for a strategy."""
+    if strategy == ShardingStrategy.HYBRID_SHARD:
+        if isinstance(process_group, tuple):
+            shard, replicate = process_group
+            return shard, replicate, shard
+        return _hybrid_groups(process_group)
+    if isinstance(process_group, tuple):
+        raise ValueError(f"a (shard, replicate) process group pair is for HYBRID_SHARD, not {strategy.name}")
+    group = process_group if process_group is not None else dist.distributed_c10d._get_default_group()
+    if strategy == ShardingStrategy.NO_SHARD or dist.get_world_size(group) == 1:
+        return None, (group if dist.get_world_size(group) > 1 else None), group
+    return group, None, group
+
+
+def _hybrid_groups(process_group):
+    world = dist.distributed_c10d._get_default_group()
+    if process_group is not None and dist.get_process_group_ranks(process_group) != list(range(dist.get_world_size())):
+        raise ValueError("HYBRID_SHARD over a subgroup: pass process_group=(shard_group, replicate_group)")
+    hosts = _exchange.all_gather_object(host_id(), world)
+    by_host: dict[str, list[int]] = {}
+    for rank, host in enumerate(hosts):
+        by_host.setdefault(host, []).append(rank)
+    sizes = {host: len(ranks) for host, ranks in by_host.items()}
+    if len(set(sizes.values())) != 1:
+        raise ValueError(f"shardkit FSDP (rank {dist.get_rank()}): HYBRID_SHARD needs the same number of ranks on "
+                         f"every host, got {sizes}")
+    mine = None
+    for ranks in by_host.values():  # every rank creates every group, in the same order
+        group = dist.new_group(ranks)
+        if dist.get_rank() in ranks:
+            mine = group
+    local = next(ranks.index(dist.get_rank()) for ranks in by_host.values() if dist.get_rank() in ranks)
+    replica = None
+    for index in range(len(next(iter(by_host.values())))):
+        group = dist.new_group([ranks[index] for ranks in by_host.values()])
+        if index == local:
+            replica = group
+    shard = mine if dist.get_world_size(mine) > 1 else None
+    replicate = replica if dist.get_world_size(replica) > 1 else None
+    return shard, replicate, world
+
+
+def _describe_unit(entry) -> str:
+    if entry is None:
+        return "no such unit"
+    _, params = entry
+    shown = ", ".join(f"{n} {list(s)} {d.removeprefix('torch.')}{'' if g else ' frozen'}" for n, s, d, g in params[:4])
+    return f"{len(params)} parameters ({shown}{', ...' if len(params) > 4 else ''})"
+
+
+def _tensors_in(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in _tensors_in(v)]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in _tensors_in(v)]
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return [t for f in dataclasses.fields(obj) for t in _tensors_in(getattr(obj, f.name))]
+    return []
+
+
+def _cast_floating(obj: Any, dtype: torch.dtype) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.to(dtype) if obj.is_floating_point() else obj
+    if isinstance(obj, dict):
+        return {k: _cast_floating(v, dtype) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_cast_floating(v, dtype) for v in obj)
+    return obj
