@@ -434,24 +434,19 @@ class FullyShardedDataParallel(nn.Module):
             self._prefetch_after(unit, self._backward_order)
 
     def _end_of_backward(self) -> None:
-        for g in self._pending:
-            g.handle.reduce_finish(g.params)
-        self._pending.clear()
-        for u in self._units:
-            for g in u.groups:
-                g.leaf = None
-            self._reshard(u)
+        """The autograd callback queued by the first pre-backward hook: runs once backward has finished."""
         self._callback_queued = False
-        self._backward_pending = False
         self._orders_frozen = True
+        self._end_iteration()
 
     def _start_iteration(self) -> None:
         if not self._backward_pending:
             self._end_iteration()
 
     def _end_iteration(self) -> None:
-        """Drops what a forward without backward (evaluation, an abandoned graph) left gathered: the shards
-        may change before the next forward (optimizer step, load_state_dict)."""
+        """Finishes the reductions in flight (in issue order: every rank waits on the same collectives) and
+        frees every full buffer. Also what a forward without backward (evaluation, an abandoned graph) left
+        gathered is dropped here: the shards may change before the next forward (optimizer step, loading)."""
         for g in self._pending:
             g.handle.reduce_finish(g.params)
         self._pending.clear()
