@@ -1,4 +1,4 @@
-"""A few training steps of shardkit's DDP (zero_stage 0), ZeRO-1 and ZeRO-2, each against torch's DDP.
+"""A few training steps of shardkit's DDP (zero_stage 0), ZeRO-1, ZeRO-2 and FSDP, each against torch's DDP.
 
 Run under torchrun by tests/python/test_clean_install.py, from a venv that holds only torch and the shardkit
 wheel (no numpy, no pytest), so it imports nothing but torch and shardkit. On every rank, one seeded model
@@ -6,7 +6,8 @@ goes into torch's DDP with a plain AdamW on a gloo group (the oracle; torch's DD
 shardkit's DDP on the "shardkit" group with AdamW or shardkit.ZeroRedundancyOptimizer(AdamW); both take the
 same per-rank batches (ranks differ in data and batch size). After the steps the parameters must match
 torch's (fp32: rtol 1e-5, atol 1e-6) and, under ZeRO, consolidate_state_dict(to=0) + state_dict() on rank 0
-must match the plain optimizer's state. Prints one line per stage and rank; raises on any mismatch.
+must match the plain optimizer's state; shardkit's FullyShardedDataParallel (FULL_SHARD, one unit per Linear)
+must give the same full state dict. Prints one line per stage and rank; raises on any mismatch.
 """
 
 from __future__ import annotations
@@ -73,6 +74,19 @@ def check_stage(stage: int, rank: int, gloo: dist.ProcessGroup) -> None:
     say(f"rank {rank}: zero_stage={stage}: {what} match torch DDP after {STEPS} steps")
 
 
+def check_fsdp(rank: int, gloo: dist.ProcessGroup) -> None:
+    ref = TorchDDP(model(), process_group=gloo)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.01)
+    ours = shardkit.FullyShardedDataParallel(model(), auto_wrap_policy={nn.Linear})
+    opt = torch.optim.AdamW(ours.parameters(), lr=0.01)
+    train(ref, ref_opt, rank)
+    train(ours, opt, rank)
+    full = ours.state_dict()
+    for name, want in ref.module.state_dict().items():
+        torch.testing.assert_close(full[name], want, rtol=1e-5, atol=1e-6, msg=lambda m: f"fsdp, {name}: {m}")
+    say(f"rank {rank}: FullyShardedDataParallel: parameters match torch DDP after {STEPS} steps")
+
+
 def main() -> None:
     dist.init_process_group("shardkit")
     rank = dist.get_rank()
@@ -81,6 +95,7 @@ def main() -> None:
         say(f"shardkit from {shardkit.__file__}")
     for stage in (0, 1, 2):
         check_stage(stage, rank, gloo)
+    check_fsdp(rank, gloo)
     dist.destroy_process_group()
 
 

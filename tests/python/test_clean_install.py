@@ -80,12 +80,13 @@ def test_collectives_demo(clean_python, outside):
     assert "shardkit demo: 2 ranks, allreduce/allgather/broadcast all correct" in out, out
 
 
-def test_ddp_zero1_zero2_steps_match_torch_ddp(clean_python, outside):
+def test_ddp_zero_and_fsdp_steps_match_torch_ddp(clean_python, outside):
     out = torchrun(clean_python, outside, Path(__file__).with_name("clean_install_steps.py"))
     lines = set(out.splitlines())
     assert f"shardkit from {CLEAN_VENV}" in out, out
     expected = {f"rank 1: zero_stage={stage}: parameters match torch DDP after 3 steps" for stage in (0, 1, 2)}
     expected.add("rank 0: zero_stage=0: parameters match torch DDP after 3 steps")
+    expected |= {f"rank {rank}: FullyShardedDataParallel: parameters match torch DDP after 3 steps" for rank in (0, 1)}
     expected |= {f"rank 0: zero_stage={stage}: parameters and consolidated optimizer state match torch DDP "
                  f"after 3 steps" for stage in (1, 2)}
     assert expected <= lines, out
