@@ -53,9 +53,10 @@ def size_based_auto_wrap_policy(module: nn.Module, recurse: bool, nonwrapped_num
     looks inside ``force_leaf_modules`` and never wraps ``exclude_wrap_modules`` (torch's defaults)."""
     force_leaf = FORCE_LEAF_MODULES if force_leaf_modules is None else force_leaf_modules
     exclude = EXCLUDE_WRAP_MODULES if exclude_wrap_modules is None else exclude_wrap_modules
+    large = nonwrapped_numel >= min_num_params
     if recurse:
-        return not isinstance(module, tuple(force_leaf))
-    return nonwrapped_numel >= min_num_params and not isinstance(module, tuple(exclude))
+        return large and not isinstance(module, tuple(force_leaf))
+    return large and not isinstance(module, tuple(exclude))
 
 
 def as_policy(auto_wrap_policy) -> Callable[..., bool] | None:
@@ -71,30 +72,32 @@ def as_policy(auto_wrap_policy) -> Callable[..., bool] | None:
 
 # --- applying a policy (used by shardkit.FullyShardedDataParallel) -------------------------------------
 def choose_units(root: nn.Module, policy, ignored: set[int]) -> list[tuple[str, nn.Module]]:
-    """Units as (path, module), root first then in pre-order (FSDP1's recursive wrapping semantics)."""
+    """Units as (path, module), root first then in pre-order: FSDP1's recursive wrapping (torch's
+    ``_recursive_wrap``: a module's nonwrapped numel counts its distinct, non-ignored parameters minus those
+    of the units chosen below it). A chosen module that ends up owning no parameter (assign_parameters) is
+    no unit."""
     chosen: list[tuple[str, nn.Module]] = []
+    ignored_params = {id(p) for m in root.modules() if id(m) in ignored for p in m.parameters()}
 
-    def visit(prefix: str, module: nn.Module) -> int:
-        """Returns the parameter elements under `module` not claimed by a unit below it."""
-        remaining = sum(p.numel() for p in module.parameters(recurse=False))
-        for name, child in module.named_children():
-            if id(child) in ignored:
-                continue
-            path = f"{prefix}.{name}" if prefix else name
-            if policy(module=child, recurse=True, nonwrapped_numel=module_numel(child)):
-                mark = len(chosen)
-                left = visit(path, child)
-                if policy(module=child, recurse=False, nonwrapped_numel=left) and left > 0:
-                    chosen.insert(mark, (path, child))
-                    continue
-                remaining += left
-            else:
-                remaining += module_numel(child)
-        return remaining
+    def visit(path: str, module: nn.Module) -> int:
+        """Returns the parameter elements of `module` that are in units (torch's "wrapped numel")."""
+        nonwrapped = sum(p.numel() for p in module.parameters() if id(p) not in ignored_params)
+        if not policy(module=module, recurse=True, nonwrapped_numel=nonwrapped):
+            return 0
+        mark = len(chosen)
+        wrapped = sum(visit(f"{path}.{name}" if path else name, child)
+                      for name, child in module.named_children() if id(child) not in ignored)
+        if module is not root and policy(module=module, recurse=False, nonwrapped_numel=nonwrapped - wrapped):
+            chosen.insert(mark, (path, module))
+            return nonwrapped
+        return wrapped
 
-    if policy is not None:
-        visit("", root)
-    return [("", root)] + chosen
+    if policy is None:
+        return [("", root)]
+    visit("", root)
+    units = [("", root)] + chosen
+    owners = assign_parameters(root, units, ignored_params)
+    return [(path, m) for path, m in units if path == "" or owners[path]]
 
 
 def module_numel(module: nn.Module) -> int:
