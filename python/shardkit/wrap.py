@@ -100,12 +100,8 @@ def choose_units(root: nn.Module, policy, ignored: set[int]) -> list[tuple[str, 
     return [(path, m) for path, m in units if path == "" or owners[path]]
 
 
-def module_numel(module: nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())
-
-
 def assign_parameters(root: nn.Module, units: list[tuple[str, nn.Module]],
-                       ignored: set[int]) -> dict[str, list[tuple[str, nn.Parameter]]]:
+                      ignored: set[int]) -> dict[str, list[tuple[str, nn.Parameter]]]:
     """Each parameter to the closest unit enclosing every module that registers it, in registration order."""
     unit_paths = {name for name, _ in units}
     enclosing: dict[int, list[str]] = {}  # id(param) -> innermost unit of each registering module
@@ -117,6 +113,7 @@ def assign_parameters(root: nn.Module, units: list[tuple[str, nn.Module]],
             innermost = next(".".join(parts[:cut]) for cut in range(len(parts), -1, -1)
                              if ".".join(parts[:cut]) in unit_paths)
             enclosing.setdefault(id(p), []).append(innermost)
+
     def enclosing_units(unit: str) -> list[str]:  # the unit and every unit above it, innermost first
         parts = unit.split(".") if unit else []
         return [p for p in (".".join(parts[:cut]) for cut in range(len(parts), -1, -1)) if p in unit_paths]
