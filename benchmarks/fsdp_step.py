@@ -23,11 +23,13 @@ FSDP2 meshes: ``init_device_mesh("cpu", (2,))`` over the default (shardkit) grou
 reduce_dtype=bf16)`` (FSDP1, shardkit) or ``MixedPrecisionPolicy`` with the same dtypes (FSDP2): fp32
 sharded parameters and optimizer, bf16 compute and gradient reduction. A configuration that cannot be
 built (shardkit.FullyShardedDataParallel missing, NotImplementedError, a refused argument) is recorded
-with the reason, on every rank alike; the others run. So the shardkit rows switch on by themselves once the
-wrapper exists.
+with the reason, on every rank alike, and so is one whose first step raises on every rank; the others run.
+So the shardkit rows switch on by themselves once the wrapper exists. A row that breaks the job (one rank
+failing while the other waits) costs a rerun: with (e) as the only shardkit row, then with none.
 
-Timing: round r steps every configuration once, starting at configuration r mod K, after a barrier, so
-drift on this shared machine hits all of them alike. Warm-up rounds, then timed rounds; a step is forward +
+Timing: the first warm-up round builds and steps each configuration in turn; after it, round r steps every
+configuration once, starting at configuration r mod K, after a barrier, so drift on this shared machine
+hits all of them alike. Warm-up rounds, then timed rounds; a step is forward +
 loss + backward + optimizer.step + zero_grad; its time is the slowest rank's; best and median over rounds.
 
 Memory per rank: (1) model state — bytes of the tensors actually held after optimizer.step (the moment all
@@ -81,76 +83,13 @@ from _common import (  # noqa: E402  (the benchmarks folder is not a package)
     unique_storage_bytes,
     write_json,
 )
+from _gpt import QUICK_MODEL, GPT, Block, ModelConfig, n_params  # noqa: E402
 
 MiB = 1 << 20
 LR = 1e-3
 PRECISIONS = ("fp32", "bf16")
 LOSS_RTOL = {"fp32": 1e-4, "bf16": 3e-2}
 STATE_FIELDS = ("params", "grads", "opt_state", "opt_params")
-
-
-# --- the model ---------------------------------------------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class ModelConfig:
-    vocab: int = 8192
-    d_model: int = 512
-    heads: int = 8
-    layers: int = 8
-    seq: int = 64
-    batch: int = 4          # sequences per rank per step
-
-
-QUICK_MODEL = ModelConfig(vocab=256, d_model=64, heads=4, layers=2, seq=16, batch=2)
-
-
-class Block(nn.Module):
-    """Pre-norm GPT block: x + attn(ln(x)), then x + mlp(ln(x)); the unit every FSDP wraps."""
-
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.heads = cfg.heads
-        self.ln1 = nn.LayerNorm(cfg.d_model)
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
-        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
-        self.ln2 = nn.LayerNorm(cfg.d_model)
-        self.fc = nn.Linear(cfg.d_model, 4 * cfg.d_model)
-        self.out = nn.Linear(4 * cfg.d_model, cfg.d_model)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).transpose(1, 3).unbind(2)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
-
-
-class GPT(nn.Module):
-    """Token + position embeddings, blocks, final LayerNorm, LM head tied to the token embedding (GPT-2's)."""
-
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.tok = nn.Embedding(cfg.vocab, cfg.d_model)
-        self.pos = nn.Embedding(cfg.seq, cfg.d_model)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
-        self.norm = nn.LayerNorm(cfg.d_model)
-        # GPT-2's initialisation: with torch's N(0, 1) embeddings the tied head's logits would have a spread of
-        # sqrt(d_model) and the loss would start in the hundreds, not at ln(vocab).
-        for m in self.modules():
-            if isinstance(m, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(m.weight, std=0.02)
-            if isinstance(m, nn.Linear):
-                nn.init.zeros_(m.bias)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.tok(tokens) + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
-        for block in self.blocks:
-            x = block(x)
-        return F.linear(self.norm(x), self.tok.weight)
-
-
-def n_params(cfg: ModelConfig) -> int:
-    return sum(p.numel() for p in GPT(cfg).parameters())  # the tied weight once
 
 
 # --- configurations ------------------------------------------------------------------------------------------
@@ -306,12 +245,16 @@ def setup_groups(rank: int, world: int, store: str, timeout_s: float, keys: Sequ
     return groups
 
 
-def try_build(v: Variant, cfg: ModelConfig, precision: str, groups: dict[str, Any]) -> Built | str:
-    """The built configuration, or why not; all ranks must agree (they get the same exception, or none)."""
+def try_build(v: Variant, cfg: ModelConfig, precision: str, groups: dict[str, Any],
+              batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[Built, float] | str:
+    """The configuration built and stepped once on ``batch`` (the first warm-up step) with its loss, or why
+    not. A new wrapper's first bugs usually raise on every rank alike, at build or in the first step; caught
+    here, they cost that row only. All ranks must agree on the outcome."""
     try:
-        result: Built | str = build(v, cfg, precision, groups)
-    except Exception as error:  # noqa: BLE001 - a row that cannot be built is reported, the others run
-        kind = "not implemented" if isinstance(error, NotImplementedError) else "failed to build"
+        built = build(v, cfg, precision, groups)
+        result: tuple[Built, float] | str = (built, train_step(built, batch)[3])
+    except Exception as error:  # noqa: BLE001 - a row that cannot run is reported, the others run
+        kind = "not implemented" if isinstance(error, NotImplementedError) else "failed"
         result = f"{kind}: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
     flag = torch.tensor([isinstance(result, str)], dtype=torch.int32)
     dist.all_reduce(flag, op=dist.ReduceOp.SUM, group=groups["gloo"])
@@ -329,23 +272,24 @@ def rank_main(rank: int, world: int, store: str, run: RunConfig, precision: str)
         if rank == 0:
             print(f"[{precision}] {text}", file=sys.stderr, flush=True)
 
+    batches = synthetic_token_batches(run.model.vocab, run.model.batch, run.model.seq, rank,
+                                      run.warmup + run.rounds + 1)
     status: dict[str, str] = {}
     built: dict[str, Built] = {}
-    for key in run.keys:
-        result = try_build(variant(key), run.model, precision, groups)
+    losses: dict[str, list[float]] = {}  # every step, this rank
+    for key in run.keys:  # warm-up round 1: each configuration built and stepped in turn
+        result = try_build(variant(key), run.model, precision, groups, batches[0])
         if isinstance(result, str):
             status[key] = result
         else:
-            built[key], status[key] = result, "ok"
+            (built[key], first), status[key] = result, "ok"
+            losses[key] = [first]
     active = [k for k in run.keys if k in built]
-    progress(f"built {len(active)} of {len(run.keys)} configurations; {run.warmup} warm-up + {run.rounds} "
-             f"timed rounds")
+    progress(f"built and stepped {len(active)} of {len(run.keys)} configurations; {run.warmup} warm-up + "
+             f"{run.rounds} timed rounds")
 
-    batches = synthetic_token_batches(run.model.vocab, run.model.batch, run.model.seq, rank,
-                                      run.warmup + run.rounds + 1)
     samples: dict[str, list[list[float]]] = {k: [] for k in active}   # per timed round: fwd, bwd, opt, total
-    losses: dict[str, list[float]] = {k: [] for k in active}          # every step, this rank
-    for r in range(run.warmup + run.rounds):
+    for r in range(1, run.warmup + run.rounds):
         shift = r % max(1, len(active))
         for key in active[shift:] + active[:shift]:
             dist.barrier()
@@ -589,8 +533,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     loads: dict[str, float | None] = {}
     checks: list[dict[str, Any]] = []
     for precision in args.precision:
+        # A shardkit row that fails on one rank only leaves the other waiting in a collective and the job dies.
+        # Then run again with the target row (e) as the only shardkit row, then with none, to keep what works.
+        ours = [k for k in run.keys if variant(k).wrapper == "shardkit"]
+        attempts = [run.keys]
+        for keep in (("e",), ()):
+            keys = tuple(k for k in run.keys if k not in ours or k in keep)
+            if keys and keys not in attempts:
+                attempts.append(keys)
         with ForeignLoad() as load:
-            raw = launch_ranks(rank_main, world, run, precision, timeout=2400.0)
+            for n, keys in enumerate(attempts):
+                try:
+                    raw = launch_ranks(rank_main, world, dataclasses.replace(run, keys=keys), precision,
+                                       timeout=2400.0)
+                    break
+                except RanksFailed as error:
+                    if n + 1 == len(attempts):
+                        raise
+                    print(f"[{precision}] the job failed; again with rows {' '.join(attempts[n + 1])}:"
+                          f"\n{error}", file=sys.stderr, flush=True)
+                    raw_error = str(error).splitlines()[-1][:200]
+            raw[0]["status"].update({k: f"failed: the job died with this row in it ({raw_error})"
+                                     for k in run.keys if k not in keys})
         loads[precision] = load.cores
         rows = summarize(raw, run, ideal)
         results[precision] = rows
