@@ -141,31 +141,31 @@ def build(v: Variant, cfg: ModelConfig, precision: str, groups: dict[str, Any]) 
         for block in module.blocks:
             fully_shard(block, mesh=groups["mesh:" + v.backend], mp_policy=policy)
         model: nn.Module = fully_shard(module, mesh=groups["mesh:" + v.backend], mp_policy=policy)
-    elif v.wrapper == "fsdp1":
-        from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision, ShardingStrategy
-        from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+    else:  # FSDP1's constructor: torch's, or shardkit's, which takes the same arguments
+        if v.wrapper == "fsdp1":
+            from torch.distributed.fsdp import FullyShardedDataParallel as wrapper
+            from torch.distributed.fsdp import MixedPrecision, ShardingStrategy
+            from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
-        model = FullyShardedDataParallel(
-            module, process_group=group, sharding_strategy=getattr(ShardingStrategy, v.strategy),
-            auto_wrap_policy=functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block}),
-            mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16) if bf16
-            else None, device_id=torch.device("cpu"), use_orig_params=True)
-    else:
-        import shardkit
+            # CPU ranks: torch FSDP1 would otherwise look for an accelerator; original parameters, as FSDP2 has
+            extra: dict[str, Any] = {"device_id": torch.device("cpu"), "use_orig_params": True}
+        else:
+            import shardkit
 
-        wrapper = getattr(shardkit, "FullyShardedDataParallel", None)
-        if wrapper is None:
-            raise NotImplementedError("shardkit.FullyShardedDataParallel does not exist yet")
-        from shardkit.fsdp import MixedPrecision, ShardingStrategy
-        from shardkit.wrap import transformer_auto_wrap_policy
+            wrapper = getattr(shardkit, "FullyShardedDataParallel", None)
+            if wrapper is None:
+                raise NotImplementedError("shardkit.FullyShardedDataParallel does not exist yet")
+            from shardkit.fsdp import MixedPrecision, ShardingStrategy
+            from shardkit.wrap import transformer_auto_wrap_policy
 
+            extra = {}
         if v.strategy == "HYBRID_SHARD":  # FSDP1's form: (shard group, replicate group)
             group = (group, groups["replicate:" + v.backend])
         model = wrapper(
             module, process_group=group, sharding_strategy=getattr(ShardingStrategy, v.strategy),
             auto_wrap_policy=functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block}),
             mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16) if bf16
-            else None)
+            else None, **extra)
     return Built(v, model, torch.optim.AdamW(model.parameters(), lr=LR))
 
 
@@ -410,16 +410,18 @@ def print_tables(precision: str, rows: dict[str, dict[str, Any]], run: RunConfig
             f"{row['forward_s'] * 1e3:.0f}", f"{row['backward_s'] * 1e3:.0f}", f"{row['optimizer_s'] * 1e3:.0f}",
             "-" if ra is None else f"{ra:.3f}×", "-" if rb is None else f"{rb:.3f}×",
             " / ".join(mib(m["total"]) for m in row["model_state_by_rank"]), f"{row['model_state_vs_ideal']:.4f}",
-            " / ".join(mib(p["peak_growth"]) for p in probes) if probes else "-",
+            " / ".join(mib(p["peak_growth"]) for p in probes) + f" ({mib(max(p['peak'] for p in probes))})"
+            if probes else "-",
             f"{row['final_loss']:.5f}" + ("" if loss_a is None or key == "a" else
                                           f" ({(row['final_loss'] - loss_a) / abs(loss_a):+.1e})")])
     print(f"\n=== {precision}: step time (ms; slowest rank; best and median of {run.rounds} interleaved rounds; "
           f"phases are medians), memory per rank (MiB), final loss ===")
     print(format_table(["configuration", "status", "best", "median", "fwd", "bwd", "opt", "÷ (a)", "÷ (b)",
-                        "model state r0 / r1", "÷ 16Ψ/N", "peak RSS Δ r0 / r1", "final loss (rel. vs a)"],
+                        "model state r0 / r1", "÷ 16Ψ/N", "peak RSS Δ r0 / r1 (abs.)", "final loss (rel. vs a)"],
                        table, left=2))
     print(f"÷: ratio of medians; 16Ψ/N = {mib(ideal)} MiB; model state: parameters + gradients + AdamW state held "
-          f"after optimizer.step; peak RSS Δ: ru_maxrss growth of fresh ranks running that configuration alone")
+          f"after optimizer.step; peak RSS Δ: ru_maxrss growth of fresh ranks running that configuration alone "
+          f"(abs.: the fuller rank's ru_maxrss itself)")
     for key, row in rows.items():
         if row["status"] != "ok":
             print(f"({key}) {row['status']}")
