@@ -159,8 +159,8 @@ def build(v: Variant, cfg: ModelConfig, precision: str, groups: dict[str, Any]) 
             from shardkit.wrap import transformer_auto_wrap_policy
 
             extra = {}
-        if v.strategy == "HYBRID_SHARD":  # FSDP1's form: (shard group, replicate group)
-            group = (group, groups["replicate:" + v.backend])
+        if v.strategy == "HYBRID_SHARD":  # FSDP1's form: (shard group, replicate group), both real groups
+            group = (group or dist.group.WORLD, groups["replicate:" + v.backend])
         model = wrapper(
             module, process_group=group, sharding_strategy=getattr(ShardingStrategy, v.strategy),
             auto_wrap_policy=functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block}),
