@@ -76,6 +76,7 @@ from _common import (  # noqa: E402  (the benchmarks folder is not a package)
     launch_ranks,
     live_rss_bytes,
     machine_info,
+    merge_results,
     peak_rss_bytes,
     plot_bar_panels,
     return_large_frees_to_os,
@@ -462,11 +463,11 @@ def check_targets(precision: str, rows: dict[str, dict[str, Any]]) -> list[dict[
 
 
 def plot(results: dict[str, dict[str, dict[str, Any]]], path: Path, cfg: ModelConfig, psi: int) -> Path | None:
-    keys = list(next(iter(results.values())))
+    keys = [v.key for v in VARIANTS if any(v.key in rows for rows in results.values())]
     names = [f"({k}) {variant(k).label}" for k in keys]
 
     def per_precision(value) -> dict[str, list[float]]:
-        return {p: [value(rows[k]) if rows[k]["status"] == "ok" else float("nan") for k in keys]
+        return {p: [value(rows[k]) if rows.get(k, {}).get("status") == "ok" else float("nan") for k in keys]
                 for p, rows in results.items()}
 
     def state(field: str):
@@ -580,21 +581,29 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     elapsed = time.monotonic() - started
     stem = "fsdp_step_quick" if args.quick else "fsdp_step"
-    json_path = write_json(args.out / f"{stem}.json", {
-        "benchmark": "fsdp_step", "quick": args.quick, "machine": machine,
-        "config": {"world": world, "model": dataclasses.asdict(cfg), "n_params": psi, "ideal_model_state_bytes":
-                   ideal, "lr": LR, "optimizer": "AdamW", "warmup_rounds": warmup, "timed_rounds": rounds,
-                   "threads_per_rank": 1, "order": "interleaved rounds, rotated start",
-                   "timing": "barrier, then forward+loss+backward+optimizer.step+zero_grad; slowest rank per step; "
-                             "best and median over rounds",
-                   "model_state": "bytes of parameters (local shards), gradients, optimizer state and optimizer "
-                                  "param copies after optimizer.step, storages once",
-                   "rss": "ru_maxrss growth over fresh ranks after backend setup and a tiny warm-up step"},
+    config = {"world": world, "model": dataclasses.asdict(cfg), "n_params": psi, "ideal_model_state_bytes": ideal,
+              "lr": LR, "optimizer": "AdamW", "threads_per_rank": 1, "order": "interleaved rounds, rotated start",
+              "timing": "barrier, then forward+loss+backward+optimizer.step+zero_grad; slowest rank per step; "
+                        "best and median over rounds",
+              "model_state": "bytes of parameters (local shards), gradients, optimizer state and optimizer param "
+                             "copies after optimizer.step, storages once",
+              "rss": "ru_maxrss growth over fresh ranks after backend setup and a tiny warm-up step"}
+    payload = {
+        "benchmark": "fsdp_step", "quick": args.quick, "machine": machine, "config": config,
         "results": {p: list(rows.values()) for p, rows in results.items()},
-        "targets": checks, "foreign_load_cores": loads, "seconds": elapsed,
-        "finished": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-    })
-    png_path = plot(results, args.out / f"{stem}.png", cfg, psi)
+        "runs": {p: {"warmup_rounds": warmup, "timed_rounds": rounds, "foreign_load_cores": loads[p],
+                     "machine_load_avg_1m": machine["load_avg_1m"], "git_commit": machine["git_commit"],
+                     "finished": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
+                 for p in results},
+        "targets": checks, "seconds": elapsed}
+    path = args.out / f"{stem}.json"
+    # A run of one precision keeps the other's results, if they are of the same model.
+    merged = merge_results(path, payload, {"targets": lambda t: (t["precision"], t["target"])})
+    if merged.get("config") == config:
+        payload = merged
+    json_path = write_json(path, payload)
+    png_path = plot({p: {r["key"]: r for r in rows} for p, rows in payload["results"].items()},
+                    args.out / f"{stem}.png", cfg, psi)
     print(f"\nwrote {json_path}" + (f" and {png_path}" if png_path else "") + f"; total {elapsed:.0f} s")
     return 0
 
