@@ -13,7 +13,7 @@ VENV_CUDA    := .venv-cuda
 TORCH_CPU    := torch==2.13.0
 TORCH_CUDA   := torch==2.14.1
 PIP_FLAGS    := --disable-pip-version-check -q
-TEST_DEPS    := pytest pytest-timeout numpy ninja setuptools wheel
+TEST_DEPS    := pytest pytest-timeout numpy ninja setuptools wheel transformers==5.23.0
 # iproute2 (ip netns, veth) and util-linux (unshare): the namespace hosts of tests/python/test_two_hosts.py
 APT_PACKAGES := libgtest-dev cmake ninja-build g++ iproute2 util-linux
 BUILD_CPP    := build/cpp
@@ -132,6 +132,7 @@ bench: build $(VENV)/.bench-deps
 	$(VENV)/bin/python benchmarks/collectives.py --hosts 2x2
 	$(VENV)/bin/python benchmarks/ddp_step.py
 	$(VENV)/bin/python benchmarks/powersgd.py
+	$(VENV)/bin/python benchmarks/fsdp_step.py
 
 clean:
 	rm -rf build *.egg-info python/*.egg-info python/shardkit/*.so $(VENV)/.built

@@ -7,6 +7,7 @@ came from (:func:`machine_info`).
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import datetime as _dt
 import json
@@ -45,6 +46,20 @@ def parse_size(text: str) -> int:
     except (ValueError, KeyError):
         raise ValueError(f"cannot parse size {text!r}; use e.g. 4096, 4K, 64M, 1G") from None
     return int(value)
+
+
+def synthetic_token_batches(vocab: int, batch: int, seq: int, rank: int, steps: int
+                            ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Seeded random token sequences, different per rank and step; the target is the next token.
+
+    The same (rank, step) gives the same batch in every configuration and every process, so configurations
+    trained on them can be compared parameter for parameter (or loss for loss)."""
+    batches = []
+    for step in range(steps):
+        gen = torch.Generator().manual_seed(1234 + 1000 * rank + step)
+        tokens = torch.randint(0, vocab, (batch, seq + 1), generator=gen)
+        batches.append((tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()))
+    return batches
 
 
 def format_size(nbytes: int) -> str:
@@ -458,16 +473,34 @@ def rss_parts_bytes() -> dict[str, int]:
     return parts
 
 
+def live_rss_bytes() -> dict[str, int]:
+    """:func:`rss_parts_bytes` plus ``live``: private + shared-memory RSS, the memory a rank's tensors and
+    segments really occupy (mapped library code excluded)."""
+    parts = rss_parts_bytes()
+    return {"live": parts.get("anon", 0) + parts.get("shmem", 0), **parts}
+
+
+def return_large_frees_to_os(threshold: int = 128 << 10) -> bool:
+    """Fix glibc's mmap threshold, so allocations of ``threshold`` bytes and more are mmap'ed and go back to
+    the OS when freed, and RSS tracks the live tensors. glibc otherwise raises the threshold as large blocks
+    are freed, and freed tensors stay resident in the heap. Returns False where it cannot be set (not glibc)."""
+    try:
+        return bool(ctypes.CDLL("libc.so.6").mallopt(-3, threshold))  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        return False
+
+
 def peak_rss_bytes() -> int:
     """Peak resident set size of this process so far (getrusage ru_maxrss; monotone over the process's life)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
 def plot_bar_panels(path: Path, panels: Mapping[str, tuple[Sequence[str], Mapping[str, Sequence[float]]]], *,
-                    ylabels: Mapping[str, str], suptitle: str = "") -> Path | None:
+                    ylabels: Mapping[str, str], suptitle: str = "", grouped: Sequence[str] = ()) -> Path | None:
     """One bar chart per panel, side by side: ``{title: (categories, {segment: values per category})}``.
 
     Several segments stack on one bar (e.g. parameters, gradients, optimizer state), labelled with its total;
+    in the panels named in ``grouped`` they stand side by side instead (e.g. fp32 and bf16 of one row).
     NaN values draw no bar.
     Returns the path, or None when matplotlib is missing.
     """
@@ -483,15 +516,28 @@ def plot_bar_panels(path: Path, panels: Mapping[str, tuple[Sequence[str], Mappin
     fig, axes = plt.subplots(1, len(panels), figsize=(7.0 * len(panels), 5.5), squeeze=False)
     for ax, (title, (categories, segments)) in zip(axes[0], panels.items()):
         xs = list(range(len(categories)))
+        side = title in grouped
+        width = 0.8 / len(segments) if side and segments else 0.8
         bottom = [0.0] * len(categories)
+        top = 0.0
         for i, (label, values) in enumerate(segments.items()):
             heights = [0.0 if v != v else v for v in values]  # NaN -> no bar
-            ax.bar(xs, heights, bottom=bottom, label=label, color=plt.get_cmap("tab10")(i % 10))
-            bottom = [b + h for b, h in zip(bottom, heights)]
-        for x, total in zip(xs, bottom):
-            if total > 0:
-                ax.annotate(f"{total:.0f}", (x, total), ha="center", va="bottom", fontsize=7)
-        ax.set_ylim(0, max(bottom, default=0.0) * (1.45 if len(segments) > 1 else 1.12) or 1.0)  # room for the legend
+            at = [x - 0.4 + width * (i + 0.5) for x in xs] if side else xs
+            ax.bar(at, heights, width=width, bottom=None if side else bottom, label=label,
+                   color=plt.get_cmap("tab10")(i % 10))
+            if side:
+                for x, h in zip(at, heights):
+                    if h > 0:
+                        ax.annotate(f"{h:.0f}", (x, h), ha="center", va="bottom", fontsize=6)
+                top = max([top, *heights])
+            else:
+                bottom = [b + h for b, h in zip(bottom, heights)]
+        if not side:
+            for x, total in zip(xs, bottom):
+                if total > 0:
+                    ax.annotate(f"{total:.0f}", (x, total), ha="center", va="bottom", fontsize=7)
+            top = max(bottom, default=0.0)
+        ax.set_ylim(0, top * (1.45 if len(segments) > 1 else 1.12) or 1.0)  # room for the legend
         ax.set_xticks(xs)
         ax.set_xticklabels(categories, rotation=30, ha="right", fontsize=8)
         ax.set_title(title)

@@ -54,7 +54,6 @@ Results: ``benchmarks/results/ddp_step.{json,png}``.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import dataclasses
 import datetime as dt
 import resource
@@ -81,8 +80,10 @@ from _common import (  # noqa: E402  (the benchmarks folder is not a package)
     launch_ranks,
     machine_info,
     peak_rss_bytes,
+    live_rss_bytes,
     plot_bar_panels,
-    rss_parts_bytes,
+    return_large_frees_to_os,
+    synthetic_token_batches,
     unique_storage_bytes,
     write_json,
 )
@@ -122,13 +123,7 @@ class TinyLM(nn.Module):
 
 
 def make_batches(cfg: ModelConfig, rank: int, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Seeded random token sequences, different per rank and step; the target is the next token."""
-    batches = []
-    for step in range(steps):
-        gen = torch.Generator().manual_seed(1234 + 1000 * rank + step)
-        seq = torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq + 1), generator=gen)
-        batches.append((seq[:, :-1].contiguous(), seq[:, 1:].contiguous()))
-    return batches
+    return synthetic_token_batches(cfg.vocab, cfg.batch, cfg.seq, rank, steps)
 
 
 # --- configurations ------------------------------------------------------------------------------------------
@@ -413,11 +408,7 @@ def rss_probe(rank: int, world: int, store: str, run: RunConfig, key: str) -> di
     one-off caches are already resident. The live figure is private (anonymous) plus shared-memory RSS;
     file-backed pages (library code) are recorded apart. The peak (ru_maxrss) counts all kinds.
     """
-    try:  # allocations ≥ 128 KiB go to mmap and back to the OS when freed, so RSS tracks live tensors
-        ctypes.CDLL("libc.so.6").mallopt(-3, 128 << 10)  # M_MMAP_THRESHOLD
-        fixed_threshold = True
-    except (OSError, AttributeError):
-        fixed_threshold = False
+    fixed_threshold = return_large_frees_to_os()  # allocations ≥ 128 KiB freed go back: RSS tracks live tensors
     groups = setup_groups(rank, world, store, run.pg_timeout_s)
     dist.barrier()
     dist.barrier(group=groups["gloo"])
@@ -427,17 +418,13 @@ def rss_probe(rank: int, world: int, store: str, run: RunConfig, key: str) -> di
                make_batches(mini, rank, 1)[0])
     del tiny
 
-    def live() -> dict[str, int]:
-        parts = rss_parts_bytes()
-        return {"live": parts.get("anon", 0) + parts.get("shmem", 0), **parts}
-
-    base, base_peak = live(), peak_rss_bytes()
+    base, base_peak = live_rss_bytes(), peak_rss_bytes()
     built = build(variant(key), run.model, groups)
     batches = make_batches(run.model, rank, run.warmup + 1)
     for batch in batches[:-1]:
         train_step(built, batch)
     samples: list[dict[str, int]] = []
-    train_step(built, batches[-1], after_backward=lambda: samples.append(live()))
+    train_step(built, batches[-1], after_backward=lambda: samples.append(live_rss_bytes()))
     grow = [{k: s[k] - base.get(k, 0) for k in s} for s in samples]
     return {"live_after_backward": grow[0]["live"], "live_after_step": grow[1]["live"],
             "file_after_step": grow[1].get("file"), "shmem_after_step": grow[1].get("shmem"),
