@@ -166,23 +166,31 @@ void FlatParamHandle::reduce_start(at::Tensor flat_grad) {
     flat_grad.add_(unsynced_grad_);
     unsynced_grad_ = at::Tensor();
   }
-  // Divide before the sum, as torch's DDP does: every rank contributes grad / ranks.
+  // The 1/ranks factor. A reduction in half precision divides before the sum (no overflow), fused with
+  // the cast into the reduce dtype; one in full precision sums first and divides the result, 1/N of the
+  // elements (reduce_finish).
   const int64_t contributors = static_cast<int64_t>(shard_world()) * replicate_world();
   PendingReduce pending;
-  if (flat_grad.scalar_type() == reduce_dtype_) {
-    pending.input = flat_grad.div_(contributors);
+  at::Tensor input;
+  if (flat_grad.scalar_type() != reduce_dtype_) {
+    input = at::empty_like(flat_grad, flat_grad.options().dtype(reduce_dtype_));
+    at::div_out(input, flat_grad, at::scalar_tensor(contributors, flat_grad.options()));  // the cast, fused
+  } else if (c10::elementSize(reduce_dtype_) < 4) {
+    input = flat_grad.div_(contributors);
   } else {
-    pending.input = at::empty_like(flat_grad, flat_grad.options().dtype(reduce_dtype_));
-    at::div_out(pending.input, flat_grad, at::scalar_tensor(contributors, flat_grad.options()));  // cast fused
+    input = flat_grad;
+    pending.post_divisor = contributors;
   }
+  flat_grad = at::Tensor();
   if (shard_world() > 1) {
-    pending.output = at::empty({layout_.shard_numel()}, pending.input.options());
+    pending.output = at::empty({layout_.shard_numel()}, input.options());
     c10d::ReduceScatterOptions opts;
     opts.reduceOp = c10d::ReduceOp::SUM;
-    pending.scatter = compat::reduce_scatter_single(*shard_group_, pending.output, pending.input, opts);
+    pending.scatter = compat::reduce_scatter_single(*shard_group_, pending.output, input, opts);
   } else {
-    pending.output = pending.input;
+    pending.output = input;
   }
+  input = at::Tensor();
   if (replicate_group_) {
     // The replica all-reduce needs the scattered shard: issued once the reduce-scatter is done.
     if (pending.scatter) wait_or_explain(std::exchange(pending.scatter, {}), where("reduce-scatter"));
@@ -201,6 +209,7 @@ void FlatParamHandle::reduce_finish(const std::vector<at::Tensor>& params) {
   if (pending.scatter) wait_or_explain(pending.scatter, where("reduce-scatter"));
   if (pending.replicate) wait_or_explain(pending.replicate, where("replica all-reduce"));
   at::NoGradGuard no_grad;
+  if (pending.post_divisor > 1) pending.output.div_(pending.post_divisor);
   at::Tensor result = pending.output.scalar_type() == shard_.scalar_type() ? pending.output
                                                                              : pending.output.to(shard_.scalar_type());
   for (size_t i = 0; i < params.size(); ++i) {

@@ -16,10 +16,11 @@
 // all-gather of FULL_SHARD). The buffer is written only through a tensor with its own version counter, so
 // re-filling it never trips autograd's in-place check on the saved views.
 //
-// Reduce (after a unit's backward): the flat gradient (compute dtype, full size) is divided by the number
-// of ranks that contribute (shard group × replicate group) while cast into the reduce dtype — one pass —,
-// reduce-scattered (SUM) over the shard group into S elements and, when there is a replicate group
-// (HYBRID_SHARD, NO_SHARD), all-reduced over it. reduce_finish() waits and hands each parameter its piece
+// Reduce (after a unit's backward): the flat gradient (compute dtype, full size) is reduce-scattered (SUM)
+// over the shard group into S elements and, when there is a replicate group (HYBRID_SHARD, NO_SHARD),
+// all-reduced over it. The average's 1/ranks factor is applied where it costs least without risking
+// overflow: fused with the cast into a different reduce dtype (one pass), before a half-precision sum,
+// after a full-precision one (on the S reduced elements only). reduce_finish() waits and hands each parameter its piece
 // of the result as .grad: a view of the reduced shard when the parameter had no gradient, added into it
 // otherwise (what .grad accumulation across backwards does). No work on gradient elements happens for
 // frozen parameters: they live in a handle of their own that never reduces.
@@ -98,11 +99,14 @@ class FlatParamHandle {
 
  private:
   enum class State { kSharded, kGathering, kUnsharded };
+  // The reduce-scatter's input is not held here: the backend keeps it alive until the collective has run
+  // (c10d's contract for asynchronous ops), so on the shardkit backend its memory goes back as soon as
+  // the worker is done with it, while backward computes the next unit, not when reduce_finish() is called.
   struct PendingReduce {
-    at::Tensor input;   // reduce dtype, padded size (kept alive until the collective completes)
-    at::Tensor output;  // reduce dtype, S elements
+    at::Tensor output;  // reduce dtype, S elements (the input itself when the shard group has one rank)
     c10::intrusive_ptr<c10d::Work> scatter;     // null when the shard group has one rank
     c10::intrusive_ptr<c10d::Work> replicate;   // null without a replicate group (issued after `scatter`)
+    int64_t post_divisor = 1;                   // the sum still to be divided by this (full-precision sums)
   };
 
   std::string where(const std::string& op) const;

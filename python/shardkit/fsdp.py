@@ -523,8 +523,12 @@ def _groups(strategy: ShardingStrategy, process_group):
     """(shard group, replicate group, the group spanning both) for a strategy."""
     if strategy == ShardingStrategy.HYBRID_SHARD:
         if isinstance(process_group, tuple):
+            if len(process_group) != 2 or any(g is None for g in process_group):
+                raise ValueError("HYBRID_SHARD's process_group=(shard_group, replicate_group) needs both groups, "
+                                 f"got {process_group!r}")
             shard, replicate = process_group
-            return shard, replicate, shard
+            return (shard if dist.get_world_size(shard) > 1 else None,
+                    replicate if dist.get_world_size(replicate) > 1 else None, shard)
         return _hybrid_groups(process_group)
     if isinstance(process_group, tuple):
         raise ValueError(f"a (shard, replicate) process group pair is for HYBRID_SHARD, not {strategy.name}")
