@@ -112,6 +112,36 @@ def test_nested_tied_and_uneven_layouts_match_torch_ddp(ranks, world):
     ranks.run(_layouts, world, timeout=160)
 
 
+def _prefetch_and_iteration_shapes(rank: int, world: int, backend: str) -> None:
+    """Prefetch settings change when all-gathers are issued, never the result; an evaluation forward under
+    no_grad between steps and two forwards before one backward work too."""
+    from shardkit.fsdp import BackwardPrefetch
+
+    variants = [dict(forward_prefetch=True, backward_prefetch=BackwardPrefetch.BACKWARD_POST),
+                dict(forward_prefetch=True, limit_all_gathers=False),
+                dict(backward_prefetch=None)]
+    for kwargs in variants:
+        pair = FsdpPair(net(depth=4), adamw, dut_backend=backend, auto_wrap_policy=block_policy(), **kwargs)
+        for step in range(STEPS):
+            pair.ref_opt.zero_grad()
+            pair.dut_opt.zero_grad()
+            x1, y1 = batch(rank, step)
+            x2, y2 = batch(rank, step, micro=1)
+            for model in (pair.ref, pair.dut):  # two forwards, one backward
+                (F.mse_loss(model(x1), y1) + F.mse_loss(model(x2), y2)).backward()
+            pair.ref_opt.step()
+            pair.dut_opt.step()
+            with torch.no_grad():
+                assert_close(pair.dut(x1), pair.ref.module(x1), f"{kwargs}: rank {rank} step {step}: eval forward")
+            pair.check(f"{kwargs}: rank {rank} step {step}")
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("backend", ["shardkit", "gloo"])
+def test_prefetch_variants_eval_forwards_and_two_forward_backward(ranks, backend):
+    ranks.run(_prefetch_and_iteration_shapes, 2, backend, timeout=160)
+
+
 def _empty_shards(rank: int, world: int) -> list[int]:
     torch.manual_seed(0)
     # 3 elements at offsets 0 and 4 (16-byte alignment), shards of 4: ranks 2 and 3 hold nothing.
@@ -285,6 +315,11 @@ def _errors(rank: int, world: int) -> dict[str, str]:
     messages["empty"] = error_of(lambda: shardkit.FullyShardedDataParallel(nn.ReLU()), ValueError, rank)
     mixed = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2, device="meta"))
     messages["devices"] = error_of(lambda: shardkit.FullyShardedDataParallel(mixed), ValueError, rank)
+    from shardkit.fsdp import ShardingStrategy
+
+    messages["hybrid_pair"] = error_of(lambda: shardkit.FullyShardedDataParallel(
+        net(), process_group=(None, dist.group.WORLD), sharding_strategy=ShardingStrategy.HYBRID_SHARD),
+        ValueError, rank)
     different = net(depth=2 if rank == 1 else 3)
     messages["layout"] = error_of(lambda: shardkit.FullyShardedDataParallel(different, auto_wrap_policy=block_policy()),
                                   RuntimeError, rank)
@@ -302,3 +337,5 @@ def test_errors_name_the_rank_unit_and_value(ranks):
         assert messages["layout"].startswith(f"shardkit FSDP (rank {rank}): unit 'blocks.2' differs between ranks: "
                                              "rank 0 has 5 parameters"), messages["layout"]
         assert "rank 1 has no such unit" in messages["layout"], messages["layout"]
+        assert messages["hybrid_pair"].startswith("HYBRID_SHARD's process_group=(shard_group, replicate_group) "
+                                                  "needs both groups, got (None, "), messages["hybrid_pair"]
