@@ -94,11 +94,6 @@ class _Unit:
     module: nn.Module
     groups: list[_FlatGroup]
     is_root: bool
-    parent: "_Unit | None" = None
-
-    @property
-    def label(self) -> str:
-        return self.name or "(root)"
 
 
 class FullyShardedDataParallel(nn.Module):
@@ -149,25 +144,16 @@ class FullyShardedDataParallel(nn.Module):
         if len(devices) > 1:
             raise ValueError(f"shardkit FSDP (rank {self.rank}): parameters on mixed devices {sorted(devices)}: "
                              + ", ".join(f"{n} on {p.device}" for n, p in managed[:8]))
+        unit_modules = choose_units(module, as_policy(auto_wrap_policy), {id(m) for m in ignored_modules or []})
+        owners = assign_parameters(module, unit_modules, ignored)
+        self._verify_same_layout_everywhere(owners)  # the first collective: before any that depends on it
         if sync_module_states:
             self._broadcast_from_rank0([p.detach() for _, p in managed] + [b.detach() for b in module.buffers()])
         if mixed_precision.buffer_dtype is not None:
             for b in module.buffers():
                 if b.is_floating_point():
                     b.data = b.data.to(mixed_precision.buffer_dtype)
-
-        unit_modules = choose_units(module, as_policy(auto_wrap_policy), {id(m) for m in ignored_modules or []})
-        owners = assign_parameters(module, unit_modules, ignored)
-        self._verify_same_layout_everywhere(owners)
         self._units = [self._make_unit(name, m, owners[name]) for name, m in unit_modules]
-        by_module = {id(u.module): u for u in self._units}
-        for u in self._units[1:]:
-            path = u.name.split(".")
-            for cut in range(len(path) - 1, -1, -1):  # the closest enclosing unit
-                parent = by_module.get(id(module.get_submodule(".".join(path[:cut]))))
-                if parent is not None:
-                    u.parent = parent
-                    break
         self._root = self._units[0]
         for u in self._units:
             u.module._shardkit_fsdp_unit = u

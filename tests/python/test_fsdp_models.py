@@ -74,7 +74,7 @@ def _gpt2_parity(rank: int, world: int) -> dict:
         pair.check(f"rank {rank} step {step}")
         losses.append((float(ref_loss), float(dut_loss)))
     return {
-        "units": [u.label for u in pair.dut._units],
+        "units": [u.name or "(root)" for u in pair.dut._units],
         "names": names,
         "unwrapped_names": unwrapped_names,
         "tied_is_one_parameter": dut.lm_head.weight is dut.transformer.wte.weight,
