@@ -101,8 +101,8 @@ PYBIND11_MODULE(_C, m) {
       .def("bucket_indices", &Reducer::bucket_indices)
       .def("bucket_buffers", &Reducer::bucket_buffers)
       .def("load_bucket_indices", &Reducer::load_bucket_indices, py::arg("assignment"))
-      .def("set_gradient_shards", &Reducer::set_gradient_shards, py::arg("shards"), py::arg("space"),
-           py::arg("flat_offset"))
+      .def("set_gradient_shards", &Reducer::set_gradient_shards, py::arg("layouts"), py::arg("shards"),
+           py::arg("space"), py::arg("slot"))
       .def("shard_gradient_defined", &Reducer::shard_gradient_defined)
       .def("clear_gradient_shards", &Reducer::clear_gradient_shards, py::arg("set_to_none"));
 

@@ -114,10 +114,13 @@ void ShmGroup::allgather(const void* in, void* out, size_t count, DType dtype, c
   do {
     const size_t n = std::min(chunk, count - offset);
     const uint64_t round = rounds_++;
-    std::memcpy(slot(rank_, round), static_cast<const uint8_t*>(in) + offset * elem, n * elem);
+    const uint8_t* source = static_cast<const uint8_t*>(in) + offset * elem;
+    std::memcpy(slot(rank_, round), source, n * elem);
     sync(header);
     for (int r = 0; r < size_; ++r) {
-      std::memcpy(static_cast<uint8_t*>(out) + (r * count + offset) * elem, slot(r, round), n * elem);
+      uint8_t* target = static_cast<uint8_t*>(out) + (r * count + offset) * elem;
+      if (target == source) continue;  // in place: this rank's block already holds its contribution
+      std::memcpy(target, slot(r, round), n * elem);
     }
     offset += n;
   } while (offset < count);

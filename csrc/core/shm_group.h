@@ -121,7 +121,9 @@ class ShmGroup {
   // Only `root`'s out is written; other ranks may pass nullptr.
   void reduce(const void* in, void* out, size_t count, DType dtype, ReduceOp op, int root,
               const CallInfo& call = {});
-  // out holds size * count elements, rank r's contribution at offset r * count.
+  // out holds size * count elements, rank r's contribution at offset r * count. `in` may be this rank's own
+  // block of `out` (in == out + rank * count elements: ZeRO's in-place all-gather); that block is then left
+  // as it is instead of being copied back onto itself. Any other overlap of in and out is not allowed.
   void allgather(const void* in, void* out, size_t count, DType dtype, const CallInfo& call = {});
   // Like allgather, but only root's out is written.
   void gather(const void* in, void* out, size_t count, DType dtype, int root, const CallInfo& call = {});

@@ -1,10 +1,11 @@
 // GradientShards: where the reducer puts gradients under ZeRO-2 (zero_stage=2).
 //
-// The partition is the optimizer's (shardkit.ZeroRedundancyOptimizer, python/shardkit/zero.py): per dtype
-// one flat index space of N·S elements holding the trainable parameters one after another (then padding),
-// rank r owning elements [r·S, (r+1)·S). Parameter i occupies [flat_offset[i], flat_offset[i] + numel) of
-// space `space[i]`; this rank's gradient shard of space s is `shards[s]`, a flat tensor of S elements that
-// the optimizer steps from.
+// The partition is the DDP's (shardkit.DistributedDataParallel(zero_stage=2), python/shardkit/ddp.py), and
+// its geometry is core::FlatLayout's, the one flat layout of shardkit: per dtype ("space") one layout over
+// the trainable parameters of that dtype, rank r owning [r·S, (r+1)·S) of it. Reducer parameter i is
+// parameter `slot[i]` of layout `space[i]`; this rank's gradient shard of space s is `shards[s]`, a flat
+// tensor of S elements that the optimizer steps from. No offset or shard arithmetic lives here: every
+// "which elements does rank r own" question is a FlatLayout piece.
 //
 // Promise: once the reducer has handed every bucket's reduced gradients to take(), each shard holds the
 // owned elements of every parameter's averaged gradient, written if the parameter had no gradient since
@@ -21,6 +22,8 @@
 #include <string>
 #include <vector>
 
+#include "core/flat_layout.h"
+
 namespace shardkit::ddp {
 
 class GradientShards {
@@ -31,10 +34,12 @@ class GradientShards {
     size_t length = 0;  // elements
   };
 
-  // Validates the layout against the parameters (TORCH_CHECK naming `where`, the parameter and the value).
+  // Validates the partition against the parameters and the process group (TORCH_CHECK naming `where`, the
+  // parameter and the value): every layout spans `world` ranks, every shard has its layout's S elements,
+  // dtype and device, and every (space, slot) is taken by exactly one parameter of that slot's numel.
   GradientShards(const std::vector<at::Tensor>& params, const std::vector<std::string>& names,
-                 std::vector<at::Tensor> shards, std::vector<int64_t> space, std::vector<int64_t> flat_offset,
-                 int rank, int world, const std::string& where);
+                 std::vector<core::FlatLayout> layouts, std::vector<at::Tensor> shards, std::vector<int64_t> space,
+                 std::vector<int64_t> slot, int rank, int world, const std::string& where);
 
   // Orders a bucket's members (parameter indices, one dtype) by their place in the flat space.
   void sort_members(std::vector<size_t>& members) const;
@@ -53,9 +58,13 @@ class GradientShards {
  private:
   struct Place {
     size_t space = 0;
-    int64_t flat_offset = 0;
-    int64_t numel = 0;
+    size_t slot = 0;  // the parameter's index in its space's layout
   };
+  int64_t flat_offset(size_t index) const {
+    return layouts_[places_[index].space].offsets()[places_[index].slot];
+  }
+
+  std::vector<core::FlatLayout> layouts_;
   std::vector<at::Tensor> shards_;
   std::vector<Place> places_;  // per parameter
   std::vector<bool> defined_;  // per parameter

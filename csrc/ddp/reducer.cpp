@@ -166,22 +166,22 @@ std::vector<at::Tensor> Reducer::bucket_buffers() const {
   return out;
 }
 
-void Reducer::set_gradient_shards(std::vector<at::Tensor> shards, std::vector<int64_t> space,
-                                  std::vector<int64_t> flat_offset) {
+void Reducer::set_gradient_shards(std::vector<core::FlatLayout> layouts, std::vector<at::Tensor> shards,
+                                  std::vector<int64_t> space, std::vector<int64_t> slot) {
   std::lock_guard<std::mutex> lock(mutex_);
   TORCH_CHECK(options_.shard_gradients, where(), "gradient shards are only used with zero_stage=2");
-  TORCH_CHECK(shards_ == nullptr, where(), "zero_stage=2: a ZeroRedundancyOptimizer was already attached to this "
-              "model's gradients; build one optimizer per model");
-  TORCH_CHECK(!callback_queued_, where(), "zero_stage=2: the optimizer was attached during a backward");
-  shards_ = std::make_unique<GradientShards>(params_, names_, std::move(shards), std::move(space),
-                                             std::move(flat_offset), process_group_->getRank(),
-                                             process_group_->getSize(), where());
+  TORCH_CHECK(shards_ == nullptr, where(), "zero_stage=2: the gradient shards are already set; the partition is "
+              "fixed when the DDP is built");
+  TORCH_CHECK(!callback_queued_, where(), "zero_stage=2: gradient shards set during a backward");
+  shards_ = std::make_unique<GradientShards>(params_, names_, std::move(layouts), std::move(shards), std::move(space),
+                                             std::move(slot), process_group_->getRank(), process_group_->getSize(),
+                                             where());
   build_buckets(bucket_indices());  // the same buckets, members now in flat order, owners known
 }
 
 std::vector<bool> Reducer::shard_gradient_defined() {
   std::lock_guard<std::mutex> lock(mutex_);
-  TORCH_CHECK(shards_ != nullptr, where(), "no gradient shards: zero_stage=2 with a ZeroRedundancyOptimizer only");
+  TORCH_CHECK(shards_ != nullptr, where(), "no gradient shards: only a zero_stage=2 reducer has them");
   return shards_->defined();
 }
 
@@ -200,9 +200,9 @@ void Reducer::register_comm_hook(std::unique_ptr<c10d::CommHookInterface> hook) 
 void Reducer::prepare_for_backward() {
   std::lock_guard<std::mutex> lock(mutex_);
   TORCH_CHECK(!callback_queued_, where(), "the previous backward has not finished its gradient reduction");
-  TORCH_CHECK(!options_.shard_gradients || shards_, where(), "zero_stage=2 keeps each rank's gradient shard in "
-              "shardkit.ZeroRedundancyOptimizer: construct ZeroRedundancyOptimizer(model.parameters(), "
-              "optimizer_class, ...) before the first forward");
+  // The DDP sets the shards right after building the reducer; only a direct user of _C.Reducer can miss it.
+  TORCH_CHECK(!options_.shard_gradients || shards_, where(), "zero_stage=2 reducer without gradient shards: call "
+              "set_gradient_shards before the first synchronised backward");
   if (iteration_ == 1 && !rebuilt_ && !options_.find_unused_parameters) {
     // Rebuild once from the arrival order of the first iteration; rank 0's order wins so that every rank
     // builds identical buckets (they launch collectives bucket by bucket). Parameters that never arrived

@@ -17,8 +17,8 @@
 // happens. Parameters that got no gradient are either unused-parameter zeros (find_unused_parameters; a
 // parameter unused on every rank keeps its .grad untouched) or a clear error naming them.
 //
-// ZeRO-2 (Options::shard_gradients). The optimizer hands over its partition (set_gradient_shards) before
-// the first synchronised backward. Bucket buffers then exist only while a backward runs: each gradient is
+// ZeRO-2 (Options::shard_gradients). The DDP hands over its partition (set_gradient_shards) at
+// construction, before any backward. Bucket buffers then exist only while a backward runs: each gradient is
 // copied into its bucket and its .grad freed at once; a bucket's members are ordered by flat offset, so
 // each rank's share is one contiguous range, and the bucket is reduced with one `reduce` per owner
 // instead of an allreduce (a comm hook, if registered, runs as usual and each rank keeps its share of the
@@ -71,10 +71,10 @@ class Reducer {
   // The bucket buffers that exist now (under ZeRO-2 none between backwards), for memory accounting.
   std::vector<at::Tensor> bucket_buffers() const;
 
-  // ZeRO-2 only. Adopts the optimizer's partition (see GradientShards for the arguments' meaning); may be
-  // called once, before the first synchronised backward.
-  void set_gradient_shards(std::vector<at::Tensor> shards, std::vector<int64_t> space,
-                           std::vector<int64_t> flat_offset);
+  // ZeRO-2 only. Adopts the DDP's partition (see GradientShards for the arguments' meaning); called once,
+  // by the DDP right after construction, so gradients land in the shards from the first backward on.
+  void set_gradient_shards(std::vector<core::FlatLayout> layouts, std::vector<at::Tensor> shards,
+                           std::vector<int64_t> space, std::vector<int64_t> slot);
   // Per parameter: whether its gradient shard holds a gradient (the ZeRO-2 counterpart of `.grad is not None`).
   std::vector<bool> shard_gradient_defined();
   // optimizer.zero_grad() under ZeRO-2.
@@ -115,7 +115,7 @@ class Reducer {
   c10::intrusive_ptr<c10d::ProcessGroup> process_group_;
   Options options_;
   std::unique_ptr<c10d::CommHookInterface> comm_hook_;
-  std::unique_ptr<GradientShards> shards_;  // ZeRO-2, once the optimizer has handed its partition over
+  std::unique_ptr<GradientShards> shards_;  // ZeRO-2: the DDP's partition, set at construction
 
   std::vector<Bucket> buckets_;
   std::vector<Slot> slots_;  // per parameter

@@ -9,14 +9,13 @@ Everything per parameter or per bucket during training happens in C++; this modu
 from __future__ import annotations
 
 import contextlib
-import weakref
 from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import _C, _exchange
+from . import _C, _exchange, _flat
 from .hooks import check_state_group
 
 _DEFAULT_BUCKET_CAP_MB = 25
@@ -30,14 +29,24 @@ class DistributedDataParallel(nn.Module):
     ``zero_stage`` (0, 1, 2) selects ZeRO partitioning of optimizer state (1) and gradients (2); both take
     ``shardkit.ZeroRedundancyOptimizer`` as the optimizer, built over this model's parameters.
 
+    With 1 or 2 this module owns the partition, computed at construction: per dtype one flat layout
+    (``shardkit._C.FlatLayout``) over the trainable parameters in ``module.named_parameters()`` order, padded
+    to a multiple of the world size, rank r owning the r-th 1/N. Each of those parameters becomes a view of
+    its dtype's flat buffer (``p.data`` is replaced once, here, before the reducer is built), so the
+    optimizer's all-gather writes the updated parameters in place. A ``ZeroRedundancyOptimizer`` built
+    later over these parameters reads this partition; its trainable parameters must come in the same order
+    (``model.parameters()`` does), or it raises naming the first that differs.
+
     - 1: gradients are allreduced exactly as with 0 (every rank gets whole averaged ``.grad``); the optimizer
       keeps state for its 1/N slice and all-gathers the updated parameters. With a plain optimizer, 1 is 0.
     - 2: each bucket is reduced to the ranks that own its elements (one ``reduce`` per owner), each rank keeps
-      only its slice of the averaged gradients, in the optimizer's gradient shard, and ``.grad`` stays None.
-      Gradients accumulate in the shard across synchronised backwards until ``optimizer.zero_grad()`` (or
-      this module's ``zero_grad()``), as ``.grad`` would; clip with ``optimizer.clip_grad_norm_``
-      (``torch.nn.utils.clip_grad_norm_`` sees no ``.grad`` here). The optimizer must be built before the
-      first forward; ``gradient_as_bucket_view`` does not apply and is refused.
+      only its slice of the averaged gradients, in this module's gradient shard (``gradient_shards``, allocated
+      at construction), and ``.grad`` stays None. A forward and backward before the optimizer exists is fine:
+      the gradients wait in the shard. They accumulate there across synchronised backwards until
+      ``optimizer.zero_grad()`` (or this module's ``zero_grad()``), as ``.grad`` would; clip with
+      ``optimizer.clip_grad_norm_`` (``torch.nn.utils.clip_grad_norm_`` sees no ``.grad`` here). A plain
+      torch optimizer sees no gradients at all, so use ``ZeroRedundancyOptimizer`` (one per model);
+      ``gradient_as_bucket_view`` does not apply and is refused.
     """
 
     def __init__(
@@ -73,6 +82,13 @@ class DistributedDataParallel(nn.Module):
 
         named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
         self._verify_same_parameters_everywhere(named)
+        spaces = []
+        if zero_stage:
+            # The ZeRO partition: per dtype one FlatLayout over the trainable parameters in module order, each
+            # parameter made a view of its space's flat buffer before the reducer is built (so the reducer and
+            # its gradient hooks see the final storages), and the optimizer's all-gather lands in place.
+            spaces = _flat.flat_spaces([p for _, p in named], dist.get_world_size(self.process_group))
+            _flat.flatten_into_buffers(spaces)
         self._broadcast_from_rank0([p.detach() for _, p in module.named_parameters()] +
                                    [b.detach() for b in module.buffers()])
         # torch's rule: the small first bucket applies only when the cap is the default one.
@@ -81,12 +97,9 @@ class DistributedDataParallel(nn.Module):
         self.reducer = _C.Reducer([p for _, p in named], [name for name, _ in named], self.process_group,
                                   cap_bytes, first_bytes, find_unused_parameters, gradient_as_bucket_view,
                                   shard_gradients=zero_stage == 2)
-        self._reducer_params = [p for _, p in named]
-        self._reducer_names = [name for name, _ in named]
-        if zero_stage == 2:
-            # How shardkit.ZeroRedundancyOptimizer, built over these parameters, finds the reducer it must feed.
-            for _, p in named:
-                p._shardkit_zero2_ddp = weakref.ref(self)
+        self._zero_partition: _flat.ZeroPartition | None = None
+        if zero_stage:
+            self._zero_partition = self._own_partition(named, spaces)
         # Buffers are broadcast before a forward that follows a synchronised training forward (torch's rule).
         self.require_forward_param_sync = True
 
@@ -165,26 +178,30 @@ class DistributedDataParallel(nn.Module):
         if self.zero_stage == 2:
             self.reducer.clear_gradient_shards(set_to_none)
 
-    def _adopt_partition(self, place: dict[int, tuple[int, int]], shards: list[torch.Tensor],
-                         process_group: dist.ProcessGroup | None) -> dict[int, int]:
-        """zero_stage=2: the optimizer's partition (``place[id(param)] = (space, flat offset)``, ``shards`` this
-        rank's gradient shard of each space) becomes where the reducer writes. Returns the reducer's index of
-        each parameter, keyed by ``id(param)``."""
-        rank = dist.get_rank(self.process_group)
-        mine = dist.get_process_group_ranks(self.process_group)
-        theirs = dist.get_process_group_ranks(process_group if process_group is not None else dist.group.WORLD)
-        if mine != theirs:
-            raise ValueError(f"ZeroRedundancyOptimizer (rank {rank}): zero_stage=2 needs the optimizer on the DDP "
-                             f"model's process group (ranks {mine}), got one over ranks {theirs}")
-        missing = [name for name, p in zip(self._reducer_names, self._reducer_params) if id(p) not in place]
-        if missing or len(place) != len(self._reducer_params):
-            raise ValueError(f"ZeroRedundancyOptimizer (rank {rank}): with zero_stage=2 the optimizer must hold "
-                             "exactly "
-                             f"the DDP model's trainable parameters; missing: {missing or 'none'}, "
-                             f"{len(place) - len(self._reducer_params) + len(missing)} not the model's")
-        self.reducer.set_gradient_shards(shards, [place[id(p)][0] for p in self._reducer_params],
-                                         [place[id(p)][1] for p in self._reducer_params])
-        return {id(p): i for i, p in enumerate(self._reducer_params)}
+    def _own_partition(self, named: list[tuple[str, torch.Tensor]],
+                       spaces: list[_flat.FlatSpace]) -> _flat.ZeroPartition:
+        """zero_stage 1|2: the partition this DDP owns. Under 2 it allocates this rank's gradient shard of each
+        space and installs them in the reducer now, so a backward before any optimizer exists lands there."""
+        reducer_index = {id(p): i for i, (_, p) in enumerate(named)}
+        partition = _flat.ZeroPartition(self.zero_stage, self.process_group, spaces,
+                                        {id(p): name for name, p in named}, self.reducer, reducer_index)
+        if self.zero_stage == 2:
+            place: dict[int, tuple[int, int]] = {}  # id(param) -> (space, slot in its layout)
+            for s, space in enumerate(spaces):
+                space.grad_shard = torch.zeros(space.shard_numel, dtype=space.dtype, device=space.device)
+                place.update({id(p): (s, k) for k, p in enumerate(space.params)})
+            self.reducer.set_gradient_shards([space.layout for space in spaces],
+                                             [space.grad_shard for space in spaces],
+                                             [place[id(p)][0] for _, p in named], [place[id(p)][1] for _, p in named])
+        partition.mark_parameters()
+        return partition
+
+    @property
+    def gradient_shards(self) -> list[torch.Tensor]:
+        """zero_stage=2: this rank's flat gradient shard of each dtype (empty otherwise)."""
+        if self._zero_partition is None:
+            return []
+        return [space.grad_shard for space in self._zero_partition.spaces if space.grad_shard is not None]
 
     def register_comm_hook(self, state: object, hook: Callable[..., torch.futures.Future]) -> None:
         """torch DDP's comm-hook API: ``hook(state, bucket) -> Future[Tensor]`` replaces the allreduce of each

@@ -1,18 +1,26 @@
 """shardkit.ZeroRedundancyOptimizer: optimizer state (ZeRO-1) and gradients (ZeRO-2) sharded across ranks.
 
 torch's constructor (``ZeroRedundancyOptimizer(params, optimizer_class, process_group=None, **defaults)``)
-and methods, DeepSpeed's partitioning. ZeRO-1 (a plain DDP, or shardkit's with zero_stage 0/1): gradients
-are allreduced as usual; each rank then steps the optimizer only for its slice of the parameters, and the
-updated slices are all-gathered. ZeRO-2 (built over a ``shardkit.DistributedDataParallel(zero_stage=2)``
-model): the optimizer also owns a flat gradient shard of S elements per dtype (this rank's slice of the
-gradients), and hands the partition to the DDP's reducer, which reduces each bucket straight into the
-owners' shards; ``.grad`` stays None and the pieces step from their views of the shard.
+and methods, DeepSpeed's partitioning. ZeRO-1 (a plain model or DDP, or shardkit's with zero_stage 0/1):
+gradients are allreduced as usual; each rank then steps the optimizer only for its slice of the parameters,
+and the updated slices are all-gathered. ZeRO-2 (over a ``shardkit.DistributedDataParallel(zero_stage=2)``
+model): the DDP's reducer reduces each bucket straight into the owners' gradient shards (S elements per dtype,
+allocated by the DDP); ``.grad`` stays None and the pieces step from their views of the shard.
 
-Partitioning (DeepSpeed's flat layout, not torch's whole-parameter assignment)::
+Partitioning (DeepSpeed's flat layout, not torch's whole-parameter assignment) is ``_C.FlatLayout``'s, the
+one flat layout of shardkit (csrc/core/flat_layout.h), with alignment 1::
 
     trainable params of one dtype, all groups, in order:   | a a a a a | b b b | c c c c c c c |pad|
     flat index space, padded to a multiple of N:            0                                 N*S
     rank r owns [r*S, (r+1)*S), S = ceil(numel / N):       |  rank 0  |  rank 1  |  rank 2  |
+
+Who owns it: a shardkit DDP with zero_stage 1|2 computes the partition at construction (its trainable
+parameters in module order) and owns it; the optimizer built over that model's parameters reads it (found
+through a weak reference the DDP leaves on its parameters, see _flat.py), so the optimizer may be built at
+any time, after a forward and backward too. The optimizer's trainable parameters must then come in the
+partition's order (``model.parameters()`` order; param groups may split it but not permute it), else it
+raises naming the first parameter that differs. Over any other parameters (a plain model, torch's DDP) the
+optimizer lays out its own partition the same way.
 
 The local optimizer (``self.optim``) sees one leaf Parameter per (parameter, rank) overlap, a view of the
 model's parameter itself (no copy of the parameters is kept) -- a parameter that lies inside the slice keeps
@@ -25,11 +33,13 @@ step():
   1. point each piece's ``.grad`` at the owned part of ``param.grad`` (a view, no copy), or under ZeRO-2 at
      its view of the gradient shard (None if the reducer left that parameter without a gradient);
   2. ``self.optim.step()`` updates the owned parts of the parameters in place;
-  3. one all-gather (``all_gather_into_tensor``) per dtype: each rank's slice (its pieces, packed into a
-     transient buffer of S elements) goes to every rank, into a transient flat buffer whose pieces are copied
-     into the parameters: every rank ends with identical parameters.
-Parameters must keep their storage (``p.data = ...`` would detach them from the pieces); in-place updates
-such as ``model.load_state_dict`` or DDP's broadcast are seen as they are.
+  3. one all-gather (``all_gather_into_tensor``) per dtype brings every rank's updated slice to all ranks.
+     Under a shardkit DDP with zero_stage 1|2 the parameters are views of the DDP's flat buffer of the
+     dtype, so the step has updated this rank's slice of that buffer in place and the all-gather runs in
+     place too (input: the slice; output: the buffer): no pack, no copy. Otherwise the pieces are packed
+     into a transient shard, gathered into a transient flat buffer and copied into the parameters.
+Parameters must keep their storage (``p.data = ...`` would detach them from the pieces and from the DDP's
+flat buffer); in-place updates such as ``model.load_state_dict`` or DDP's broadcast are seen as they are.
 
 Exactness: optimizers that update each element from that element's own gradient and state (SGD with
 momentum/nesterov/weight decay, Adam, AdamW, Adamax, NAdam, RAdam, RMSprop, Adagrad, Adadelta, ASGD,
@@ -51,6 +61,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
+import weakref
 from collections import defaultdict
 from typing import Any, Callable, Iterable
 
@@ -59,7 +70,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
-from . import _exchange
+from . import _exchange, _flat
 
 __all__ = ["ELEMENTWISE_OPTIMIZERS", "ZeroRedundancyOptimizer"]
 
@@ -79,13 +90,14 @@ _GROUP_ONLY_KEYS = ("params", "param_names")  # keys of an outer param group tha
 
 @dataclasses.dataclass(eq=False)
 class _Piece:
-    """The part of one parameter that this rank owns, and the local optimizer's leaf for it."""
+    """The part of one parameter that this rank owns (a FlatLayout piece), and the local optimizer's leaf for it."""
 
     param: torch.Tensor  # the model's parameter
     index: int  # its index in the unsharded optimizer's numbering (over all groups, frozen params included)
     group: int  # its param group
-    start: int  # first owned element of the flattened parameter
+    start: int  # first owned element of the flattened parameter (the piece's param_begin)
     numel: int
+    shard_begin: int  # first element in this rank's shard of the flat space
     leaf: nn.Parameter  # a view of the parameter's owned elements: its shape if whole, else 1-D
     grad_view: torch.Tensor | None = None  # ZeRO-2: the same elements of the space's gradient shard
     ddp_index: int = -1  # ZeRO-2: the parameter's index in the DDP reducer
@@ -93,19 +105,6 @@ class _Piece:
     @property
     def whole(self) -> bool:
         return self.numel == self.param.numel()
-
-
-@dataclasses.dataclass(eq=False)
-class _FlatSpace:
-    """One dtype's flat index space: every trainable parameter of that dtype, padded to N * shard_numel."""
-
-    dtype: torch.dtype
-    params: list[tuple[torch.Tensor, int]]  # (parameter, offset in the flat space), in order
-    numel: int  # real elements
-    shard_numel: int  # S = ceil(numel / N)
-    device: torch.device
-    pieces: list[_Piece] = dataclasses.field(default_factory=list)  # this rank's, in flat order
-    grad_shard: torch.Tensor | None = None  # ZeRO-2: the averaged gradients of that slice, written by the reducer
 
 
 class ZeroRedundancyOptimizer(Optimizer):
@@ -143,7 +142,12 @@ class ZeroRedundancyOptimizer(Optimizer):
                              f"got parameters on {sorted(map(str, devices))}")
         self._verify_same_parameters_everywhere()
 
-        self._spaces, self._pieces = self._partition()
+        self._ddp_partition = self._partition_of_ddp(trainable)
+        if self._ddp_partition is not None:
+            self._spaces = self._ddp_partition.spaces
+        else:
+            self._spaces = _flat.flat_spaces(trainable, self.world_size)
+        self._pieces = self._make_pieces()
         groups = [{**_options(group), "params": [piece.leaf for piece in self._pieces if piece.group == g]}
                   for g, group in enumerate(self.param_groups)]
         self.optim: Optimizer = optimizer_class(groups, **defaults)
@@ -156,69 +160,101 @@ class ZeroRedundancyOptimizer(Optimizer):
                     outer.setdefault(key, value)
         self._consolidated: dict[int, dict[str, Any]] | None = None  # per-parameter state, on rank `to`
         self._consolidated_to: int | None = None
-        self._zero2_ddp = self._attach_to_zero2_ddp(trainable)
+        if self._ddp_partition is not None and self._ddp_partition.stage == 2:
+            self._ddp_partition.optimizer = weakref.ref(self)
         self._initialized = True
 
-    def _attach_to_zero2_ddp(self, trainable: list[torch.Tensor]):
-        """If the parameters belong to a shardkit DDP with zero_stage=2: allocate the gradient shards and give
-        the DDP's reducer the partition. Returns that DDP (None for ZeRO-1)."""
-        wrappers = {ref() for ref in (getattr(p, "_shardkit_zero2_ddp", None) for p in trainable) if ref is not None}
-        if not wrappers:
+    def _partition_of_ddp(self, trainable: list[torch.Tensor]) -> _flat.ZeroPartition | None:
+        """The partition of the shardkit DDP (zero_stage 1|2) that owns these parameters, checked against
+        them; None for parameters of a plain model or torch's DDP (the optimizer then lays out its own).
+
+        zero_stage=2 needs exactly the DDP's trainable parameters on the DDP's process group (the reducer
+        writes their gradients into the DDP's shards, nowhere else) and one live optimizer per model.
+        zero_stage=1 falls back to the optimizer's own partition when the parameters or the group differ
+        (the all-gather then copies into the parameters instead of landing in place). Either stage raises
+        when the same parameters come in another order than the partition's."""
+        partitions = _flat.partitions_of(trainable)
+        if not partitions:
             return None
-        ddp = wrappers.pop()
-        if wrappers or ddp is None:
+        if len(partitions) > 1:
             raise ValueError(f"ZeroRedundancyOptimizer (rank {self.rank}): the parameters belong to more than one "
-                             "zero_stage=2 DistributedDataParallel; build one optimizer per model")
-        place: dict[int, tuple[int, int]] = {}
-        for s, space in enumerate(self._spaces):
-            space.grad_shard = torch.zeros(space.shard_numel, dtype=space.dtype, device=space.device)
-            for p, offset in space.params:
-                place[id(p)] = (s, offset)
-        reducer_index = ddp._adopt_partition(place, [space.grad_shard for space in self._spaces], self.process_group)
-        for space in self._spaces:
-            for piece in space.pieces:
-                offset = place[id(piece.param)][1] + piece.start - self.rank * space.shard_numel
-                piece.grad_view = space.grad_shard[offset:offset + piece.numel].view(piece.leaf.shape)
-                piece.ddp_index = reducer_index[id(piece.param)]
-        return ddp
+                             "zero_stage=1|2 DistributedDataParallel; build one optimizer per model")
+        partition = partitions[0]
+        stage = partition.stage
+        mine = dist.get_process_group_ranks(partition.process_group)
+        theirs = dist.get_process_group_ranks(self.process_group)
+        if mine != theirs:
+            if stage == 1:
+                return None
+            raise ValueError(f"ZeroRedundancyOptimizer (rank {self.rank}): zero_stage=2 needs the optimizer on the "
+                             f"DDP model's process group (ranks {mine}), got one over ranks {theirs}")
+        held = {id(p) for space in partition.spaces for p in space.params}
+        given = {id(p) for p in trainable}
+        if held != given:
+            if stage == 1:
+                return None
+            missing = [partition.names[i] for i in partition.names if i not in given]
+            foreign = len(given - held)
+            raise ValueError(f"ZeroRedundancyOptimizer (rank {self.rank}): with zero_stage=2 the optimizer must hold "
+                             f"exactly the DDP model's trainable parameters; missing: {missing or 'none'}, "
+                             f"{foreign} not the model's")
+        for space in partition.spaces:
+            ours = [p for p in trainable if p.dtype == space.dtype]
+            for position, (p, q) in enumerate(zip(ours, space.params)):
+                if p is not q:
+                    raise ValueError(
+                        f"ZeroRedundancyOptimizer (rank {self.rank}): the parameters are not in the order of the "
+                        f"zero_stage={stage} DDP's partition: {str(space.dtype).removeprefix('torch.')} parameter "
+                        f"#{position} is {partition.names[id(p)]} here but {partition.names[id(q)]} in the DDP; "
+                        "pass them in model.parameters() order (param groups may split that order, not permute it)")
+        if stage == 2:
+            attached = partition.optimizer() if partition.optimizer is not None else None
+            if attached is not None:
+                raise RuntimeError(f"ZeroRedundancyOptimizer (rank {self.rank}): zero_stage=2: a "
+                                   "ZeroRedundancyOptimizer is already attached to this model's gradient shards; "
+                                   "build one optimizer per model")
+        return partition
 
     @property
     def gradient_shards(self) -> list[torch.Tensor]:
-        """ZeRO-2: this rank's flat gradient shard of each dtype (empty under ZeRO-1, where grads are ``.grad``)."""
+        """ZeRO-2: this rank's flat gradient shard of each dtype, the DDP's (empty under ZeRO-1, where grads are
+        ``.grad``)."""
         return [space.grad_shard for space in self._spaces if space.grad_shard is not None]
 
+    @property
+    def _zero2(self) -> _flat.ZeroPartition | None:
+        partition = self._ddp_partition
+        return partition if partition is not None and partition.stage == 2 else None
+
     # --- partition ------------------------------------------------------------------------------------
-    def _partition(self) -> tuple[list[_FlatSpace], list[_Piece]]:
-        """Flat spaces per dtype (in order of first appearance) and this rank's pieces, in index order."""
-        world, rank = self.world_size, self.rank
-        by_dtype: dict[torch.dtype, list[tuple[int, int, torch.Tensor]]] = defaultdict(list)
+    def _make_pieces(self) -> list[_Piece]:
+        """This rank's pieces of every space (the layout's), each with a leaf viewing the parameter, in index
+        order (the unsharded optimizer's numbering)."""
+        numbering: dict[int, tuple[int, int]] = {}  # id(param) -> (index, group)
         index = 0
         for g, group in enumerate(self.param_groups):
             for p in group["params"]:
-                if p.requires_grad:
-                    by_dtype[p.dtype].append((index, g, p))
+                numbering[id(p)] = (index, g)
                 index += 1
-        spaces: list[_FlatSpace] = []
+        zero2 = self._zero2
         pieces: list[_Piece] = []
-        for dtype, members in by_dtype.items():
-            numel = sum(p.numel() for _, _, p in members)
-            shard = math.ceil(numel / world)
-            space = _FlatSpace(dtype, [], numel, shard, members[0][2].device)
-            lo, hi = rank * shard, (rank + 1) * shard
-            offset = 0
-            for index, g, p in members:
-                space.params.append((p, offset))
-                first, last = max(offset, lo), min(offset + p.numel(), hi)
-                if first < last:
-                    whole = last - first == p.numel()
-                    view = p.detach() if whole else p.detach().view(-1)[first - offset:last - offset]
-                    piece = _Piece(p, index, g, first - offset, last - first, nn.Parameter(view, requires_grad=True))
-                    space.pieces.append(piece)
-                    pieces.append(piece)
-                offset += p.numel()
-            spaces.append(space)
+        self._space_pieces: list[list[_Piece]] = []  # per space, in flat order (the order of this rank's shard)
+        for space in self._spaces:
+            self._space_pieces.append([])
+            for flat_piece in space.layout.pieces_of_rank(self.rank):
+                p = space.params[flat_piece.param]
+                begin, numel = flat_piece.param_begin, flat_piece.numel
+                whole = numel == p.numel()
+                view = p.detach() if whole else p.detach().view(-1)[begin:begin + numel]
+                piece = _Piece(p, *numbering[id(p)], begin, numel, flat_piece.shard_begin,
+                               nn.Parameter(view, requires_grad=True))
+                if zero2 is not None:
+                    piece.grad_view = space.grad_shard[piece.shard_begin:piece.shard_begin + numel].view(view.shape)
+                    piece.ddp_index = zero2.reducer_index[id(p)]
+                pieces.append(piece)
+                self._space_pieces[-1].append(piece)
         pieces.sort(key=lambda piece: piece.index)
-        return spaces, pieces
+        return pieces
 
     def _verify_same_parameters_everywhere(self) -> None:
         mine = [[(tuple(p.shape), str(p.dtype), p.requires_grad) for p in group["params"]]
@@ -255,8 +291,8 @@ class ZeroRedundancyOptimizer(Optimizer):
     def _owned_grads(self) -> list[torch.Tensor | None]:
         """Per piece, its gradient with the leaf's shape: a view of ``param.grad`` (ZeRO-1) or of the gradient
         shard (ZeRO-2); None where the parameter has no gradient."""
-        if self._zero2_ddp is not None:
-            defined = self._zero2_ddp.reducer.shard_gradient_defined()
+        if self._zero2 is not None:
+            defined = self._zero2.reducer.shard_gradient_defined()
             return [piece.grad_view if defined[piece.ddp_index] else None for piece in self._pieces]
         grads = []
         for piece in self._pieces:
@@ -271,8 +307,8 @@ class ZeroRedundancyOptimizer(Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Optimizer.zero_grad on the model's parameters; under ZeRO-2 it also clears the gradient shards."""
         super().zero_grad(set_to_none)
-        if self._zero2_ddp is not None:
-            self._zero2_ddp.reducer.clear_gradient_shards(set_to_none)
+        if self._zero2 is not None:
+            self._zero2.reducer.clear_gradient_shards(set_to_none)
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -294,7 +330,7 @@ class ZeroRedundancyOptimizer(Optimizer):
             dist.all_reduce(local, op=dist.ReduceOp.SUM, group=self.process_group)
             total = local[0] ** (1.0 / norm_type)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        if self._zero2_ddp is not None:
+        if self._zero2 is not None:
             targets = self.gradient_shards
         else:
             targets = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
@@ -303,19 +339,32 @@ class ZeroRedundancyOptimizer(Optimizer):
         return total
 
     def _all_gather_parameters(self) -> None:
-        """One all-gather (all_gather_into_tensor) per dtype, all in flight together; then copy into the parameters."""
+        """One all-gather (all_gather_into_tensor) per dtype, all in flight together.
+
+        Under a shardkit DDP with zero_stage 1|2 the parameters are views of the space's flat buffer and the
+        step has just updated this rank's slice of it in place: the all-gather's input is that slice, a view
+        of its own output, so nothing is packed or copied (both shardkit's backend and gloo take an input
+        that aliases its own place in the output; tests/python/test_zero.py checks). Otherwise the pieces are
+        packed into a transient shard, gathered into a transient flat buffer and copied into the parameters.
+        """
         gathered = []
-        for space in self._spaces:
-            parts = [piece.leaf.reshape(-1) for piece in space.pieces]
-            padding = space.shard_numel - sum(part.numel() for part in parts)
-            mine = torch.cat(parts + [torch.zeros(padding, dtype=space.dtype, device=space.device)])
-            full = torch.empty(space.shard_numel * self.world_size, dtype=space.dtype, device=space.device)
+        for space, pieces in zip(self._spaces, self._space_pieces):
+            layout = space.layout
+            if space.flat is not None:
+                begin = layout.rank_begin(self.rank)
+                mine, full = space.flat[begin:begin + layout.shard_numel], space.flat
+            else:
+                parts = [piece.leaf.reshape(-1) for piece in pieces]
+                padding = layout.shard_numel - sum(part.numel() for part in parts)
+                mine = torch.cat(parts + [torch.zeros(padding, dtype=space.dtype, device=space.device)])
+                full = torch.empty(layout.padded_numel, dtype=space.dtype, device=space.device)
             work = _all_gather_single(full, mine, group=self.process_group, async_op=True)
             gathered.append((space, full, work))
         for space, full, work in gathered:
             work.wait()
-            for p, offset in space.params:
-                p.detach().copy_(full[offset:offset + p.numel()].view(p.shape))
+            if space.flat is None:
+                for p, offset in zip(space.params, space.layout.offsets):
+                    p.detach().copy_(full[offset:offset + p.numel()].view(p.shape))
 
     def _sync_options(self) -> None:
         """Options changed on self.param_groups (an LR scheduler, the user) reach the local optimizer."""

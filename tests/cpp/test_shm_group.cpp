@@ -107,6 +107,25 @@ INSTANTIATE_TEST_SUITE_P(WorldByCount, AllReduceProcesses,
                          ::testing::Combine(::testing::Values(1, 2, 3, 4),
                                             ::testing::Values(size_t{0}, size_t{1}, size_t{1000}, size_t{100003})));
 
+// ZeRO's in-place all-gather: each rank's input is its own block of the output (chunked: count > slot).
+TEST(ShmGroup, AllGatherInPlaceFromOwnBlock) {
+  for (int size : {1, 2, 3}) {
+    const size_t count = 20011;
+    const std::string name = unique_name();
+    auto errors = run_threads(size, [&](int rank) {
+      ShmGroup group(options_for(name, rank, size));
+      std::vector<float> flat(count * size, -1.0f);
+      for (size_t i = 0; i < count; ++i) flat[rank * count + i] = static_cast<float>(i % 977) + 1000.0f * rank;
+      group.allgather(flat.data() + rank * count, flat.data(), count, DType::F32);
+      for (int r = 0; r < size; ++r)
+        for (size_t i = 0; i < count; ++i)
+          if (flat[r * count + i] != static_cast<float>(i % 977) + 1000.0f * r)
+            throw std::runtime_error("in-place allgather: rank " + std::to_string(r) + " element " + std::to_string(i));
+    });
+    for (int rank = 0; rank < size; ++rank) EXPECT_EQ(errors[rank], "") << "world " << size << " rank " << rank;
+  }
+}
+
 TEST(ShmGroup, EveryCollectiveWithThreadsAsRanks) {
   const int size = 3;
   const size_t count = 40000;  // > slot / size: several rounds for every op

@@ -285,3 +285,27 @@ def _collective_inside_future_callback(rank, world):
 @pytest.mark.parametrize("topology", ["1host-w3", "2x2hosts"])
 def test_collective_issued_from_a_future_callback(ranks, topology):
     assert run_on(ranks, topology, _collective_inside_future_callback, timeout=90) == [True] * TOPOLOGIES[topology][0]
+
+
+def _all_gather_into_own_slice(rank, world):
+    """ZeRO's in-place all-gather (python/shardkit/zero.py): all_gather_into_tensor whose input is this rank's
+    own slice of the output, sync and async, small and chunked (S above the 1 MiB shm slot); gloo, the
+    oracle, must give the same."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    for backend, group in (("shardkit", None), ("gloo", dist.new_group(backend="gloo"))):
+        for shard in (1, 7, 400_000):
+            for dtype in (torch.float32, torch.bfloat16):
+                for async_op in (False, True):
+                    flat = torch.full((world * shard,), -1.0, dtype=dtype)
+                    mine = flat[rank * shard:(rank + 1) * shard]
+                    mine.copy_(torch.arange(shard) % 251 + 1000 * rank)
+                    work = gather(flat, mine, group=group, async_op=async_op)
+                    if async_op:
+                        work.wait()
+                    want = torch.cat([torch.arange(shard) % 251 + 1000 * r for r in range(world)]).to(dtype)
+                    assert torch.equal(flat, want), f"rank {rank} {backend} S={shard} {dtype} async={async_op}"
+
+
+@EVERY_TOPOLOGY
+def test_all_gather_input_may_be_its_own_slice_of_the_output(ranks, topology):
+    run_on(ranks, topology, _all_gather_into_own_slice)

@@ -19,7 +19,12 @@ What each test can catch:
 - checkpoint: a resumed run that is not bit-identical to the uninterrupted one;
 - errors: state_dict() that silently returns nothing or stale state;
 - ZeRO-2 memory: any whole gradient or bucket buffer left alive after backward, a shard of the wrong size;
-- ZeRO-2 accumulation: a shard overwritten (not added to) by a second backward, or not cleared by zero_grad.
+- ZeRO-2 accumulation: a shard overwritten (not added to) by a second backward, or not cleared by zero_grad;
+- DDP-owned partition: gradients of a backward run before the optimizer existed lost or misplaced, an
+  optimizer over the partition's parameters in another order accepted, parameters that stop being views of
+  the DDP's flat buffer (an all-gather that copies instead of landing in place), padding overwritten.
+The in-place all-gather itself (input aliasing its slice of the output) is checked on shardkit and gloo in
+test_collectives.py.
 
 The models are tiny (< 1,500 parameters); mlp() has 1,476 parameters (divisible by 2 and 3), odd_net()
 127 trainable (127 = 6*21 + 1: padded for both world sizes, and a parameter straddles every slice boundary).
@@ -28,6 +33,7 @@ The models are tiny (< 1,500 parameters); mlp() has 1,476 parameters (divisible 
 from __future__ import annotations
 
 import copy
+import gc
 import math
 import warnings
 from pathlib import Path
@@ -94,11 +100,13 @@ class ZeroPair:
     shardkit group + ZeroRedundancyOptimizer(optimizer_class)."""
 
     def __init__(self, module: nn.Module, optimizer_class, defaults: dict, groups=lambda m: m.parameters(),
-                 stage: int = 1, **ddp_kwargs) -> None:
+                 stage: int = 1, build_optimizers: bool = True, **ddp_kwargs) -> None:
         self.ref = TorchDDP(copy.deepcopy(module), process_group=gloo_world(), **ddp_kwargs)
         self.dut = shardkit_ddp()(copy.deepcopy(module), zero_stage=stage, **ddp_kwargs)
-        self.ref_opt = optimizer_class(groups(self.ref.module), **defaults)
-        self.dut_opt = zero_optimizer()(groups(self.dut.module), optimizer_class, **defaults)
+        self.make_optimizers = lambda: (optimizer_class(groups(self.ref.module), **defaults),
+                                        zero_optimizer()(groups(self.dut.module), optimizer_class, **defaults))
+        if build_optimizers:
+            self.ref_opt, self.dut_opt = self.make_optimizers()
         self.stage = stage
         self.name = f"{optimizer_class.__name__} zero_stage={stage}"
 
@@ -131,7 +139,7 @@ def assert_shard_grads_match(ref_opt: torch.optim.Optimizer, zero, where: str) -
         for i, p in enumerate(group["params"]):
             assert p.grad is None, f"{where}: parameter {i} kept a whole .grad under zero_stage=2"
     ref_params = [p for group in ref_opt.param_groups for p in group["params"]]
-    defined = zero._zero2_ddp.reducer.shard_gradient_defined()
+    defined = zero._zero2.reducer.shard_gradient_defined()
     for piece in zero._pieces:
         want = ref_params[piece.index].grad
         has = defined[piece.ddp_index]
@@ -452,26 +460,75 @@ def _zero2_specifics(rank, world):
         return error_of_rank(fn, kind, rank)
 
     errors["bucket_view"] = error_of(lambda: Ddp(mlp(), zero_stage=2, gradient_as_bucket_view=True), RuntimeError)
-    orphan = Ddp(mlp(), zero_stage=2)
-    x, y = batch(rank, 0)
-    errors["no_optimizer"] = error_of(lambda: orphan(x), RuntimeError)
     partial = Ddp(mlp(), zero_stage=2)
     errors["subset"] = error_of(lambda: Zero(list(partial.parameters())[:-2], torch.optim.SGD, lr=0.1), ValueError)
     twice = Ddp(mlp(), zero_stage=2)
-    Zero(twice.parameters(), torch.optim.SGD, lr=0.1)
+    first = Zero(twice.parameters(), torch.optim.SGD, lr=0.1)  # while it lives, no second one steps the shards
     errors["twice"] = error_of(lambda: Zero(twice.parameters(), torch.optim.SGD, lr=0.1), RuntimeError)
+    del first  # the DDP owns the shards, not the optimizer: a replacement may attach once the first is gone
+    gc.collect()
+    assert Zero(twice.parameters(), torch.optim.SGD, lr=0.1).gradient_shards[0] is twice.gradient_shards[0]
     return errors
 
 
 def test_zero2_memory_accumulation_clipping_hooks_and_errors(ranks):
     for rank, errors in enumerate(ranks.run(_zero2_specifics, 3, timeout=90)):
         assert f"rank {rank}" in errors["bucket_view"] and "gradient_as_bucket_view" in errors["bucket_view"], errors
-        assert f"rank {rank}" in errors["no_optimizer"] and "ZeroRedundancyOptimizer" in errors["no_optimizer"], errors
         assert f"rank {rank}" in errors["subset"] and "missing: ['4.weight', '4.bias']" in errors["subset"], errors
         assert f"rank {rank}" in errors["twice"] and "already attached" in errors["twice"], errors
 
 
-# --- 5. errors and warnings -----------------------------------------------------------------------------------
+# --- 5. the DDP owns the partition: the optimizer may come after a backward, and gathers in place ------------
+
+def _optimizer_after_backward(rank, world, stage):
+    """Forward + backward through a zero_stage DDP before any optimizer exists, then the optimizers and
+    steps: the same parameters as torch DDP + the unsharded AdamW (on gloo). Many buckets (1 kB cap), so
+    buckets straddle the slice boundaries."""
+    pair = ZeroPair(mlp(seed=5), torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.01}, stage=stage,
+                    build_optimizers=False, bucket_cap_mb=0.001)
+    shard = math.ceil(1476 / world)
+    # The DDP laid the trainable parameters out at construction: views of one flat fp32 buffer of N * S.
+    (space,) = pair.dut._zero_partition.spaces
+    assert space.flat.numel() == shard * world and space.layout.shard_numel == shard
+    storage = space.flat.untyped_storage().data_ptr()
+    for name, p in pair.dut.module.named_parameters():
+        assert p.untyped_storage().data_ptr() == storage, f"rank {rank}: {name} is not a view of the flat buffer"
+    pair.backward(rank, 0)
+    if stage == 2:  # the gradients wait in the DDP's own shard
+        assert all(p.grad is None for p in pair.dut.parameters())
+        assert [t.numel() for t in pair.dut.gradient_shards] == [shard]
+
+    # An optimizer whose parameters are the partition's in another order is refused, naming the first one,
+    # and leaves nothing attached behind.
+    reversed_params = list(pair.dut.parameters())[::-1]
+    order_error = error_of_rank(lambda: zero_optimizer()(reversed_params, torch.optim.SGD, lr=0.1), ValueError, rank)
+
+    pair.ref_opt, pair.dut_opt = pair.make_optimizers()
+    if stage == 2:
+        assert pair.dut_opt.gradient_shards[0] is pair.dut.gradient_shards[0]
+    where = f"rank {rank} zero_stage={stage}"
+    pair.check_grads(f"{where}: gradients of the backward before the optimizer existed")
+    pair.ref_opt.step()
+    pair.dut_opt.step()
+    assert_modules_match(pair.ref.module, pair.dut.module, f"{where}: first step")
+    for step in range(1, 4):
+        pair.step(rank, step)
+    for name, p in pair.dut.module.named_parameters():  # the steps' all-gathers landed in place
+        assert p.untyped_storage().data_ptr() == storage, f"rank {rank}: {name} left the flat buffer"
+    assert torch.count_nonzero(space.flat[1476:]) == 0, f"rank {rank}: padding no longer zero"
+    return order_error, flat_params(pair.dut.module)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_optimizer_built_after_backward_reads_the_ddp_partition(ranks, stage):
+    results = ranks.run(_optimizer_after_backward, 3, stage, timeout=60)
+    for rank, (order_error, _) in enumerate(results):
+        assert f"rank {rank}" in order_error and (
+            "float32 parameter #0 is 4.bias here but 0.weight in the DDP" in order_error), order_error
+    assert_ranks_identical([flat for _, flat in results])
+
+
+# --- 6. errors and warnings -----------------------------------------------------------------------------------
 
 def _errors(rank, world):
     Zero = zero_optimizer()

@@ -1,0 +1,98 @@
+"""Per-dtype flat spaces over parameters (ZeRO-1/2), laid out by ``_C.FlatLayout`` (csrc/core/flat_layout.h).
+
+One space per dtype, in order of the dtype's first appearance; each holds its parameters in the given order
+and the layout: offsets, shard size S, padding to world * S, and every (parameter, rank) piece. No offset or
+shard arithmetic is done in Python: every such question is asked of the layout.
+
+``ZeroPartition`` is what ``shardkit.DistributedDataParallel(zero_stage=1|2)`` computes at construction and
+owns; ``shardkit.ZeroRedundancyOptimizer`` built over that model's parameters reads it instead of computing
+its own. The optimizer finds it through a weak reference that the DDP leaves on each of its trainable
+parameters (``PARTITION_ATTR``): the DDP holds the only strong reference (the optimizer takes one more
+while it lives), so a parameter never keeps a dead DDP's partition alive.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+
+from . import _C
+
+PARTITION_ATTR = "_shardkit_zero_partition"
+
+
+@dataclasses.dataclass(eq=False)
+class FlatSpace:
+    """One dtype's parameters laid out flat. Under a shardkit DDP with zero_stage 1|2, ``flat`` is the buffer of
+    ``layout.padded_numel`` elements whose slices the parameters are (``p.data`` is a view of it; gaps and
+    padding hold zeros), and under zero_stage 2 ``grad_shard`` is this rank's S elements of the gradients."""
+
+    dtype: torch.dtype
+    device: torch.device
+    params: list[torch.Tensor]
+    layout: Any  # _C.FlatLayout
+    flat: torch.Tensor | None = None
+    grad_shard: torch.Tensor | None = None
+
+    @property
+    def shard_numel(self) -> int:
+        return self.layout.shard_numel
+
+
+def flat_spaces(params: Iterable[torch.Tensor], world: int) -> list[FlatSpace]:
+    """Groups ``params`` by dtype (first appearance first, order kept) and lays each group out for ``world``."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for p in params:
+        by_dtype.setdefault(p.dtype, []).append(p)
+    return [FlatSpace(dtype, members[0].device, members, _C.FlatLayout([p.numel() for p in members], world))
+            for dtype, members in by_dtype.items()]
+
+
+def flatten_into_buffers(spaces: list[FlatSpace]) -> None:
+    """Makes every parameter a view of its space's new flat buffer (values kept, gaps and padding zero)."""
+    for space in spaces:
+        flat = torch.zeros(space.layout.padded_numel, dtype=space.dtype, device=space.device)
+        with torch.no_grad():
+            for p, offset in zip(space.params, space.layout.offsets):
+                view = flat[offset:offset + p.numel()].view(p.shape)
+                view.copy_(p.detach())
+                p.data = view
+        space.flat = flat
+
+
+@dataclasses.dataclass(eq=False)
+class ZeroPartition:
+    """A shardkit DDP's ZeRO partition: its trainable parameters (the reducer's, in its order) in flat spaces."""
+
+    stage: int
+    process_group: dist.ProcessGroup
+    spaces: list[FlatSpace]
+    names: dict[int, str]  # id(param) -> the parameter's name in the module
+    reducer: Any  # _C.Reducer; under stage 2 it writes into the spaces' grad_shard
+    reducer_index: dict[int, int]  # id(param) -> its index in the reducer
+    optimizer: weakref.ReferenceType | None = None  # stage 2: the ZeroRedundancyOptimizer stepping the shards
+
+    def holds(self, p: torch.Tensor) -> bool:
+        return any(q is p for space in self.spaces if space.dtype == p.dtype for q in space.params)
+
+    def mark_parameters(self) -> None:
+        ref = weakref.ref(self)
+        for space in self.spaces:
+            for p in space.params:
+                setattr(p, PARTITION_ATTR, ref)
+
+
+def partitions_of(params: Iterable[torch.Tensor]) -> list[ZeroPartition]:
+    """The live partitions that the parameters are marked with and that really hold them (a deep copy of a
+    marked parameter carries the mark but belongs to no partition)."""
+    found: dict[int, ZeroPartition] = {}
+    for p in params:
+        ref = getattr(p, PARTITION_ATTR, None)
+        partition = ref() if ref is not None else None
+        if partition is not None and id(partition) not in found and partition.holds(p):
+            found[id(partition)] = partition
+    return list(found.values())
