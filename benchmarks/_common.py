@@ -559,3 +559,14 @@ def _save_figure(fig, path: Path, suptitle: str | None) -> Path:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """One benchmark job: the model (the benchmark's own ModelConfig), rounds, and the configurations (keys)."""
+
+    model: Any
+    warmup: int
+    rounds: int
+    keys: tuple[str, ...]
+    pg_timeout_s: float = 300.0

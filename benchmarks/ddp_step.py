@@ -75,6 +75,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402  (the benchmarks folder is not a package)
     RESULTS_DIR,
     ForeignLoad,
+    RunConfig,
     agree_max,
     format_table,
     launch_ranks,
@@ -299,15 +300,6 @@ def measure_memory(built: Built, batch: tuple[torch.Tensor, torch.Tensor]) -> di
 
 
 # --- the ranks -------------------------------------------------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class RunConfig:
-    model: ModelConfig
-    warmup: int
-    rounds: int
-    keys: tuple[str, ...]
-    pg_timeout_s: float = 300.0
-
 
 def setup_groups(rank: int, world: int, store: str, timeout_s: float) -> dict[str, Any]:
     import shardkit  # noqa: F401  (registers the backend)

@@ -71,6 +71,7 @@ from _common import (  # noqa: E402  (the benchmarks folder is not a package)
     RESULTS_DIR,
     ForeignLoad,
     RanksFailed,
+    RunConfig,
     agree_max,
     format_table,
     launch_ranks,
@@ -216,15 +217,6 @@ def model_state_bytes(built: Built, batch: tuple[torch.Tensor, torch.Tensor]) ->
 
 
 # --- the ranks -------------------------------------------------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class RunConfig:
-    model: ModelConfig
-    warmup: int
-    rounds: int
-    keys: tuple[str, ...]
-    pg_timeout_s: float = 300.0
-
 
 def setup_groups(rank: int, world: int, store: str, timeout_s: float, keys: Sequence[str]) -> dict[str, Any]:
     """Default group shardkit, a gloo group over the same ranks, and what the configurations need of them."""
