@@ -45,7 +45,7 @@ from . import _C, _exchange
 from .backend import host_id
 from .wrap import as_policy, assign_parameters, choose_units
 
-__all__ = ["BackwardPrefetch", "FullyShardedDataParallel", "MixedPrecision", "ShardingStrategy"]
+__all__ = ["BackwardPrefetch", "CPUOffload", "FullyShardedDataParallel", "MixedPrecision", "ShardingStrategy"]
 
 _BROADCAST_BUCKET_BYTES = 250 << 20
 
@@ -74,6 +74,13 @@ class MixedPrecision:
     keep_low_precision_grads: bool = False
     cast_forward_inputs: bool = False
     cast_root_forward_inputs: bool = True
+
+
+@dataclasses.dataclass
+class CPUOffload:
+    """FSDP1's CPUOffload; ``offload_params=True`` is not supported yet (an error, not a silent no-op)."""
+
+    offload_params: bool = False
 
 
 @dataclasses.dataclass(eq=False)
@@ -115,9 +122,16 @@ class FullyShardedDataParallel(nn.Module):
         sync_module_states: bool = False,
         device_id: int | torch.device | None = None,
         ignored_modules: list[nn.Module] | None = None,
+        cpu_offload: CPUOffload | None = None,
+        use_orig_params: bool = True,
     ) -> None:
         super().__init__()
         _refuse_wrapped(module)
+        if cpu_offload is not None and cpu_offload.offload_params:
+            raise NotImplementedError("shardkit FSDP: cpu_offload=CPUOffload(offload_params=True) is not supported yet")
+        if not use_orig_params:
+            raise NotImplementedError("shardkit FSDP: use_orig_params=False is not supported: the original parameters "
+                                      "are always what the model exposes (FSDP1's use_orig_params=True)")
         if not isinstance(sharding_strategy, ShardingStrategy):
             raise TypeError(f"sharding_strategy must be a shardkit.fsdp.ShardingStrategy, got {sharding_strategy!r}")
         mixed_precision = mixed_precision or MixedPrecision()
@@ -314,9 +328,11 @@ class FullyShardedDataParallel(nn.Module):
         """Inside, every parameter of ``module``'s shardkit FSDP roots is whole (full precision, its own shape)
         on every rank: for evaluation, generation, inspection. ``writeback=True`` keeps what was changed
         (this rank's piece of each parameter goes back into its shard). A collective: call on every rank."""
-        if rank0_only or with_grads:
-            raise NotImplementedError(f"shardkit FSDP: summon_full_params({'rank0_only' if rank0_only else 'with_grads'}"
-                                      "=True) is not supported")
+        unsupported = [name for name, value in (("recurse=False", not recurse), ("rank0_only=True", rank0_only),
+                                                 ("with_grads=True", with_grads)) if value]
+        if unsupported:
+            raise NotImplementedError(f"shardkit FSDP: summon_full_params({', '.join(unsupported)}) is not supported: "
+                                      "every rank gathers every unit, without gradients")
         roots = [m for m in module.modules() if isinstance(m, FullyShardedDataParallel)]
         if not roots:
             raise ValueError(f"summon_full_params: {type(module).__name__} holds no shardkit FullyShardedDataParallel")
