@@ -414,9 +414,10 @@ class FullyShardedDataParallel(nn.Module):
         if self.backward_prefetch == BackwardPrefetch.BACKWARD_PRE and self._orders_frozen:
             self._prefetch_after(unit, self._backward_order)
 
-    def _post_backward(self, unit: _Unit, group: _FlatGroup) -> None:
-        """Runs when autograd has accumulated `group`'s flat gradient into its leaf."""
-        grad, group.leaf.grad = group.leaf.grad, None
+    def _post_backward(self, unit: _Unit, group: _FlatGroup, leaf: torch.Tensor) -> None:
+        """Runs when autograd has accumulated `group`'s flat gradient into `leaf` (the iteration's leaf, or an
+        earlier one whose graph was retained and is run backward again)."""
+        grad, leaf.grad = leaf.grad, None
         if grad is not None:
             if self._require_backward_grad_sync:
                 while self._pending:  # at most one reduction in flight besides this one
@@ -501,7 +502,7 @@ class FullyShardedDataParallel(nn.Module):
                 if g.leaf is None:
                     g.leaf = g.handle.full_alias().requires_grad_(True)
                     g.leaf.register_post_accumulate_grad_hook(
-                        lambda _leaf, unit=unit, group=g: self._post_backward(unit, group))
+                        lambda leaf, unit=unit, group=g: self._post_backward(unit, group, leaf))
                 base = g.leaf
             else:
                 base = g.handle.full_alias()

@@ -134,6 +134,15 @@ def _prefetch_and_iteration_shapes(rank: int, world: int, backend: str) -> None:
             with torch.no_grad():
                 assert_close(pair.dut(x1), pair.ref.module(x1), f"{kwargs}: rank {rank} step {step}: eval forward")
             pair.check(f"{kwargs}: rank {rank} step {step}")
+        # A retained graph run backward a second time reduces and accumulates again: twice the gradient.
+        pair.dut_opt.zero_grad()
+        x, y = batch(rank, STEPS)
+        loss = F.mse_loss(pair.dut(x), y)
+        loss.backward(retain_graph=True)
+        once = [p.grad.clone() for p in pair.dut.parameters()]
+        loss.backward()
+        for (name, p), g in zip(pair.dut.named_parameters(), once):
+            assert_close(p.grad, 2 * g, f"{kwargs}: rank {rank}: {name}.grad after two backwards")
 
 
 @pytest.mark.timeout(180)
