@@ -22,6 +22,7 @@ import secrets
 import socket
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 from . import _C
@@ -160,5 +161,8 @@ def register_backend() -> None:
     """Register ``"shardkit"`` with torch.distributed (idempotent)."""
     if BACKEND_NAME in dist.Backend.backend_list:
         return
-    # devices must be a list: a plain string would be iterated letter by letter.
-    dist.Backend.register_backend(BACKEND_NAME, _create_backend, extended_api=True, devices=["cpu", "cuda"])
+    # devices must be a list: a plain string would be iterated letter by letter. A CPU-only torch gets no
+    # "cuda" entry: torch code that asks a backend's device map for its accelerator (ShardedTensor, used by
+    # torch.distributed.checkpoint) would otherwise call torch.cuda.current_device() and fail.
+    devices = ["cpu", "cuda"] if torch.version.cuda is not None else ["cpu"]
+    dist.Backend.register_backend(BACKEND_NAME, _create_backend, extended_api=True, devices=devices)

@@ -43,9 +43,13 @@ from torch import nn
 
 from . import _C, _exchange
 from .backend import host_id
+from .fsdp_state_dict import (FullStateDictConfig, ShardedStateDictConfig, StateDictType, full_state_dict,
+                              sharded_state_dict)
+from .fsdp_state_dict import load as load_state_dict_into
 from .wrap import as_policy, assign_parameters, choose_units
 
-__all__ = ["BackwardPrefetch", "CPUOffload", "FullyShardedDataParallel", "MixedPrecision", "ShardingStrategy"]
+__all__ = ["BackwardPrefetch", "CPUOffload", "FullStateDictConfig", "FullyShardedDataParallel", "MixedPrecision",
+           "ShardedStateDictConfig", "ShardingStrategy", "StateDictType"]
 
 _BROADCAST_BUCKET_BYTES = 250 << 20
 
@@ -91,6 +95,7 @@ class _FlatGroup:
     params: list[nn.Parameter]
     names: list[str]
     occurrences: list[list[tuple[nn.Module, str]]]  # every (module, attribute) registering each parameter
+    shapes: list[torch.Size]  # the parameters' own shapes
     trainable: bool
     leaf: torch.Tensor | None = None  # this iteration's autograd leaf aliasing the full buffer
 
@@ -186,6 +191,8 @@ class FullyShardedDataParallel(nn.Module):
         self._gathered_bytes = 0
         self.peak_gathered_bytes = 0  # the most bytes of full buffers (compute dtype) alive at once
         self.collective_counts = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
+        self._state_dict_type = StateDictType.FULL_STATE_DICT
+        self._state_dict_config: FullStateDictConfig | ShardedStateDictConfig = FullStateDictConfig()
 
     # --- construction ---------------------------------------------------------------------------------
     def _make_unit(self, name: str, module: nn.Module, params: list[tuple[str, nn.Parameter]]) -> _Unit:
@@ -205,9 +212,11 @@ class FullyShardedDataParallel(nn.Module):
                                         label=name or "(root)", param_dtype=mp.param_dtype if floating else None,
                                         reduce_dtype=(mp.reduce_dtype or mp.param_dtype) if floating else None)
             ps = [p for _, p in members]
+            shapes = [p.shape for p in ps]
             for p, view in zip(ps, handle.shard_views()):
                 p.data = view
-            groups.append(_FlatGroup(handle, ps, [n for n, _ in members], [occurrences[id(p)] for p in ps], trainable))
+            groups.append(_FlatGroup(handle, ps, [n for n, _ in members], [occurrences[id(p)] for p in ps], shapes,
+                                     trainable))
         return _Unit(name, module, groups, is_root=name == "")
 
     def _verify_same_layout_everywhere(self, owners: dict[str, list[tuple[str, nn.Parameter]]]) -> None:
@@ -262,26 +271,48 @@ class FullyShardedDataParallel(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self._fsdp_wrapped_module(*args, **kwargs)
 
+    @staticmethod
+    @contextlib.contextmanager
+    def state_dict_type(module: nn.Module, state_dict_type: StateDictType,
+                        state_dict_config: FullStateDictConfig | ShardedStateDictConfig | None = None) -> Iterator[None]:
+        """FSDP1's context: inside it, state_dict() and load_state_dict() of every shardkit FSDP root in
+        ``module`` use ``state_dict_type`` (see shardkit.fsdp_state_dict)."""
+        config = state_dict_config or (FullStateDictConfig() if state_dict_type == StateDictType.FULL_STATE_DICT
+                                       else ShardedStateDictConfig())
+        expected = FullStateDictConfig if state_dict_type == StateDictType.FULL_STATE_DICT else ShardedStateDictConfig
+        if not isinstance(config, expected):
+            raise TypeError(f"state_dict_type {state_dict_type.name} takes a {expected.__name__}, got {config!r}")
+        roots = [m for m in module.modules() if isinstance(m, FullyShardedDataParallel)]
+        previous = [(r._state_dict_type, r._state_dict_config) for r in roots]
+        for root in roots:
+            root._state_dict_type, root._state_dict_config = state_dict_type, config
+        try:
+            yield
+        finally:
+            for root, (kind, old) in zip(roots, previous):
+                root._state_dict_type, root._state_dict_config = kind, old
+
     def state_dict(self, *args: Any, destination=None, prefix: str = "", keep_vars: bool = False):
-        """The full state dict (FSDP1's default FULL_STATE_DICT): the unwrapped model's keys and shapes, on
-        every rank. A collective: call it on every rank."""
+        """By default the full state dict (FSDP1's FULL_STATE_DICT): the unwrapped model's keys and shapes, on
+        every rank; see state_dict_type() for the others. A collective for full ones: call it on every rank."""
         if args:
             raise TypeError("state_dict takes keyword arguments only (destination=, prefix=, keep_vars=)")
-        with FullyShardedDataParallel.summon_full_params(self, writeback=False):
-            state = self._fsdp_wrapped_module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
-            if keep_vars:  # the parameters go back to their shards on exit: hand out the gathered values
-                for key, value in list(state.items()):
-                    if isinstance(value, nn.Parameter):
-                        state[key] = value.detach()
+        if self._state_dict_type == StateDictType.SHARDED_STATE_DICT:
+            state = sharded_state_dict(self, self._state_dict_config, prefix)
+        else:
+            state = full_state_dict(self, self._state_dict_config, prefix)
+        if destination is not None:
+            destination.update(state)
+            return destination
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True, assign: bool = False):
-        """Loads a full (unwrapped model's) state dict, from any world size. A collective."""
+        """Loads a full state dict (the unwrapped model's, from any world size) or a sharded one (DCP's, from
+        any world size). Call it on every rank."""
         if assign:
             raise NotImplementedError("shardkit FSDP: load_state_dict(assign=True) is not supported; the parameters "
                                       "are views of the flat shards and are loaded by copy")
-        with FullyShardedDataParallel.summon_full_params(self, writeback=True):
-            return self._fsdp_wrapped_module.load_state_dict(state_dict, strict=strict)
+        return load_state_dict_into(self, state_dict, strict)
 
     # --- training API -----------------------------------------------------------------------------------
     @contextlib.contextmanager

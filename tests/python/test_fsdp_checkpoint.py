@@ -1,0 +1,115 @@
+"""shardkit FSDP state dicts (issue #11, first part): sharded model state dicts through
+torch.distributed.checkpoint that reshard to another world size, and full ones unit by unit.
+
+What each test can catch: a piece saved at the wrong offset (values land in other parameters after
+resharding), a load that does not reach the shards (the differently seeded model keeps its values), a
+sharded state dict that communicates or copies, padding saved as data, rank0_only still returning values
+elsewhere, a mismatch that loads silently instead of naming the parameter and both shapes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ddp_cases import assert_close, error_of
+from fsdp_cases import adamw, batch, block_policy, net
+
+
+def _wrap(seed: int, strategy: str = "FULL_SHARD"):
+    import shardkit
+    from shardkit.fsdp import ShardingStrategy
+
+    return shardkit.FullyShardedDataParallel(net(seed=seed, depth=3, d_in=7), auto_wrap_policy=block_policy(),
+                                             sharding_strategy=ShardingStrategy[strategy])
+
+
+def _save(rank: int, world: int, path: str) -> dict[str, torch.Tensor]:
+    import torch.distributed.checkpoint as dcp
+    from shardkit import FullyShardedDataParallel as FSDP
+    from shardkit.fsdp import StateDictType
+
+    model = _wrap(seed=0)
+    optimizer = adamw(model.parameters())
+    for step in range(2):
+        optimizer.zero_grad()
+        x, y = batch(rank, step, d_in=7)
+        F.mse_loss(model(x), y).backward()
+        optimizer.step()
+    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        sharded = model.state_dict()
+    shards = [p.untyped_storage().data_ptr() for u in model._units for g in u.groups for p in [g.handle.shard]]
+    for key, value in sharded.items():
+        if hasattr(value, "local_shards"):  # this rank's pieces are views of its shards: nothing was copied
+            for shard in value.local_shards():
+                assert shard.tensor.untyped_storage().data_ptr() in shards, key
+    dcp.save(sharded, checkpoint_id=path)
+    return {k: v.tolist() for k, v in model.state_dict().items()}  # tensors would travel as shared memory
+
+
+def _load(rank: int, world: int, path: str, strategy: str) -> dict[str, torch.Tensor]:
+    import torch.distributed.checkpoint as dcp
+    from shardkit import FullyShardedDataParallel as FSDP
+    from shardkit.fsdp import StateDictType
+
+    model = _wrap(seed=123, strategy=strategy)  # other values: the load must replace every one of them
+    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        state = model.state_dict()
+        dcp.load(state, checkpoint_id=path)
+        model.load_state_dict(state)
+    return {k: v.tolist() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.timeout(240)
+def test_sharded_checkpoint_saved_at_world_4_loads_at_2_and_3(ranks, tmp_path: Path):
+    path = str(tmp_path / "ckpt")
+    saved = ranks.run(_save, 4, path, timeout=120)
+    for rank_state in saved[1:]:
+        for key, value in saved[0].items():
+            assert rank_state[key] == value, key
+    for world, strategy in ((2, "FULL_SHARD"), (3, "FULL_SHARD"), (3, "SHARD_GRAD_OP"), (2, "NO_SHARD")):
+        for rank, loaded in enumerate(ranks.run(_load, world, path, strategy, timeout=120)):
+            assert list(loaded) == list(saved[0])
+            for key, value in saved[0].items():
+                assert loaded[key] == value, f"world {world} {strategy} rank {rank}: {key}"
+
+
+def _full(rank: int, world: int) -> dict:
+    from shardkit import FullyShardedDataParallel as FSDP
+    from shardkit.fsdp import FullStateDictConfig, StateDictType
+
+    model = _wrap(seed=0)
+    plain = net(seed=0, depth=3, d_in=7)
+    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(rank0_only=True)):
+        only0 = model.state_dict()
+    full = model.state_dict()
+    want = plain.state_dict()
+    assert list(full) == list(want)
+    for key, value in want.items():
+        assert_close(full[key], value, f"full state dict {key}")
+    other = _wrap(seed=5)
+    other.load_state_dict(plain.state_dict())  # a plain model's state dict loads into the wrapper
+    for key, value in want.items():
+        assert_close(other.state_dict()[key], value, f"loaded from the plain model: {key}")
+    bad = dict(want)
+    bad["blocks.1.up.weight"] = torch.zeros(3, 3)
+    wrong_shape = error_of(lambda: other.load_state_dict(bad), RuntimeError, rank)
+    del bad["blocks.1.up.weight"]
+    missing = error_of(lambda: other.load_state_dict(bad), RuntimeError, rank)
+    return {"only0": len(only0), "wrong_shape": wrong_shape, "missing": missing}
+
+
+@pytest.mark.timeout(120)
+def test_full_state_dict_rank0_only_and_load_errors(ranks):
+    results = ranks.run(_full, 3, timeout=100)
+    assert results[0]["only0"] == len(net(seed=0, depth=3, d_in=7).state_dict())
+    assert [r["only0"] for r in results[1:]] == [0, 0]
+    for rank, r in enumerate(results):
+        assert r["wrong_shape"] == (f"shardkit FSDP (rank {rank}) load_state_dict: parameter 'blocks.1.up.weight' "
+                                    "has shape [3, 3] in the checkpoint but [32, 16] in the model"), r["wrong_shape"]
+        assert r["missing"] == (f"shardkit FSDP (rank {rank}) load_state_dict: missing keys ['blocks.1.up.weight'], "
+                                "unexpected keys []"), r["missing"]
