@@ -25,7 +25,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from . import _C
+from . import _C, _exchange
 
 BACKEND_NAME = "shardkit"
 _DEFAULT_SLOT_BYTES = 1 << 20
@@ -155,6 +155,30 @@ def host_topology(group: dist.ProcessGroup | None = None) -> HostTopology:
     if name not in _TOPOLOGIES:
         raise ValueError(f"process group {name!r} has no shardkit backend in this process")
     return _TOPOLOGIES[name]
+
+
+def host_groups(what: str) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """This rank's two subgroups of the world: the ranks on its host, and the ranks at its position on every
+    host (hosts told apart by host_id()). A collective over the world group: every rank creates every group,
+    in the same order. Every host must hold the same number of ranks; `what` names the caller in that error."""
+    world = dist.distributed_c10d._get_default_group()
+    me = dist.get_rank()
+    by_host: dict[str, list[int]] = {}
+    for rank, host in enumerate(_exchange.all_gather_object(host_id(), world)):
+        by_host.setdefault(host, []).append(rank)
+    sizes = {host: len(ranks) for host, ranks in by_host.items()}
+    if len(set(sizes.values())) != 1:
+        raise ValueError(f"{what} (rank {me}): needs the same number of ranks on every host, got {sizes}")
+    on_host = across_hosts = None
+    for ranks in by_host.values():
+        group = dist.new_group(ranks)
+        if me in ranks:
+            on_host, position = group, ranks.index(me)
+    for index in range(len(next(iter(by_host.values())))):
+        group = dist.new_group([ranks[index] for ranks in by_host.values()])
+        if index == position:
+            across_hosts = group
+    return on_host, across_hosts
 
 
 def register_backend() -> None:

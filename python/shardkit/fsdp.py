@@ -42,7 +42,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import _C, _exchange
-from .backend import host_id
+from .backend import host_groups
 from .fsdp_state_dict import (FullStateDictConfig, ShardedStateDictConfig, StateDictType, full_state_dict,
                               sharded_state_dict)
 from .fsdp_state_dict import load as load_state_dict_into
@@ -573,31 +573,12 @@ def _groups(strategy: ShardingStrategy, process_group):
 
 
 def _hybrid_groups(process_group):
-    world = dist.distributed_c10d._get_default_group()
     if process_group is not None and dist.get_process_group_ranks(process_group) != list(range(dist.get_world_size())):
         raise ValueError("HYBRID_SHARD over a subgroup: pass process_group=(shard_group, replicate_group)")
-    hosts = _exchange.all_gather_object(host_id(), world)
-    by_host: dict[str, list[int]] = {}
-    for rank, host in enumerate(hosts):
-        by_host.setdefault(host, []).append(rank)
-    sizes = {host: len(ranks) for host, ranks in by_host.items()}
-    if len(set(sizes.values())) != 1:
-        raise ValueError(f"shardkit FSDP (rank {dist.get_rank()}): HYBRID_SHARD needs the same number of ranks on "
-                         f"every host, got {sizes}")
-    mine = None
-    for ranks in by_host.values():  # every rank creates every group, in the same order
-        group = dist.new_group(ranks)
-        if dist.get_rank() in ranks:
-            mine = group
-    local = next(ranks.index(dist.get_rank()) for ranks in by_host.values() if dist.get_rank() in ranks)
-    replica = None
-    for index in range(len(next(iter(by_host.values())))):
-        group = dist.new_group([ranks[index] for ranks in by_host.values()])
-        if index == local:
-            replica = group
-    shard = mine if dist.get_world_size(mine) > 1 else None
-    replicate = replica if dist.get_world_size(replica) > 1 else None
-    return shard, replicate, world
+    on_host, across_hosts = host_groups("shardkit FSDP HYBRID_SHARD")
+    shard = on_host if dist.get_world_size(on_host) > 1 else None
+    replicate = across_hosts if dist.get_world_size(across_hosts) > 1 else None
+    return shard, replicate, dist.distributed_c10d._get_default_group()
 
 
 def _describe_unit(entry) -> str:
