@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import _C, _exchange
+from . import _C, _exchange, fsdp_optim_state
 from .backend import host_groups
 from .fsdp_state_dict import (FullStateDictConfig, ShardedStateDictConfig, StateDictType, full_state_dict,
                               sharded_state_dict)
@@ -313,6 +313,31 @@ class FullyShardedDataParallel(nn.Module):
             raise NotImplementedError("shardkit FSDP: load_state_dict(assign=True) is not supported; the parameters "
                                       "are views of the flat shards and are loaded by copy")
         return load_state_dict_into(self, state_dict, strict)
+
+    @staticmethod
+    def optim_state_dict(model: "FullyShardedDataParallel", optim: torch.optim.Optimizer,
+                         optim_state_dict: dict[str, Any] | None = None, group: Any = None) -> dict[str, Any]:
+        """FSDP1's name-keyed optimizer state dict, full or sharded as the model's state_dict_type says (see
+        shardkit.fsdp_optim_state). A collective when full. An optimizer that never stepped gets its state
+        tensors created first (a zero-learning-rate step), so a checkpoint can be loaded into them."""
+        if optim_state_dict is not None or group is not None:
+            raise NotImplementedError("shardkit FSDP optim_state_dict: the optim_state_dict= and group= arguments "
+                                      "are not supported; the optimizer's own state is used")
+        return fsdp_optim_state.optim_state_dict(model, optim)
+
+    @staticmethod
+    def optim_state_dict_to_load(model: "FullyShardedDataParallel", optim: torch.optim.Optimizer,
+                                 optim_state_dict: dict[str, Any], is_named_optimizer: bool = False,
+                                 load_directly: bool = False, group: Any = None) -> dict[str, Any]:
+        """A name-keyed optimizer state dict (from any world size) as ``optim.load_state_dict`` takes it;
+        ``load_directly=True`` loads it too."""
+        if is_named_optimizer or group is not None:
+            raise NotImplementedError("shardkit FSDP optim_state_dict_to_load: is_named_optimizer= and group= are "
+                                      "not supported")
+        converted = fsdp_optim_state.optim_state_dict_to_load(model, optim, optim_state_dict)
+        if load_directly:
+            optim.load_state_dict(converted)
+        return converted
 
     # --- training API -----------------------------------------------------------------------------------
     @contextlib.contextmanager
