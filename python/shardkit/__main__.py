@@ -1,11 +1,12 @@
-"""``python -m shardkit <command>``: command-line tools. Today: ``estimate`` (memory math)."""
+"""``python -m shardkit <command>``: command-line tools: ``estimate`` (memory math) and ``checkpoint``
+(``info`` / ``consolidate`` of a torch.distributed.checkpoint directory)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from shardkit import estimate
+from shardkit import checkpoint, estimate
 
 
 class _Parser(argparse.ArgumentParser):
@@ -28,6 +29,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     estimate.add_arguments(estimate_parser)
     estimate_parser.set_defaults(run=estimate.main)
+
+    checkpoint_parser = commands.add_parser(
+        "checkpoint",
+        help="inspect or consolidate a torch.distributed.checkpoint directory (no process group needed)",
+        description="info: what a DCP checkpoint holds; consolidate: one plain torch.save state dict.",
+    )
+    checkpoint.add_arguments(checkpoint_parser)
 
     args = parser.parse_args(argv)
     return args.run(args)

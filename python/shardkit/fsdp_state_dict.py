@@ -12,8 +12,8 @@ returns and ``model.load_state_dict()`` takes, as in torch FSDP1:
   metadata (a pure function of the layout). ``torch.distributed.checkpoint.save/load`` work on it directly, and
   a checkpoint saved at one world size loads at any other: DCP reads, for each rank, the ranges its pieces
   need. Loading through DCP writes straight into the shards; ``load_state_dict`` then only checks. The
-  original shapes are the model's own: a consumer without the model (a consolidation tool) reshapes with
-  them.
+  original shapes are recorded under ``"_shardkit.shapes"`` (JSON), for consumers without the model
+  (``python -m shardkit checkpoint consolidate``).
 
 Buffers are plain tensors in both (every rank holds them whole: DCP saves them once).
 """
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import json
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -88,18 +89,27 @@ def full_state_dict(model: "FullyShardedDataParallel", config: FullStateDictConf
     return out
 
 
+# The sharded state dict's record of each parameter's own shape (its tensors are flattened), a JSON string
+# that torch.distributed.checkpoint saves like any object: what a consumer without the model (the
+# `python -m shardkit checkpoint` tools) reshapes with. load_state_dict ignores it.
+SHAPES_KEY = "_shardkit.shapes"
+
+
 def sharded_state_dict(model: "FullyShardedDataParallel", config: ShardedStateDictConfig, prefix: str) -> dict[str, Any]:
     model._end_iteration()
     managed = _managed(model)
     out: dict[str, Any] = {}
+    shapes: dict[str, list[int]] = {}
     for key, value in _keys_of(model, prefix).items():
         if isinstance(value, torch.Tensor) and id(value) in managed:
             group, index = managed[id(value)]
+            shapes[key] = list(group.shapes[index])
             out[key] = _sharded_tensor(model, group, index, value, config.offload_to_cpu)
         elif isinstance(value, torch.Tensor):
             out[key] = value.detach().cpu() if config.offload_to_cpu else value.detach()
         else:
             out[key] = value
+    out[prefix + SHAPES_KEY] = json.dumps(shapes)
     return out
 
 
@@ -138,7 +148,7 @@ def load(model: "FullyShardedDataParallel", state_dict: dict[str, Any], strict: 
     entries = _keys_of(model, "")
     rank = dist.get_rank(model.process_group)
     missing = [k for k in entries if k not in state_dict]
-    unexpected = [k for k in state_dict if k not in entries]
+    unexpected = [k for k in state_dict if k not in entries and k != SHAPES_KEY]
     if strict and (missing or unexpected):
         raise RuntimeError(f"shardkit FSDP (rank {rank}) load_state_dict: missing keys {missing}, "
                            f"unexpected keys {unexpected}")

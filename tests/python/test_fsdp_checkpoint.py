@@ -143,6 +143,7 @@ def _save_run(rank: int, world: int, path: str) -> None:
     _train(model, optimizer, rank, world, range(2))
     with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
         dcp.save({"model": model.state_dict(), "optim": FSDP.optim_state_dict(model, optimizer)}, checkpoint_id=path)
+    return {k: v.tolist() for k, v in model.state_dict().items()}
 
 
 def _resume_run(rank: int, world: int, path: str, strategy: str) -> dict:
@@ -193,3 +194,41 @@ def test_resume_at_another_world_size_equals_a_run_that_never_stopped(ranks, tmp
                     assert_close(torch.tensor(got["optim"][name][key]), value, f"{where}: optimizer {name}.{key}")
             for key, value in want_params.items():
                 assert_close(torch.tensor(got["params"][key]), value, f"{where}: {key} after 3 more steps")
+
+
+@pytest.mark.timeout(240)
+def test_consolidate_and_info_in_a_process_without_a_process_group(ranks, tmp_path: Path):
+    import subprocess
+    import sys
+
+    path = tmp_path / "ckpt"
+    saved = ranks.run(_save_run, 4, str(path), timeout=120)[0]
+    out = tmp_path / "plain.pt"
+
+    def shardkit_cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "shardkit", "checkpoint", *args], capture_output=True, text=True,
+                              timeout=120)
+
+    info = shardkit_cli("info", str(path))
+    assert info.returncode == 0, info.stderr
+    assert info.stdout.startswith(f"checkpoint {path}: saved by 4 ranks (4 data files"), info.stdout
+    params = len(saved)
+    assert f"  model: {params} tensors" in info.stdout and f"  optim: {3 * params} tensors" in info.stdout, info.stdout
+    done = shardkit_cli("consolidate", str(path), str(out))
+    assert done.returncode == 0, done.stderr
+    plain = torch.load(out, weights_only=True)
+    model = net(seed=7, depth=3, d_in=7)
+    model.load_state_dict(plain["model"])  # strict: every key, the parameters' own shapes
+    for key, value in model.state_dict().items():
+        assert value.tolist() == saved[key], key
+    _, want_optim = _reference()
+    for name, entry in want_optim.items():  # optimizer state by parameter name, in the parameters' shapes
+        for key, value in entry.items():
+            assert_close(plain["optim"]["state"][name][key], value, f"consolidated optimizer {name}.{key}", 1e-5, 1e-6)
+    assert plain["optim"]["param_groups"][0]["betas"] == (0.9, 0.999)
+
+    victim = next(p for p in sorted(path.iterdir()) if p.suffix == ".distcp")
+    victim.write_bytes(victim.read_bytes()[:100])  # truncated
+    broken = shardkit_cli("consolidate", str(path), str(tmp_path / "broken.pt"))
+    assert broken.returncode != 0
+    assert f"checkpoint {path}: reading " in broken.stderr and victim.name in broken.stderr, broken.stderr[-2000:]
