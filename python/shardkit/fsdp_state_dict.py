@@ -130,8 +130,10 @@ def _sharded_tensor(model: "FullyShardedDataParallel", group: "_FlatGroup", inde
     # on a rank without local shards with torch.cuda.current_device() unless the group is gloo's. Empty
     # shards sit at the end (offset numel), where no real one starts: DCP deduplicates chunks by offset.
     pieces = [layout.piece(index, r) for r in range(layout.world)]
+    # Placements name global ranks (a HYBRID_SHARD shard group is a subgroup).
     metadata = [ShardMetadata(shard_offsets=[piece.param_begin if piece.numel else numel], shard_sizes=[piece.numel],
-                              placement=f"rank:{r}/{device}") for r, piece in enumerate(pieces)]
+                              placement=f"rank:{dist.get_global_rank(shard_group, r)}/{device}")
+                for r, piece in enumerate(pieces)]
     properties = TensorProperties(dtype=local.dtype, layout=torch.strided, requires_grad=False,
                                   memory_format=torch.contiguous_format, pin_memory=False)
     rank = dist.get_rank(shard_group)

@@ -28,12 +28,12 @@ def _wrap(seed: int, strategy: str = "FULL_SHARD"):
                                              sharding_strategy=ShardingStrategy[strategy])
 
 
-def _save(rank: int, world: int, path: str) -> dict[str, torch.Tensor]:
+def _save(rank: int, world: int, path: str, strategy: str = "FULL_SHARD") -> dict[str, torch.Tensor]:
     import torch.distributed.checkpoint as dcp
     from shardkit import FullyShardedDataParallel as FSDP
     from shardkit.fsdp import StateDictType
 
-    model = _wrap(seed=0)
+    model = _wrap(seed=0, strategy=strategy)
     optimizer = adamw(model.parameters())
     for step in range(2):
         optimizer.zero_grad()
@@ -71,11 +71,19 @@ def test_sharded_checkpoint_saved_at_world_4_loads_at_2_and_3(ranks, tmp_path: P
     for rank_state in saved[1:]:
         for key, value in saved[0].items():
             assert rank_state[key] == value, key
-    for world, strategy in ((2, "FULL_SHARD"), (3, "FULL_SHARD"), (3, "SHARD_GRAD_OP"), (2, "NO_SHARD")):
-        for rank, loaded in enumerate(ranks.run(_load, world, path, strategy, timeout=120)):
+    two_hosts = [{"SHARDKIT_HOST_ID": host} for host in ("host0", "host0", "host1", "host1")]
+    for world, strategy, env in ((2, "FULL_SHARD", None), (3, "FULL_SHARD", None), (3, "SHARD_GRAD_OP", None),
+                                 (2, "NO_SHARD", None), (4, "HYBRID_SHARD", two_hosts)):
+        for rank, loaded in enumerate(ranks.run(_load, world, path, strategy, timeout=120, env=env)):
             assert list(loaded) == list(saved[0])
             for key, value in saved[0].items():
                 assert loaded[key] == value, f"world {world} {strategy} rank {rank}: {key}"
+    # and back: a HYBRID_SHARD model (2 simulated hosts x 2 ranks) saves a checkpoint that loads at world 3
+    hybrid_path = str(tmp_path / "hybrid")
+    saved_hybrid = ranks.run(_save, 4, hybrid_path, "HYBRID_SHARD", timeout=120, env=two_hosts)
+    for rank, loaded in enumerate(ranks.run(_load, 3, hybrid_path, "FULL_SHARD", timeout=120)):
+        for key, value in saved_hybrid[0].items():
+            assert loaded[key] == value, f"saved under HYBRID_SHARD, loaded at world 3, rank {rank}: {key}"
 
 
 def _full(rank: int, world: int) -> dict:
