@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+# torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single; same arguments.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 # torch's own rule for the device of an object collective (CPU when the group has a CPU backend); private,
 # present in torch since long before 2.11, the oldest shardkit supports.
 from torch.distributed.distributed_c10d import _get_object_coll_device

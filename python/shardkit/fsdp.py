@@ -185,7 +185,7 @@ class FullyShardedDataParallel(nn.Module):
         self._backward_order: list[_Unit] = []
         self._orders_frozen = False
         self._backward_pending = False  # a forward with autograd ran; its backward has not ended yet
-        self._callback_queued = False
+        self._callback_task: int | None = None  # the backward pass whose end-of-backward callback is queued
         self._pending: list[_FlatGroup] = []  # reductions in flight, in issue order
         self._summoned = False
         self._gathered_bytes = 0
@@ -461,8 +461,11 @@ class FullyShardedDataParallel(nn.Module):
         return post_forward
 
     def _pre_backward(self, unit: _Unit) -> None:
-        if not self._callback_queued:
-            self._callback_queued = True
+        # One end-of-backward callback per backward pass (graph task): a pass that raised never ran its
+        # callback, and a flag left set by it would leave every later pass without one.
+        task = torch._C._current_graph_task_id()
+        if task != self._callback_task:
+            self._callback_task = task
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
         if not self._orders_frozen and unit not in self._backward_order:
             self._backward_order.append(unit)
@@ -494,7 +497,6 @@ class FullyShardedDataParallel(nn.Module):
 
     def _end_of_backward(self) -> None:
         """The autograd callback queued by the first pre-backward hook: runs once backward has finished."""
-        self._callback_queued = False
         self._orders_frozen = True
         self._end_iteration()
 

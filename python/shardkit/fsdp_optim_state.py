@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 
+from . import _exchange
 from .fsdp_state_dict import StateDictType, _managed, _shard_rank, _sharded_tensor
 
 if TYPE_CHECKING:
@@ -30,8 +31,6 @@ if TYPE_CHECKING:
 
     from .fsdp import FullyShardedDataParallel
 
-# torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single; same arguments.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def _names(model: "FullyShardedDataParallel") -> dict[int, str]:
@@ -108,7 +107,7 @@ def _gather_state(model: "FullyShardedDataParallel", optim: "Optimizer", managed
                     whole = mine
                 else:
                     whole = torch.empty(layout.padded_numel, dtype=dtype, device=mine.device)
-                    _all_gather_single(whole, mine, group=model._shard_group)
+                    _exchange.all_gather_single(whole, mine, group=model._shard_group)
                 for index, p in enumerate(group.params):
                     offset, numel = layout.offsets[index], layout.numels[index]
                     gathered[(id(p), key)] = whole[offset:offset + numel].view(group.shapes[index]).clone()

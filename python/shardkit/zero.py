@@ -82,8 +82,6 @@ ELEMENTWISE_OPTIMIZERS: tuple[type[Optimizer], ...] = tuple(
                                             "Adagrad", "Adadelta", "ASGD", "Rprop")
     if hasattr(torch.optim, name))
 
-# torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single; same arguments.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _warned_classes: set[type] = set()
 _GROUP_ONLY_KEYS = ("params", "param_names")  # keys of an outer param group that the local optimizer never sees
 
@@ -358,7 +356,7 @@ class ZeroRedundancyOptimizer(Optimizer):
                 padding = layout.shard_numel - sum(part.numel() for part in parts)
                 mine = torch.cat(parts + [torch.zeros(padding, dtype=space.dtype, device=space.device)])
                 full = torch.empty(layout.padded_numel, dtype=space.dtype, device=space.device)
-            work = _all_gather_single(full, mine, group=self.process_group, async_op=True)
+            work = _exchange.all_gather_single(full, mine, group=self.process_group, async_op=True)
             gathered.append((space, full, work))
         for space, full, work in gathered:
             work.wait()

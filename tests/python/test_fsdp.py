@@ -151,6 +151,30 @@ def test_prefetch_variants_eval_forwards_and_two_forward_backward(ranks, backend
     ranks.run(_prefetch_and_iteration_shapes, 2, backend, timeout=160)
 
 
+def _after_a_failed_backward(rank: int, world: int) -> None:
+    """A backward that raises (here: a user hook, after FSDP's pre-backward ran and prefetched) must not
+    leave later iterations without their end-of-backward step (gradients written, buffers freed)."""
+    pair = FsdpPair(net(depth=4), sgd, auto_wrap_policy=block_policy())
+    for step in range(2):
+        pair.step(rank, step)
+
+    def fail(grad):
+        raise ValueError("a user hook failed")
+
+    x, y = batch(rank, 2)
+    out = pair.dut(x)
+    out.register_hook(fail)
+    error_of(lambda: F.mse_loss(out, y).backward(), ValueError, rank)
+    pair.dut_opt.zero_grad()
+    for step in range(3, 6):
+        pair.step(rank, step)
+
+
+@pytest.mark.timeout(120)
+def test_training_goes_on_after_a_backward_that_raised(ranks):
+    ranks.run(_after_a_failed_backward, 2, timeout=100)
+
+
 def _empty_shards(rank: int, world: int) -> list[int]:
     torch.manual_seed(0)
     # 3 elements at offsets 0 and 4 (16-byte alignment), shards of 4: ranks 2 and 3 hold nothing.
