@@ -282,3 +282,20 @@ def test_shard_grad_op_and_no_shard_at_world_3_with_adamw(ranks):
     model_numel = results[0]["model_numel"]
     assert sum(r["SHARD_GRAD_OP"] for r in results) == model_numel, "SHARD_GRAD_OP: the shards partition the model"
     assert all(r["NO_SHARD"] == model_numel for r in results), "NO_SHARD: every rank holds the whole model"
+
+
+def _full_shard_across_hosts(rank: int, world: int) -> list[int]:
+    fsdp = fsdp_module()
+    pair = FsdpPair(net(), adamw, sharding_strategy=fsdp.ShardingStrategy.FULL_SHARD, auto_wrap_policy=block_policy())
+    for step in range(WARM):
+        pair.step(rank, step)
+    return sorted({g.handle.layout.world for u in pair.dut._units for g in u.groups})
+
+
+@pytest.mark.timeout(300)
+def test_full_shard_across_two_simulated_hosts_matches_torch_ddp(ranks):
+    """The shard group spans hosts: the in-place all-gather and the reduce-scatter go through the backend's
+    hierarchical engine (shared memory inside a host, gloo between hosts), with hosts interleaved."""
+    env = [{"SHARDKIT_HOST_ID": host} for host in ("host0", "host1", "host0", "host1")]
+    for rank, worlds in enumerate(ranks.run(_full_shard_across_hosts, 4, timeout=240, env=env)):
+        assert worlds == [4], f"rank {rank}: sharded over {worlds} ranks, not all 4"

@@ -23,27 +23,31 @@ CASES = {
 }
 
 
-def _train_until_a_rank_dies(rank, world, victim, zero_stage):
+def _train_until_a_rank_dies(rank, world, victim, wrapper):
     import shardkit
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64),
                                 torch.nn.Tanh(), torch.nn.Linear(64, 4))
-    ddp = shardkit.DistributedDataParallel(model, bucket_cap_mb=0.004, zero_stage=zero_stage)
-    if zero_stage:
-        optimizer = shardkit.ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.SGD, lr=0.01)
-    else:
+    if wrapper == "fsdp":  # one unit per Linear: all-gathers and reduce-scatters all through backward
+        ddp = shardkit.FullyShardedDataParallel(model, auto_wrap_policy={torch.nn.Linear})
         optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    else:
+        zero_stage = {"ddp": 0, "zero1": 1, "zero2": 2}[wrapper]
+        ddp = shardkit.DistributedDataParallel(model, bucket_cap_mb=0.004, zero_stage=zero_stage)
+        if zero_stage:
+            optimizer = shardkit.ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.SGD, lr=0.01)
+        else:
+            optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
     if rank == victim:
-        # Dies in the middle of its third backward: after the first bucket's gradients, before the rest.
+        # Dies in the middle of its third backward: after the last layer's gradients, before the rest.
         steps = {"n": 0}
 
-        def die(grad):
+        def die(module, grad_output):
             if steps["n"] == 2:
                 os.kill(os.getpid(), signal.SIGKILL)
-            return grad
 
-        model[2].weight.register_hook(die)
+        model[2].register_full_backward_pre_hook(die)
     data = torch.randn(16, 32, generator=torch.Generator().manual_seed(rank))
     for step in range(2):
         ddp(data).square().mean().backward()
@@ -68,11 +72,11 @@ def _train_until_a_rank_dies(rank, world, victim, zero_stage):
     return elapsed, message, later
 
 
-@pytest.mark.parametrize("zero_stage", [0, 1, 2])
+@pytest.mark.parametrize("wrapper", ["ddp", "zero1", "zero2", "fsdp"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_rank_killed_mid_backward(ranks, case, zero_stage):
+def test_rank_killed_mid_backward(ranks, case, wrapper):
     world, hosts, victim = CASES[case]
-    outcomes = ranks.launch(_train_until_a_rank_dies, world, victim, zero_stage, timeout=90, pg_timeout=60,
+    outcomes = ranks.launch(_train_until_a_rank_dies, world, victim, wrapper, timeout=90, pg_timeout=60,
                             env=topology_env(hosts))
     assert outcomes[victim].exitcode == -signal.SIGKILL, outcomes[victim].error
     for outcome in outcomes:
