@@ -207,7 +207,8 @@ void ShmGroup::alltoall(const void* in, const std::vector<size_t>& send_counts, 
   for (int r = 0; r < size_; ++r) {
     if (matrix[r * n_ranks + rank_] != recv_counts[r]) {
       fail("shardkit " + describe(header) + ": " + rank_name(rank_) + " expects " + std::to_string(recv_counts[r]) +
-           " elements from " + rank_name(r) + ", which sends " + std::to_string(matrix[r * n_ranks + rank_]));
+           " elements from " + rank_name(r) + ", which sends " + std::to_string(matrix[r * n_ranks + rank_]),
+           where(header));
     }
   }
   const size_t elem = dtype_size(dtype);

@@ -176,10 +176,11 @@ bool ShmGroup::abort(const std::string& message) {
   return true;
 }
 
-void ShmGroup::fail(const std::string& message) {
+void ShmGroup::fail(const std::string& message, const std::string& where) {
   if (abort(message)) throw std::runtime_error(message);
-  // Someone aborted first: theirs is the root cause.
-  throw std::runtime_error("shardkit (" + rank_name(rank_) + "): group aborted: " + abort_message());
+  // Someone aborted first: theirs is the root cause, told behind this rank's own op.
+  const std::string mine = where.empty() ? "(" + rank_name(rank_) + ")" : where;
+  throw std::runtime_error("shardkit " + mine + ": group aborted: " + abort_message());
 }
 
 int ShmGroup::rank_number(int r) const {
@@ -314,14 +315,14 @@ void ShmGroup::sync(const OpHeader& header) {
         }
       }
       if (!dead.empty()) {
-        fail("shardkit " + where(header) + ": rank(s) " + dead + " exited before arriving");
+        fail("shardkit " + where(header) + ": rank(s) " + dead + " exited before arriving", where(header));
       }
     }
     if (now >= deadline) {
       std::string missing;
       for (int peer : pending) missing += (missing.empty() ? "" : ", ") + std::to_string(rank_number(peer));
       fail("shardkit " + where(header) + ": Timed out after " + std::to_string(op_timeout_.count()) +
-           " ms waiting for rank(s) [" + missing + "]");
+           " ms waiting for rank(s) [" + missing + "]", where(header));
     }
     struct SleeperMark {  // counted as a sleeper until this scope ends, even if a check throws
       std::atomic<uint32_t>& sleepers;

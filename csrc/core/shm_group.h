@@ -152,8 +152,9 @@ class ShmGroup {
   // Arrive at the next sync point with `header` and wait for every rank.
   void sync(const OpHeader& header);
   uint8_t* slot(int rank, uint64_t round) const;
-  // Aborts from inside an op and throws: `message` if this rank aborted first, else the first reason.
-  [[noreturn]] void fail(const std::string& message);
+  // Aborts from inside an op and throws: `message` if this rank aborted first, else the first reason,
+  // behind `where` (the op and this rank, as where(header) says them; this rank alone if empty).
+  [[noreturn]] void fail(const std::string& message, const std::string& where = "");
   // How messages number this group's rank r (rank_names[r]; r itself without names or out of range), and
   // name it ("rank 3").
   int rank_number(int r) const;
