@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch  # noqa: F401  (loads libtorch before the extension)
 
 from . import _C, fsdp, hooks, wrap
+from . import state_dict  # noqa: E402  (after fsdp and ddp, which it wraps)
 from .backend import register_backend
 from .ddp import DistributedDataParallel
 from .fsdp import FullyShardedDataParallel
@@ -15,6 +16,6 @@ from .zero import ZeroRedundancyOptimizer
 
 __version__ = "0.1.0"
 __all__ = ["DistributedDataParallel", "FullyShardedDataParallel", "ZeroRedundancyOptimizer", "__version__", "fsdp",
-           "hooks", "register_backend", "wrap"]
+           "hooks", "register_backend", "state_dict", "wrap"]
 
 register_backend()

@@ -20,7 +20,7 @@ from typing import Any, Iterable
 import torch
 import torch.distributed as dist
 
-from . import _C
+from . import _C, _exchange
 
 PARTITION_ATTR = "_shardkit_zero_partition"
 
@@ -62,6 +62,38 @@ def flatten_into_buffers(spaces: list[FlatSpace]) -> None:
                 view.copy_(p.detach())
                 p.data = view
         space.flat = flat
+
+
+def all_gather_parameters(spaces: list[FlatSpace], group: dist.ProcessGroup) -> None:
+    """Every rank's slice of every space's parameters to every rank: one all-gather (all_gather_into_tensor)
+    per space, all in flight together (a collective over ``group``, the spaces laid out for its size).
+
+    Where the parameters are views of the space's flat buffer (a shardkit DDP with zero_stage 1|2), this rank's
+    slice of the buffer is the all-gather's input and the buffer its output: nothing is packed or copied (both
+    shardkit's backend and gloo take an input that aliases its own place in the output; test_zero.py checks).
+    Otherwise this rank's pieces are packed into a transient shard, gathered into a transient flat buffer and
+    copied into the parameters."""
+    rank = dist.get_rank(group)
+    gathered = []
+    for space in spaces:
+        layout = space.layout
+        if space.flat is not None:
+            begin = layout.rank_begin(rank)
+            mine, full = space.flat[begin:begin + layout.shard_numel], space.flat
+        else:
+            mine = torch.zeros(layout.shard_numel, dtype=space.dtype, device=space.device)
+            for piece in layout.pieces_of_rank(rank):
+                owned = space.params[piece.param].detach().reshape(-1)[piece.param_begin:piece.param_begin + piece.numel]
+                mine[piece.shard_begin:piece.shard_begin + piece.numel] = owned
+            full = torch.empty(layout.padded_numel, dtype=space.dtype, device=space.device)
+        work = _exchange.all_gather_single(full, mine, group=group, async_op=True)
+        gathered.append((space, full, work))
+    with torch.no_grad():
+        for space, full, work in gathered:
+            work.wait()
+            if space.flat is None:
+                for p, offset in zip(space.params, space.layout.offsets):
+                    p.detach().copy_(full[offset:offset + p.numel()].view(p.shape))
 
 
 @dataclasses.dataclass(eq=False)

@@ -77,7 +77,7 @@ def _storage(directory: Path) -> dict:
 def _shapes(directory: Path, metadata: Metadata, paths: dict[str, tuple]) -> dict[str, list[int]]:
     shapes: dict[str, list[int]] = {}
     for key, path in paths.items():
-        if path[-1] == SHAPES_KEY:
+        if str(path[-1]).endswith(SHAPES_KEY):
             shapes.update(json.loads(_load_one(directory, key, "")))
     return shapes
 
@@ -105,7 +105,7 @@ def consolidate(directory: Path, output: Path, optim: bool = True) -> dict[str, 
     counts = {"tensors": 0, "objects": 0}
     for key, meta in metadata.state_dict_metadata.items():
         path = paths[key]
-        if path[-1] == SHAPES_KEY or (not optim and path[0] == "optim"):
+        if str(path[-1]).endswith(SHAPES_KEY) or (not optim and path[0] == "optim"):
             continue
         if isinstance(meta, TensorStorageMetadata):
             tensor = _load_one(directory, key, torch.empty(meta.size, dtype=meta.properties.dtype))

@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import _C, _exchange, _flat
+from . import _C, _exchange, _flat, zero_state_dict
+from .fsdp_state_dict import FullStateDictConfig, ShardedStateDictConfig, StateDictType
 from .hooks import check_state_group
 
 _DEFAULT_BUCKET_CAP_MB = 25
@@ -102,6 +103,9 @@ class DistributedDataParallel(nn.Module):
             self._zero_partition = self._own_partition(named, spaces)
         # Buffers are broadcast before a forward that follows a synchronised training forward (torch's rule).
         self.require_forward_param_sync = True
+        # Set by FullyShardedDataParallel.state_dict_type(); None: nn.Module's state dicts (torch DDP's).
+        self._state_dict_type: StateDictType | None = None
+        self._state_dict_config: FullStateDictConfig | ShardedStateDictConfig | None = None
 
     # --- construction ---------------------------------------------------------------------------------
     @staticmethod
@@ -195,6 +199,30 @@ class DistributedDataParallel(nn.Module):
                                              [place[id(p)][0] for _, p in named], [place[id(p)][1] for _, p in named])
         partition.mark_parameters()
         return partition
+
+    # --- checkpoints (shardkit.zero_state_dict) --------------------------------------------------------
+    def state_dict(self, *args: Any, destination=None, prefix: str = "", keep_vars: bool = False):
+        """nn.Module's (keys prefixed ``module.``, as torch DDP's); inside
+        ``FullyShardedDataParallel.state_dict_type(self, ...)`` the full or sharded one it names, the same keys."""
+        if self._state_dict_type is None:
+            return super().state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
+        if args:
+            raise TypeError("state_dict takes keyword arguments only (destination=, prefix=, keep_vars=)")
+        state = zero_state_dict.model_state_dict(self, self._state_dict_type, self._state_dict_config, prefix)
+        if destination is not None:
+            destination.update(state)
+            return destination
+        return state
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False):
+        """nn.Module's; inside ``FullyShardedDataParallel.state_dict_type(self, ...)`` it also takes a sharded
+        state dict of any world size (loaded through torch.distributed.checkpoint), then a collective."""
+        if self._state_dict_type is None:
+            return super().load_state_dict(state_dict, strict=strict, assign=assign)
+        if assign:
+            raise NotImplementedError("shardkit DDP: load_state_dict(assign=True) inside state_dict_type() is not "
+                                      "supported; the parameters are loaded by copy")
+        return zero_state_dict.load_model_state_dict(self, self._state_dict_type, state_dict, strict)
 
     @property
     def gradient_shards(self) -> list[torch.Tensor]:

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import _C, _exchange, fsdp_optim_state
+from . import _C, _exchange, fsdp_optim_state, zero_state_dict
 from .backend import host_groups
 from .fsdp_state_dict import (FullStateDictConfig, ShardedStateDictConfig, StateDictType, full_state_dict,
                               sharded_state_dict)
@@ -275,14 +275,20 @@ class FullyShardedDataParallel(nn.Module):
     @contextlib.contextmanager
     def state_dict_type(module: nn.Module, state_dict_type: StateDictType,
                         state_dict_config: FullStateDictConfig | ShardedStateDictConfig | None = None) -> Iterator[None]:
-        """FSDP1's context: inside it, state_dict() and load_state_dict() of every shardkit FSDP root in
-        ``module`` use ``state_dict_type`` (see shardkit.fsdp_state_dict)."""
+        """FSDP1's context: inside it, state_dict() and load_state_dict() of every shardkit FSDP root and every
+        shardkit DistributedDataParallel in ``module`` use ``state_dict_type`` (see shardkit.fsdp_state_dict and
+        shardkit.zero_state_dict), and so do optim_state_dict() and optim_state_dict_to_load()."""
+        from .ddp import DistributedDataParallel
+
         config = state_dict_config or (FullStateDictConfig() if state_dict_type == StateDictType.FULL_STATE_DICT
                                        else ShardedStateDictConfig())
         expected = FullStateDictConfig if state_dict_type == StateDictType.FULL_STATE_DICT else ShardedStateDictConfig
         if not isinstance(config, expected):
             raise TypeError(f"state_dict_type {state_dict_type.name} takes a {expected.__name__}, got {config!r}")
-        roots = [m for m in module.modules() if isinstance(m, FullyShardedDataParallel)]
+        roots = [m for m in module.modules() if isinstance(m, (FullyShardedDataParallel, DistributedDataParallel))]
+        if not roots:
+            raise ValueError(f"state_dict_type: {type(module).__name__} holds no shardkit FullyShardedDataParallel or "
+                             "DistributedDataParallel")
         previous = [(r._state_dict_type, r._state_dict_config) for r in roots]
         for root in roots:
             root._state_dict_type, root._state_dict_config = state_dict_type, config
@@ -315,26 +321,38 @@ class FullyShardedDataParallel(nn.Module):
         return load_state_dict_into(self, state_dict, strict)
 
     @staticmethod
-    def optim_state_dict(model: "FullyShardedDataParallel", optim: torch.optim.Optimizer,
+    def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer,
                          optim_state_dict: dict[str, Any] | None = None, group: Any = None) -> dict[str, Any]:
-        """FSDP1's name-keyed optimizer state dict, full or sharded as the model's state_dict_type says (see
-        shardkit.fsdp_optim_state). A collective when full. An optimizer that never stepped gets its state
-        tensors created first (a zero-learning-rate step), so a checkpoint can be loaded into them."""
+        """FSDP1's name-keyed optimizer state dict, full or sharded as the model's state_dict_type says: of an
+        optimizer over a shardkit FSDP model (shardkit.fsdp_optim_state), or of a shardkit
+        ZeroRedundancyOptimizer over any model (shardkit.zero_state_dict). A collective when full. An optimizer
+        that never stepped gets its state tensors created first (a zero-learning-rate step), so a checkpoint
+        can be loaded into them."""
         if optim_state_dict is not None or group is not None:
             raise NotImplementedError("shardkit FSDP optim_state_dict: the optim_state_dict= and group= arguments "
                                       "are not supported; the optimizer's own state is used")
-        return fsdp_optim_state.optim_state_dict(model, optim)
+        if _is_zero(optim):
+            return zero_state_dict.optim_state_dict(model, optim)
+        if _is_ddp(model):
+            return zero_state_dict.plain_optim_state_dict(model, optim)
+        return fsdp_optim_state.optim_state_dict(_fsdp_root(model, "optim_state_dict"), optim)
 
     @staticmethod
-    def optim_state_dict_to_load(model: "FullyShardedDataParallel", optim: torch.optim.Optimizer,
+    def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer,
                                  optim_state_dict: dict[str, Any], is_named_optimizer: bool = False,
                                  load_directly: bool = False, group: Any = None) -> dict[str, Any]:
-        """A name-keyed optimizer state dict (from any world size) as ``optim.load_state_dict`` takes it;
-        ``load_directly=True`` loads it too."""
+        """A name-keyed optimizer state dict (from any world size, FSDP's or ZeRO's) as ``optim.load_state_dict``
+        takes it; ``load_directly=True`` loads it too."""
         if is_named_optimizer or group is not None:
             raise NotImplementedError("shardkit FSDP optim_state_dict_to_load: is_named_optimizer= and group= are "
                                       "not supported")
-        converted = fsdp_optim_state.optim_state_dict_to_load(model, optim, optim_state_dict)
+        if _is_zero(optim):
+            converted = zero_state_dict.optim_state_dict_to_load(model, optim, optim_state_dict)
+        elif _is_ddp(model):
+            converted = zero_state_dict.plain_optim_state_dict_to_load(model, optim, optim_state_dict)
+        else:
+            converted = fsdp_optim_state.optim_state_dict_to_load(_fsdp_root(model, "optim_state_dict_to_load"),
+                                                                  optim, optim_state_dict)
         if load_directly:
             optim.load_state_dict(converted)
         return converted
@@ -570,6 +588,26 @@ class FullyShardedDataParallel(nn.Module):
 
 
 # --- helpers -----------------------------------------------------------------------------------------------
+def _is_zero(optim: torch.optim.Optimizer) -> bool:
+    from .zero import ZeroRedundancyOptimizer
+
+    return isinstance(optim, ZeroRedundancyOptimizer)
+
+
+def _is_ddp(model: nn.Module) -> bool:
+    from .ddp import DistributedDataParallel
+
+    return isinstance(model, DistributedDataParallel)
+
+
+def _fsdp_root(model: nn.Module, call: str) -> "FullyShardedDataParallel":
+    if not isinstance(model, FullyShardedDataParallel):
+        raise TypeError(f"FullyShardedDataParallel.{call}: model must be a shardkit FullyShardedDataParallel or "
+                        f"DistributedDataParallel (or the optimizer a shardkit ZeroRedundancyOptimizer), got "
+                        f"{type(model).__name__}")
+    return model
+
+
 def _refuse_wrapped(module: nn.Module) -> None:
     if isinstance(module, FullyShardedDataParallel):
         raise ValueError("shardkit FSDP: the module is already a shardkit FullyShardedDataParallel")

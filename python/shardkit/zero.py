@@ -33,11 +33,12 @@ step():
   1. point each piece's ``.grad`` at the owned part of ``param.grad`` (a view, no copy), or under ZeRO-2 at
      its view of the gradient shard (None if the reducer left that parameter without a gradient);
   2. ``self.optim.step()`` updates the owned parts of the parameters in place;
-  3. one all-gather (``all_gather_into_tensor``) per dtype brings every rank's updated slice to all ranks.
-     Under a shardkit DDP with zero_stage 1|2 the parameters are views of the DDP's flat buffer of the
-     dtype, so the step has updated this rank's slice of that buffer in place and the all-gather runs in
-     place too (input: the slice; output: the buffer): no pack, no copy. Otherwise the pieces are packed
-     into a transient shard, gathered into a transient flat buffer and copied into the parameters.
+  3. one all-gather (``all_gather_into_tensor``) per dtype brings every rank's updated slice to all ranks
+     (``_flat.all_gather_parameters``). Under a shardkit DDP with zero_stage 1|2 the parameters are views of
+     the DDP's flat buffer of the dtype, so the step has updated this rank's slice of that buffer in place and
+     the all-gather runs in place too (input: the slice; output: the buffer): no pack, no copy. Otherwise
+     the pieces are packed into a transient shard, gathered into a transient flat buffer and copied into the
+     parameters.
 Parameters must keep their storage (``p.data = ...`` would detach them from the pieces and from the DDP's
 flat buffer); in-place updates such as ``model.load_state_dict`` or DDP's broadcast are seen as they are.
 
@@ -83,7 +84,9 @@ ELEMENTWISE_OPTIMIZERS: tuple[type[Optimizer], ...] = tuple(
     if hasattr(torch.optim, name))
 
 _warned_classes: set[type] = set()
-_GROUP_ONLY_KEYS = ("params", "param_names")  # keys of an outer param group that the local optimizer never sees
+_GROUP_ONLY_KEYS = ("params", "param_names")
+# Marks a state dict holding this rank's pieces' state already cut (zero_state_dict.optim_state_dict_to_load).
+LOCAL_PIECES_KEY = "shardkit_zero_local_pieces"  # keys of an outer param group that the local optimizer never sees
 
 
 @dataclasses.dataclass(eq=False)
@@ -283,7 +286,7 @@ class ZeroRedundancyOptimizer(Optimizer):
             finally:
                 for piece in self._pieces:
                     piece.leaf.grad = None
-            self._all_gather_parameters()
+            _flat.all_gather_parameters(self._spaces, self.process_group)
         return loss
 
     def _owned_grads(self) -> list[torch.Tensor | None]:
@@ -335,34 +338,6 @@ class ZeroRedundancyOptimizer(Optimizer):
         for g in targets:
             g.mul_(coef.to(g.dtype))
         return total
-
-    def _all_gather_parameters(self) -> None:
-        """One all-gather (all_gather_into_tensor) per dtype, all in flight together.
-
-        Under a shardkit DDP with zero_stage 1|2 the parameters are views of the space's flat buffer and the
-        step has just updated this rank's slice of it in place: the all-gather's input is that slice, a view
-        of its own output, so nothing is packed or copied (both shardkit's backend and gloo take an input
-        that aliases its own place in the output; tests/python/test_zero.py checks). Otherwise the pieces are
-        packed into a transient shard, gathered into a transient flat buffer and copied into the parameters.
-        """
-        gathered = []
-        for space, pieces in zip(self._spaces, self._space_pieces):
-            layout = space.layout
-            if space.flat is not None:
-                begin = layout.rank_begin(self.rank)
-                mine, full = space.flat[begin:begin + layout.shard_numel], space.flat
-            else:
-                parts = [piece.leaf.reshape(-1) for piece in pieces]
-                padding = layout.shard_numel - sum(part.numel() for part in parts)
-                mine = torch.cat(parts + [torch.zeros(padding, dtype=space.dtype, device=space.device)])
-                full = torch.empty(layout.padded_numel, dtype=space.dtype, device=space.device)
-            work = _exchange.all_gather_single(full, mine, group=self.process_group, async_op=True)
-            gathered.append((space, full, work))
-        for space, full, work in gathered:
-            work.wait()
-            if space.flat is None:
-                for p, offset in zip(space.params, space.layout.offsets):
-                    p.detach().copy_(full[offset:offset + p.numel()].view(p.shape))
 
     def _sync_options(self) -> None:
         """Options changed on self.param_groups (an LR scheduler, the user) reach the local optimizer."""
@@ -422,7 +397,19 @@ class ZeroRedundancyOptimizer(Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Loads an unsharded-format state dict (from state_dict() or from ``optimizer_class`` itself, any
-        world size); call on every rank with the same dict. Each rank keeps only its slice of the state."""
+        world size); call on every rank with the same dict. Each rank keeps only its slice of the state.
+
+        Also takes what ``FullyShardedDataParallel.optim_state_dict_to_load(model, this, name_keyed)`` returns:
+        this rank's pieces' state already cut (see zero_state_dict.py), marked with ``LOCAL_PIECES_KEY``."""
+        if LOCAL_PIECES_KEY in state_dict:
+            mark = {"world": self.world_size, "rank": self.rank}
+            if state_dict[LOCAL_PIECES_KEY] != mark:
+                raise ValueError(f"ZeroRedundancyOptimizer (rank {self.rank}) load_state_dict: the state was cut for "
+                                 f"{state_dict[LOCAL_PIECES_KEY]}, this optimizer is {mark}")
+            for saved, group in zip(state_dict["param_groups"], self.param_groups):
+                group.update(_options(saved))
+            self._load_local_state(state_dict["state"])
+            return
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.param_groups):
             raise ValueError(f"loaded state dict has {len(saved_groups)} parameter groups, the optimizer has "
@@ -444,6 +431,11 @@ class ZeroRedundancyOptimizer(Optimizer):
             full = state_dict["state"].get(saved_index_of[piece.index])
             if full is not None:
                 local_state[local_index] = {key: _slice_state(piece, key, value) for key, value in full.items()}
+        self._load_local_state(local_state)
+
+    def _load_local_state(self, local_state: dict[int, dict[str, Any]]) -> None:
+        """Loads this rank's pieces' state (keyed by position in ``self._pieces``, the local optimizer's order)
+        with the options of ``self.param_groups``."""
         local_groups, local_index = [], 0
         for g, group in enumerate(self.param_groups):
             count = sum(1 for piece in self._pieces if piece.group == g)

@@ -136,3 +136,39 @@ class FsdpPair:
         if check:
             self.check(f"rank {rank} step {step}")
         return float(ref_loss), float(dut_loss)
+
+
+# --- checkpoint tests: one global batch per step, split over the ranks; the run that never stopped ------
+GLOBAL_ROWS = 12  # one global batch per step, split evenly over 2, 3 or 4 ranks
+
+
+def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(4242 + step)
+    return torch.randn(GLOBAL_ROWS, 7, generator=g), torch.randn(GLOBAL_ROWS, 4, generator=g)
+
+
+def train_global(model, optimizer, rank: int, world: int, steps: range) -> None:
+    rows = GLOBAL_ROWS // world
+    for step in steps:
+        x, y = global_batch(step)
+        optimizer.zero_grad()
+        F.mse_loss(model(x[rank * rows:(rank + 1) * rows]), y[rank * rows:(rank + 1) * rows]).backward()
+        optimizer.step()
+
+
+def reference_run() -> tuple[dict, dict, dict]:
+    """The run that never stopped: one process, the global batch, the unsharded optimizer. Returns the final
+    state dict (after 5 steps), and after 2 steps the optimizer state by parameter name and the state dict."""
+    model = net(seed=0, depth=3, d_in=7)
+    optimizer = adamw(model.parameters())
+    names = {id(p): n for n, p in model.named_parameters()}
+    after_two, params_after_two = {}, {}
+    for step in range(5):
+        x, y = global_batch(step)
+        optimizer.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        optimizer.step()
+        if step == 1:
+            after_two = {names[id(p)]: {k: v.clone() for k, v in s.items()} for p, s in optimizer.state.items()}
+            params_after_two = {k: v.clone() for k, v in model.state_dict().items()}
+    return {k: v for k, v in model.state_dict().items()}, after_two, params_after_two

@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ddp_cases import assert_close, error_of
-from fsdp_cases import adamw, batch, block_policy, net
+from fsdp_cases import adamw, batch, block_policy, net, reference_run, train_global
 
 
 def _wrap(seed: int, strategy: str = "FULL_SHARD"):
@@ -124,23 +124,6 @@ def test_full_state_dict_rank0_only_and_load_errors(ranks):
 
 
 # --- resuming at another world size: model and optimizer -------------------------------------------------------
-GLOBAL_ROWS = 12  # one global batch per step, split evenly over 2, 3 or 4 ranks
-
-
-def _global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(4242 + step)
-    return torch.randn(GLOBAL_ROWS, 7, generator=g), torch.randn(GLOBAL_ROWS, 4, generator=g)
-
-
-def _train(model, optimizer, rank: int, world: int, steps: range) -> None:
-    rows = GLOBAL_ROWS // world
-    for step in steps:
-        x, y = _global_batch(step)
-        optimizer.zero_grad()
-        F.mse_loss(model(x[rank * rows:(rank + 1) * rows]), y[rank * rows:(rank + 1) * rows]).backward()
-        optimizer.step()
-
-
 def _save_run(rank: int, world: int, path: str) -> None:
     import torch.distributed.checkpoint as dcp
     from shardkit import FullyShardedDataParallel as FSDP
@@ -148,7 +131,7 @@ def _save_run(rank: int, world: int, path: str) -> None:
 
     model = _wrap(seed=0)
     optimizer = adamw(model.parameters())
-    _train(model, optimizer, rank, world, range(2))
+    train_global(model, optimizer, rank, world, range(2))
     with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
         dcp.save({"model": model.state_dict(), "optim": FSDP.optim_state_dict(model, optimizer)}, checkpoint_id=path)
     return {k: v.tolist() for k, v in model.state_dict().items()}
@@ -167,32 +150,16 @@ def _resume_run(rank: int, world: int, path: str, strategy: str) -> dict:
         model.load_state_dict(state["model"])
         FSDP.optim_state_dict_to_load(model, optimizer, state["optim"], load_directly=True)
     full_optim = FSDP.optim_state_dict(model, optimizer)  # FULL_STATE_DICT: gathered, the parameters' shapes
-    _train(model, optimizer, rank, world, range(2, 5))
+    train_global(model, optimizer, rank, world, range(2, 5))
     return {"params": {k: v.tolist() for k, v in model.state_dict().items()},
             "optim": {name: {k: v.tolist() for k, v in entry.items()} for name, entry in full_optim["state"].items()}}
-
-
-def _reference() -> tuple[dict, dict]:
-    """The run that never stopped: one process, the global batch, the unsharded optimizer."""
-    model = net(seed=0, depth=3, d_in=7)
-    optimizer = adamw(model.parameters())
-    names = {id(p): n for n, p in model.named_parameters()}
-    after_two = {}
-    for step in range(5):
-        x, y = _global_batch(step)
-        optimizer.zero_grad()
-        F.mse_loss(model(x), y).backward()
-        optimizer.step()
-        if step == 1:
-            after_two = {names[id(p)]: {k: v.clone() for k, v in s.items()} for p, s in optimizer.state.items()}
-    return {k: v for k, v in model.state_dict().items()}, after_two
 
 
 @pytest.mark.timeout(240)
 def test_resume_at_another_world_size_equals_a_run_that_never_stopped(ranks, tmp_path: Path):
     path = str(tmp_path / "ckpt")
     ranks.run(_save_run, 4, path, timeout=120)
-    want_params, want_optim = _reference()
+    want_params, want_optim, _ = reference_run()
     for world, strategy in ((2, "FULL_SHARD"), (3, "FULL_SHARD"), (3, "NO_SHARD")):
         for rank, got in enumerate(ranks.run(_resume_run, world, path, strategy, timeout=120)):
             where = f"resumed at world {world} ({strategy}), rank {rank}"
@@ -229,7 +196,7 @@ def test_consolidate_and_info_in_a_process_without_a_process_group(ranks, tmp_pa
     model.load_state_dict(plain["model"])  # strict: every key, the parameters' own shapes
     for key, value in model.state_dict().items():
         assert value.tolist() == saved[key], key
-    _, want_optim = _reference()
+    _, want_optim, _ = reference_run()
     for name, entry in want_optim.items():  # optimizer state by parameter name, in the parameters' shapes
         for key, value in entry.items():
             assert_close(plain["optim"]["state"][name][key], value, f"consolidated optimizer {name}.{key}", 1e-5, 1e-6)

@@ -1,0 +1,350 @@
+"""Checkpoint pieces common to every shardkit flat layout: FSDP's flat parameters and ZeRO's per-dtype spaces.
+
+A ``ShardedSpace`` is one ``_C.FlatLayout`` as a checkpoint sees it: its parameters' names and own shapes, the
+group its shards are spread over, and this rank's place in that group. Everything a checkpoint does with a
+parameter is asked of it:
+
+- ``sharded_tensor(index, local)``: this rank's piece of parameter ``index`` (or of an optimizer state tensor
+  shaped like it) as a ``ShardedTensor`` over the *flattened* parameter (global size ``(numel,)``), with every
+  rank's piece as metadata -- a pure function of the layout, so building it communicates nothing and copies
+  nothing. A piece of a flat layout is a range of the flattened parameter, not a rectangle of the parameter,
+  hence the flattening; the own shapes travel beside it (``SHAPES_KEY``).
+  torch.distributed.checkpoint (DCP) saves each rank's pieces from that rank and, on load at any world size
+  or layout, reads for each rank the ranges its own pieces need.
+- ``cut(index, whole)``: this rank's piece of a whole value (a view).
+- ``gather(pieces)``: every parameter's whole value from every rank's pieces (one all-gather per call).
+
+The model and optimizer state dicts of shardkit.FullyShardedDataParallel (fsdp_state_dict.py) and of
+shardkit.DistributedDataParallel / ZeroRedundancyOptimizer (zero_state_dict.py) are built from these, with
+one format: a checkpoint saved by either loads into the other (the optimizer state always keyed by parameter
+names; the model state too through shardkit.state_dict.get_state_dict).
+
+The name-keyed optimizer state dict (``optim_state_dict`` / ``local_optim_state``) is written once here, over
+``Slot``s: one per parameter piece this rank's optimizer steps (FSDP: the sharded parameter itself; ZeRO: the
+piece's leaf in the local optimizer).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
+from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
+
+from . import _exchange
+
+# The sharded model state dict's record of each parameter's own shape (its tensors are flattened), a JSON
+# string that DCP saves like any object: what a consumer without the model (``python -m shardkit checkpoint``)
+# reshapes with. load_state_dict ignores it.
+SHAPES_KEY = "_shardkit.shapes"
+
+
+@dataclasses.dataclass(eq=False)
+class ShardedSpace:
+    """One flat layout's parameters as a checkpoint sees them."""
+
+    layout: Any  # _C.FlatLayout
+    names: list[str]  # the parameters' names in the unwrapped model, in layout order
+    shapes: list[torch.Size]  # their own shapes
+    group: dist.ProcessGroup | None  # the group the shards are spread over; None: every rank holds everything
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank(self.group) if self.group is not None else 0
+
+    def piece(self, index: int):
+        return self.layout.piece(index, self.rank)
+
+    def cut(self, index: int, whole: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of a whole value of parameter ``index`` (any shape with its numel): a 1-D view."""
+        piece = self.piece(index)
+        return whole.reshape(-1)[piece.param_begin:piece.param_begin + piece.numel]
+
+    def sharded_tensor(self, index: int, local: torch.Tensor) -> ShardedTensor | torch.Tensor:
+        """``local`` (this rank's piece, 1-D) as a ShardedTensor over the flattened parameter; ``local`` itself
+        where the space is not sharded (every rank holds the whole parameter; DCP saves it once)."""
+        numel = self.layout.numels[index]
+        if self.group is None or numel == 0:
+            return local
+        device = local.device
+        # Every rank gets a shard, an empty one where it holds no piece: torch's ShardedTensor answers `.device`
+        # on a rank without local shards with torch.cuda.current_device() unless the group is gloo's. Empty
+        # shards sit at the end (offset numel), where no real one starts: DCP deduplicates chunks by offset.
+        # Placements name global ranks (a HYBRID_SHARD shard group is a subgroup).
+        metadata = []
+        for r in range(self.layout.world):
+            piece = self.layout.piece(index, r)
+            metadata.append(ShardMetadata(shard_offsets=[piece.param_begin if piece.numel else numel],
+                                          shard_sizes=[piece.numel],
+                                          placement=f"rank:{dist.get_global_rank(self.group, r)}/{device}"))
+        properties = TensorProperties(dtype=local.dtype, layout=torch.strided, requires_grad=False,
+                                      memory_format=torch.contiguous_format, pin_memory=False)
+        return ShardedTensor._init_from_local_shards_and_global_metadata(
+            [Shard(local, metadata[self.rank])], ShardedTensorMetadata(metadata, torch.Size([numel]), properties),
+            process_group=self.group)
+
+    def gather(self, pieces: list[torch.Tensor | None], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+        """Every parameter's whole value, in its own shape, from this rank's ``pieces`` (one per parameter, its
+        piece's shape or 1-D; None: zeros) and every other rank's: one all-gather of the S-element shards (a
+        collective over ``group``: every rank calls it with the same dtype)."""
+        layout = self.layout
+        mine = torch.zeros(layout.shard_numel, dtype=dtype, device=device)
+        for index, value in enumerate(pieces):
+            piece = self.piece(index)
+            if value is not None and piece.numel:
+                mine[piece.shard_begin:piece.shard_begin + piece.numel] = value.reshape(-1)
+        if self.group is None:
+            whole = mine
+        else:
+            whole = torch.empty(layout.padded_numel, dtype=dtype, device=device)
+            _exchange.all_gather_single(whole, mine, group=self.group)
+        return [whole[offset:offset + numel].view(shape)
+                for offset, numel, shape in zip(layout.offsets, layout.numels, self.shapes)]
+
+
+def check_shape(where: str, subject: str, got: Iterable[int], want: Iterable[int], flattened: bool = False) -> None:
+    """Raises ``"{where}: {subject} has shape [..] in the checkpoint but [..] in the model"`` when they differ
+    (``where``: who, on which rank, in which call; ``subject``: the parameter or state it is about)."""
+    if torch.Size(got) != torch.Size(want):
+        kind = "flattened shape" if flattened else "shape"
+        raise RuntimeError(f"{where}: {subject} has {kind} {list(got)} in the checkpoint but {list(want)} in the model")
+
+
+# --- model state --------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(eq=False)
+class Place:
+    """Where one parameter of the model state dict lives: its space and index, this rank's piece (a 1-D view of
+    the live values), and the whole parameter when this rank holds it whole (ZeRO), else None (FSDP)."""
+
+    space: ShardedSpace
+    index: int
+    local: torch.Tensor
+    whole: torch.Tensor | None = None
+
+
+def sharded_entries(entries: dict[str, Any], places: dict[int, Place], prefix: str,
+                    offload_to_cpu: bool) -> dict[str, Any]:
+    """A sharded model state dict: each placed parameter as a ShardedTensor of its piece, other tensors detached,
+    and ``prefix + SHAPES_KEY`` recording the parameters' own shapes by state-dict key. ``entries``: the unwrapped module's state
+    dict with ``keep_vars=True`` (so parameters can be found in ``places`` by identity)."""
+    out: dict[str, Any] = {}
+    shapes: dict[str, list[int]] = {}
+    for key, value in entries.items():
+        place = places.get(id(value)) if isinstance(value, torch.Tensor) else None
+        if place is not None:
+            shapes[key] = list(place.space.shapes[place.index])
+            local = place.local.cpu() if offload_to_cpu else place.local
+            out[key] = place.space.sharded_tensor(place.index, local)
+        elif isinstance(value, torch.Tensor):
+            out[key] = value.detach().cpu() if offload_to_cpu else value.detach()
+        else:
+            out[key] = value
+    out[prefix + SHAPES_KEY] = json.dumps(shapes)
+    return out
+
+
+def load_entries(where: str, entries: dict[str, Any], places: dict[int, Place],
+                 state_dict: dict[str, Any], strict: bool) -> nn.modules.module._IncompatibleKeys:
+    """Loads a full or a sharded model state dict (the kind of each value decides) into the live tensors of
+    ``entries`` (the unwrapped state dict with keep_vars=True). Each placed parameter gets its piece, or its whole
+    value where this rank holds it whole; a ShardedTensor value whose local shard is the piece itself (DCP loaded
+    into this rank's own sharded state dict) is only checked. No communication. Mismatches raise naming the
+    parameter and both shapes; missing or unexpected keys raise under ``strict``, naming them."""
+    missing = [k for k in entries if k not in state_dict]
+    unexpected = [k for k in state_dict if k not in entries and not k.endswith(SHAPES_KEY)]
+    if strict and (missing or unexpected):
+        raise RuntimeError(f"{where}: missing keys {missing}, unexpected keys {unexpected}")
+    with torch.no_grad():
+        for key, target in entries.items():
+            if key not in state_dict or not isinstance(target, torch.Tensor):
+                continue
+            value = state_dict[key]
+            place = places.get(id(target))
+            if place is None:  # a buffer, a frozen or ignored parameter: whole on every rank
+                check_shape(where, f"parameter {key!r}", value.shape, target.shape)
+                target.copy_(value)
+                continue
+            numel = place.space.layout.numels[place.index]
+            own_shape = place.space.shapes[place.index]
+            if isinstance(value, ShardedTensor):
+                check_shape(where, f"parameter {key!r}", value.size(), [numel], flattened=True)
+                for shard in value.local_shards():
+                    if shard.tensor.data_ptr() != place.local.data_ptr() or shard.tensor.numel() != place.local.numel():
+                        place.local.copy_(shard.tensor.reshape(-1))
+                continue
+            # a whole parameter: its own shape (a full state dict) or flattened (an unsharded space's sharded one)
+            if torch.Size(value.shape) != torch.Size([numel]):
+                check_shape(where, f"parameter {key!r}", value.shape, own_shape)
+            if place.whole is not None:
+                place.whole.copy_(value.reshape(place.whole.shape))
+            else:
+                place.local.copy_(place.space.cut(place.index, value))
+    return nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+
+# --- optimizer state ----------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(eq=False)
+class Slot:
+    """One parameter's piece that this rank's optimizer steps: the tensor the optimizer keys its state by (FSDP:
+    the sharded parameter; ZeRO: the piece's leaf), and where the piece lies (``space`` None: the parameter is
+    outside every flat layout and whole on every rank). ``flatten``: such a whole parameter's state tensors go
+    into sharded state dicts flattened, in the format of the pieces' global shape ``(numel,)`` (a shardkit
+    DDP's plain optimizer: its checkpoints load into ZeRO and FSDP and back; DCP saves each value once)."""
+
+    name: str
+    param: torch.Tensor
+    space: ShardedSpace | None = None
+    index: int = -1
+    flatten: bool = False
+
+
+def _piece_shaped(value: Any, param: torch.Tensor) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == param.shape
+
+
+def _copy(value: Any) -> Any:
+    return value.detach().clone() if isinstance(value, torch.Tensor) else value
+
+
+def init_optimizer_state(optim: torch.optim.Optimizer) -> None:
+    """An optimizer that has not stepped holds no state tensors for a checkpoint to be loaded into: one step
+    with zero gradients and a zero learning rate creates them without changing a parameter (as torch's
+    torch.distributed.checkpoint.state_dict does). No communication (``optim`` is a local optimizer)."""
+    if optim.state:
+        return
+    saved = []
+    for group in optim.param_groups:
+        saved.append(group["lr"])
+        group["lr"] = 0.0
+        for p in group["params"]:
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
+    optim.step()
+    for group, lr in zip(optim.param_groups, saved):
+        group["lr"] = lr
+    optim.zero_grad(set_to_none=True)
+
+
+def optim_state_dict(optim: torch.optim.Optimizer, slots: list[Slot], spaces: list[ShardedSpace],
+                     groups: list[dict[str, Any]], *, sharded: bool, group: dist.ProcessGroup | None,
+                     device: torch.device) -> dict[str, Any]:
+    """The name-keyed optimizer state dict ``{"state": {name: {key: value}}, "param_groups": groups}``.
+
+    Sharded: each piece-shaped state tensor as ``space.sharded_tensor`` (no communication; a rank holds the
+    names it has pieces of). Full: every state tensor in its parameter's own shape on every rank, gathered per
+    space and state key (a collective over ``group``, whose ranks agree first, in one object exchange, on the
+    keys and dtypes and on the scalar state of pieces they do not hold)."""
+    if sharded:
+        state: dict[str, dict[str, Any]] = {}
+        for slot in slots:
+            entry = optim.state.get(slot.param)
+            if entry is not None:
+                state[slot.name] = {key: _sharded_value(slot, value) for key, value in entry.items()}
+        return {"state": state, "param_groups": groups}
+    return {"state": _gathered_state(optim, slots, spaces, group, device), "param_groups": groups}
+
+
+def _sharded_value(slot: Slot, value: Any) -> Any:
+    if not _piece_shaped(value, slot.param):
+        return _copy(value)
+    if slot.space is not None:
+        return slot.space.sharded_tensor(slot.index, value.detach().reshape(-1))
+    return value.detach().reshape(-1) if slot.flatten else _copy(value)
+
+
+def _gathered_state(optim: torch.optim.Optimizer, slots: list[Slot], spaces: list[ShardedSpace],
+                    group: dist.ProcessGroup | None, device: torch.device) -> dict[str, dict[str, Any]]:
+    position = {id(space): i for i, space in enumerate(spaces)}
+    tensor_keys: list[dict[str, torch.dtype]] = [{} for _ in spaces]  # per space: piece-shaped state keys
+    others: dict[str, dict[str, Any]] = {}  # per parameter of a space with state here: its other state
+    state: dict[str, dict[str, Any]] = {}
+    for slot in slots:
+        entry = optim.state.get(slot.param)
+        if entry is None:
+            continue
+        if slot.space is None:  # whole on every rank: nothing to gather
+            state[slot.name] = {key: _copy(value) for key, value in entry.items()}
+            continue
+        mine = others.setdefault(slot.name, {})
+        for key, value in entry.items():
+            if _piece_shaped(value, slot.param):
+                tensor_keys[position[id(slot.space)]][key] = value.dtype
+            else:
+                mine[key] = value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value
+    everyone = _exchange.all_gather_object((tensor_keys, others), group) if group is not None else [(tensor_keys, others)]
+    agreed_keys: list[dict[str, torch.dtype]] = [{} for _ in spaces]
+    agreed_others: dict[str, dict[str, Any]] = {}
+    for their_keys, their_others in everyone:
+        for agreed, theirs in zip(agreed_keys, their_keys):
+            for key, dtype in theirs.items():
+                agreed.setdefault(key, dtype)
+        for name, entry in their_others.items():
+            agreed_others.setdefault(name, {}).update({k: v for k, v in entry.items()
+                                                       if k not in agreed_others.get(name, {})})
+    for space, keys in zip(spaces, agreed_keys):
+        held = {slot.index: slot for slot in slots if slot.space is space and slot.param in optim.state}
+        for key in sorted(keys):  # the same keys, in the same order, on every rank
+            pieces = [optim.state[held[i].param].get(key) if i in held else None for i in range(len(space.names))]
+            wholes = space.gather(pieces, keys[key], device)
+            for name, whole in zip(space.names, wholes):
+                if name in agreed_others:
+                    state.setdefault(name, {})[key] = whole.clone()
+    for name, entry in agreed_others.items():
+        state.setdefault(name, {}).update({k: v.to(device) if isinstance(v, torch.Tensor) and v.dim() else v
+                                           for k, v in entry.items()})
+    return state
+
+
+def check_param_groups(where: str, saved_groups: list[dict[str, Any]], names: list[list[str]]) -> None:
+    """The checkpoint's param groups name the optimizer's parameters, group by group (raises on the first
+    difference: another model's checkpoint)."""
+    if len(saved_groups) != len(names):
+        raise ValueError(f"{where}: the checkpoint has {len(saved_groups)} "
+                         f"parameter groups, the optimizer {len(names)}")
+    for g, (saved, mine) in enumerate(zip(saved_groups, names)):
+        if list(saved["params"]) != list(mine):
+            missing = [n for n in mine if n not in saved["params"]]
+            unexpected = [n for n in saved["params"] if n not in mine]
+            raise ValueError(f"{where}: parameter group {g} differs from the "
+                             f"optimizer's: missing {missing}, unexpected {unexpected}"
+                             + ("" if missing or unexpected else ", the same names in another order"))
+
+
+def local_optim_state(where: str, slots: list[Slot], optim_state: dict[str, Any]) -> dict[int, dict[str, Any]]:
+    """Per slot (by position in ``slots``), its state cut from a name-keyed optimizer state dict, full or
+    sharded, saved at any world size and layout: piece-shaped values are this rank's piece in the slot's shape
+    (copies); other values as they are."""
+    out: dict[int, dict[str, Any]] = {}
+    for position, slot in enumerate(slots):
+        saved = optim_state["state"].get(slot.name)
+        if saved is not None:
+            out[position] = {key: _local_value(where, slot, key, value) for key, value in saved.items()}
+    return out
+
+
+def _local_value(where: str, slot: Slot, key: str, value: Any) -> Any:
+    if isinstance(value, ShardedTensor):
+        if slot.space is not None:
+            check_shape(where, f"state {key!r} of parameter {slot.name!r}", value.size(), [slot.space.layout.numels[slot.index]],
+                        flattened=True)
+        shards = value.local_shards()
+        if not shards:
+            return torch.zeros_like(slot.param)
+        return shards[0].tensor.detach().reshape(slot.param.shape).clone()
+    if not isinstance(value, torch.Tensor) or value.dim() == 0:
+        return _copy(value)
+    if slot.space is None:  # whole: its own shape, or flattened
+        if value.shape != torch.Size([slot.param.numel()]):
+            check_shape(where, f"state {key!r} of parameter {slot.name!r}", value.shape, slot.param.shape)
+        return value.detach().reshape(slot.param.shape).clone()
+    if value.numel() != slot.space.layout.numels[slot.index]:
+        check_shape(where, f"state {key!r} of parameter {slot.name!r}", value.shape, slot.space.shapes[slot.index])
+    return slot.space.cut(slot.index, value.detach()).clone().view(slot.param.shape)

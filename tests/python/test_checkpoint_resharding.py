@@ -1,0 +1,128 @@
+"""Checkpoints across world sizes, sharding strategies, ZeRO stages and wrappers (issue #11), through
+shardkit.state_dict's get_state_dict / set_state_dict (torch.distributed.checkpoint.state_dict's names).
+
+Every case trains 2 steps at world N with one system (shardkit FSDP under a strategy, or shardkit DDP with
+zero_stage 0|1|2 and its optimizer), saves model and optimizer (sharded through DCP, or full with torch.save),
+then loads them at world M into another system built from other values, and compares with the run that
+never stopped (one process, the global batch, torch's AdamW): the full parameters and the optimizer state
+right after loading, and the parameters after 3 more steps at world M. World sizes 1-4 all occur as N and as
+M; the model's parameters split unevenly at 3 and 4 ranks.
+
+What each can catch: a piece saved or read at the wrong offset, a ZeRO partition and an FSDP layout that do not
+agree on what a name's elements are, a load that reaches only some ranks' pieces (the model built from other
+values keeps them), a sharded DDP load that never all-gathers, optimizer state that is not the unsharded
+optimizer's (step count, moments) and so diverges in the 3 steps after the restart.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from ddp_cases import assert_close
+from fsdp_cases import adamw, block_policy, net, reference_run, train_global
+
+TWO_HOSTS = [{"SHARDKIT_HOST_ID": host} for host in ("host0", "host0", "host1", "host1")]
+
+
+def _build(system: str, seed: int):
+    """``fsdp:STRATEGY`` or ``zeroK`` (shardkit DDP, zero_stage K; K=0 with torch's AdamW)."""
+    import shardkit
+    from shardkit.fsdp import ShardingStrategy
+
+    module = net(seed=seed, depth=3, d_in=7)
+    if system.startswith("fsdp:"):
+        model = shardkit.FullyShardedDataParallel(module, auto_wrap_policy=block_policy(),
+                                                  sharding_strategy=ShardingStrategy[system[5:]])
+        return model, adamw(model.parameters())
+    stage = int(system.removeprefix("zero"))
+    model = shardkit.DistributedDataParallel(module, zero_stage=stage)
+    if stage == 0:
+        return model, adamw(model.parameters())
+    return model, shardkit.ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2, weight_decay=0.01)
+
+
+def _save(rank: int, world: int, system: str, path: str, full: bool) -> None:
+    import torch.distributed.checkpoint as dcp
+    from shardkit.state_dict import StateDictOptions, get_state_dict
+
+    model, optimizer = _build(system, seed=0)
+    train_global(model, optimizer, rank, world, range(2))
+    if full:
+        model_sd, optim_sd = get_state_dict(model, optimizer,
+                                            options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        assert (model_sd == {}) == (rank != 0)  # cpu_offload with full: rank 0 only, as torch's
+        if rank == 0:
+            torch.save({"model": model_sd, "optim": optim_sd}, path)
+    else:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+
+
+def _resume(rank: int, world: int, system: str, path: str, full: bool) -> dict:
+    import torch.distributed.checkpoint as dcp
+    from shardkit.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict
+
+    model, optimizer = _build(system, seed=123)  # other values: the load must replace every one
+    if full:
+        state = torch.load(path, weights_only=True)
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=StateDictOptions(full_state_dict=True))
+    else:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    whole = StateDictOptions(full_state_dict=True)
+    params_loaded, optim_loaded = get_state_dict(model, optimizer, options=whole)
+    loaded = {"loaded": {k: v.tolist() for k, v in params_loaded.items()},  # values now: the dict may alias them
+              "optim": {name: {k: v.tolist() for k, v in entry.items()} for name, entry in optim_loaded["state"].items()}}
+    train_global(model, optimizer, rank, world, range(2, 5))
+    return {**loaded, "after": {k: v.tolist() for k, v in get_model_state_dict(model, options=whole).items()}}
+
+
+def _check(results: list[dict], where: str) -> None:
+    final, optim_two, params_two = reference_run()
+    for rank, got in enumerate(results):
+        at = f"{where}, rank {rank}"
+        assert list(got["loaded"]) == list(params_two), at
+        for key, value in params_two.items():
+            assert_close(torch.tensor(got["loaded"][key]), value, f"{at}: {key} right after loading")
+        assert sorted(got["optim"]) == sorted(optim_two), at
+        for name, entry in optim_two.items():
+            assert sorted(got["optim"][name]) == sorted(entry), f"{at}: optimizer state keys of {name}"
+            for key, value in entry.items():
+                assert_close(torch.tensor(got["optim"][name][key]), value, f"{at}: optimizer {name}.{key}")
+        for key, value in final.items():
+            assert_close(torch.tensor(got["after"][key]), value, f"{at}: {key} after 3 more steps")
+
+
+def _round_trip(ranks, tmp_path: Path, save: tuple, loads: list[tuple], full: bool = False) -> None:
+    world, system, *env = save
+    path = str(tmp_path / f"{system.replace(':', '_')}_w{world}{'.pt' if full else ''}")
+    ranks.run(_save, world, system, path, full, timeout=120, env=env[0] if env else None)
+    for load_world, load_system, *load_env in loads:
+        results = ranks.run(_resume, load_world, load_system, path, full, timeout=120,
+                            env=load_env[0] if load_env else None)
+        _check(results, f"saved by {system} at world {world}{' (full)' if full else ''}, "
+                        f"loaded by {load_system} at world {load_world}")
+
+
+@pytest.mark.timeout(300)
+def test_zero2_world_4_sharded_loads_into_zero_and_fsdp_at_1_2_3(ranks, tmp_path: Path):
+    _round_trip(ranks, tmp_path, (4, "zero2"),
+                [(1, "zero1"), (2, "zero2"), (3, "fsdp:FULL_SHARD"), (3, "zero0"), (4, "fsdp:HYBRID_SHARD", TWO_HOSTS)])
+
+
+@pytest.mark.timeout(300)
+def test_fsdp_sharded_loads_into_zero_at_other_world_sizes(ranks, tmp_path: Path):
+    _round_trip(ranks, tmp_path, (3, "fsdp:SHARD_GRAD_OP"), [(4, "zero1"), (2, "zero2")])
+    _round_trip(ranks, tmp_path, (1, "fsdp:NO_SHARD"), [(4, "fsdp:FULL_SHARD")])
+
+
+@pytest.mark.timeout(300)
+def test_full_checkpoints_from_zero_and_fsdp_load_anywhere(ranks, tmp_path: Path):
+    _round_trip(ranks, tmp_path, (2, "zero1"), [(3, "zero2"), (1, "fsdp:FULL_SHARD")], full=True)
+    _round_trip(ranks, tmp_path, (4, "fsdp:FULL_SHARD"), [(2, "zero0")], full=True)
