@@ -1,5 +1,12 @@
-"""``python -m shardkit checkpoint info|consolidate``: read a torch.distributed.checkpoint (DCP) directory in
-one plain process (no process group, no GPU).
+"""torch.distributed.checkpoint (DCP) directories: a strict ``load`` for training ranks, and
+``python -m shardkit checkpoint info|consolidate``, which read one in a plain process (no process group, no GPU).
+
+- ``load(state_dict, checkpoint_id, strict=True)``: ``torch.distributed.checkpoint.load`` after checking that
+  the checkpoint holds exactly the tensors of ``state_dict`` (under its top-level keys) with their shapes.
+  DCP alone reads what the state dict asks for and ignores the rest (a checkpoint of a bigger model loads
+  silently) and names shardkit's flattened sizes only; this raises first, on every rank alike (each reads the
+  same metadata file, no communication), naming the parameters and their own shapes in the checkpoint and in
+  the model.
 
 - ``info DIR``: what the checkpoint holds: its tensors (count, elements, bytes), the world size that saved it
   (the number of ranks' data files), and its entries by top-level key.
@@ -23,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
@@ -41,6 +49,52 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cons.add_argument("output", type=Path)
     cons.add_argument("--no-optim", action="store_true", help="leave the optimizer state (key 'optim') out")
     cons.set_defaults(run=_consolidate_main)
+
+
+def load(state_dict: dict[str, Any], checkpoint_id: str | Path, *, strict: bool = True,
+         process_group: Any = None) -> None:
+    """``torch.distributed.checkpoint.load(state_dict, checkpoint_id=...)``, first checking (``strict``) that the
+    checkpoint matches ``state_dict``; see the module docstring. Call on every rank."""
+    if strict:
+        check_matches(state_dict, Path(checkpoint_id))
+    dcp.load(state_dict, checkpoint_id=str(checkpoint_id), process_group=process_group)
+
+
+def check_matches(state_dict: dict[str, Any], directory: Path) -> None:
+    """Raises RuntimeError naming the missing, unexpected and mismatched tensors of ``state_dict`` against the
+    checkpoint in ``directory`` (only checkpoint entries under ``state_dict``'s top-level keys count)."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    metadata = read_metadata(directory)
+    flat, paths = flatten_state_dict(state_dict)
+    tops = {path[0] for path in paths.values()}
+    saved_paths = _paths(metadata)
+    saved = {key: meta for key, meta in metadata.state_dict_metadata.items()
+             if isinstance(meta, TensorStorageMetadata) and saved_paths[key][0] in tops}
+    ours = {key: value for key, value in flat.items() if isinstance(value, torch.Tensor)}
+    missing = [key for key in ours if key not in saved]
+    unexpected = [key for key in saved if key not in ours]
+    mismatched = [key for key in ours if key in saved and torch.Size(saved[key].size) != ours[key].size()]
+    if not (missing or unexpected or mismatched):
+        return
+    their_shapes = _shapes(directory, metadata, saved_paths)
+    our_shapes = {}
+    for key, value in flat.items():
+        if str(paths[key][-1]).endswith(SHAPES_KEY):
+            our_shapes.update(json.loads(value))
+    problems = []
+    if missing:
+        problems.append(f"missing from the checkpoint: {missing}")
+    if unexpected:
+        problems.append(f"not in the model: {unexpected}")
+    for key in mismatched:
+        name = next((str(part) for part in reversed(paths[key]) if str(part) in our_shapes), None)
+        theirs = their_shapes.get(name, list(saved[key].size)) if name else list(saved[key].size)
+        mine = our_shapes.get(name, list(ours[key].size())) if name else list(ours[key].size())
+        problems.append(f"{key} has shape {list(theirs)} in the checkpoint but {list(mine)} in the model")
+    raise RuntimeError(f"shardkit checkpoint load (rank {rank}): {directory} does not match the state dict: "
+                       + "; ".join(problems))
 
 
 def read_metadata(directory: Path) -> Metadata:

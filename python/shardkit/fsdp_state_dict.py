@@ -82,6 +82,7 @@ def full_state_dict(model: "FullyShardedDataParallel", config: FullStateDictConf
         if keep:
             for p, value in zip(g.params, values):
                 gathered[id(p)] = value.cpu() if config.offload_to_cpu else value
+        del values  # before the next gather allocates: a rank that keeps nothing holds one unit at a time
     if not keep:
         return {}
     out: dict[str, Any] = {}

@@ -27,12 +27,12 @@ from fsdp_cases import adamw, block_policy, net, reference_run, train_global
 TWO_HOSTS = [{"SHARDKIT_HOST_ID": host} for host in ("host0", "host0", "host1", "host1")]
 
 
-def _build(system: str, seed: int):
+def _build(system: str, seed: int, depth: int = 3, d_in: int = 7):
     """``fsdp:STRATEGY`` or ``zeroK`` (shardkit DDP, zero_stage K; K=0 with torch's AdamW)."""
     import shardkit
     from shardkit.fsdp import ShardingStrategy
 
-    module = net(seed=seed, depth=3, d_in=7)
+    module = net(seed=seed, depth=depth, d_in=d_in)
     if system.startswith("fsdp:"):
         model = shardkit.FullyShardedDataParallel(module, auto_wrap_policy=block_policy(),
                                                   sharding_strategy=ShardingStrategy[system[5:]])
@@ -126,3 +126,39 @@ def test_fsdp_sharded_loads_into_zero_at_other_world_sizes(ranks, tmp_path: Path
 def test_full_checkpoints_from_zero_and_fsdp_load_anywhere(ranks, tmp_path: Path):
     _round_trip(ranks, tmp_path, (2, "zero1"), [(3, "zero2"), (1, "fsdp:FULL_SHARD")], full=True)
     _round_trip(ranks, tmp_path, (4, "fsdp:FULL_SHARD"), [(2, "zero0")], full=True)
+
+
+def _load_other_model(rank: int, world: int, path: str) -> dict:
+    import torch.distributed.checkpoint as dcp
+    from shardkit import checkpoint
+    from shardkit.state_dict import get_state_dict
+
+    from ddp_cases import error_of
+
+    errors = {}
+    for label, depth, d_in in (("wider", 3, 9), ("shallower", 2, 7), ("deeper", 4, 7)):
+        model, optimizer = _build("fsdp:FULL_SHARD", seed=1, depth=depth, d_in=d_in)
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        errors[label] = error_of(lambda: checkpoint.load(state, path), RuntimeError, rank)
+        if label == "wider":  # DCP alone also refuses, on every rank, but names only the flattened sizes
+            errors["dcp"] = error_of(lambda: dcp.load(state, checkpoint_id=path), BaseException, rank)
+    return errors
+
+
+@pytest.mark.timeout(240)
+def test_another_models_checkpoint_raises_on_every_rank_naming_parameters_and_shapes(ranks, tmp_path: Path):
+    path = str(tmp_path / "ckpt")
+    ranks.run(_save, 2, "zero1", path, False, timeout=120)
+    for rank, errors in enumerate(ranks.run(_load_other_model, 3, path, timeout=120)):
+        head = f"shardkit checkpoint load (rank {rank}): {path} does not match the state dict: "
+        wider = errors["wider"]
+        assert wider.startswith(head), wider
+        assert "model.embed.weight has shape [16, 7] in the checkpoint but [16, 9] in the model" in wider, wider
+        assert "optim.state.embed.weight.exp_avg has shape [16, 7] in the checkpoint but [16, 9] in the model" in wider
+        assert "missing" not in wider and "not in the model" not in wider, wider
+        shallower = errors["shallower"]
+        assert shallower.startswith(head + "not in the model: ['model.blocks.2.up.weight', "), shallower
+        deeper = errors["deeper"]
+        assert deeper.startswith(head + "missing from the checkpoint: ['model.blocks.3.up.weight', "), deeper
+        assert "Size mismatch between saved torch.Size([112]) and current: torch.Size([144])" in errors["dcp"], errors["dcp"]
