@@ -41,14 +41,26 @@ inline bool is_async_op(const Options& opts) {
 // changed between releases (std::shared_ptr, then c10::intrusive_ptr); take whatever this torch returns.
 using GradAccumulatorHandle = decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
 
+// Marks options for a caller that waits on the Work at once (`async_op=False`): backends may then run the
+// op on the calling thread (shardkit's does), so everything it holds is released before the call returns.
+// A no-op before torch 2.7, whose options have no asyncOp.
+template <typename Options>
+inline Options waited_at_once(Options opts) {
+#if SHARDKIT_TORCH_AT_LEAST(2, 7)
+  opts.asyncOp = false;
+#endif
+  return opts;
+}
+
 // One-tensor all-gather and reduce-scatter on a ProcessGroup. torch 2.13 renamed _allgather_base and
 // _reduce_scatter_base to all_gather_single / reduce_scatter_single (the old names now warn as deprecated).
 inline c10::intrusive_ptr<c10d::Work> all_gather_single(c10d::ProcessGroup& group, at::Tensor& output,
-                                                        at::Tensor& input) {
+                                                        at::Tensor& input,
+                                                        const c10d::AllgatherOptions& opts = c10d::AllgatherOptions()) {
 #if SHARDKIT_TORCH_AT_LEAST(2, 13)
-  return group.all_gather_single(output, input);
+  return group.all_gather_single(output, input, opts);
 #else
-  return group._allgather_base(output, input);
+  return group._allgather_base(output, input, opts);
 #endif
 }
 

@@ -248,7 +248,14 @@ std::vector<at::Tensor> FlatParamHandle::gather_full_precision() {
   const int64_t S = layout_.shard_numel();
   at::Tensor mine = buffer.narrow(0, rank_ * S, S);
   mine.copy_(shard_);
-  if (shard_world() > 1) wait_or_explain(compat::all_gather_single(*shard_group_, buffer, mine), where("all-gather"));
+  // Waited at once, so a backend may run it on this thread: nothing it held (the buffer) outlives the call
+  // (a worker thread would drop its reference just after waking us, when a caller gathering unit after unit
+  // may already be filling the next buffer: two at once).
+  if (shard_world() > 1) {
+    wait_or_explain(compat::all_gather_single(*shard_group_, buffer, mine,
+                                              compat::waited_at_once(c10d::AllgatherOptions())),
+                    where("all-gather"));
+  }
   std::vector<at::Tensor> values;
   values.reserve(shapes_.size());
   for (size_t i = 0; i < shapes_.size(); ++i) {

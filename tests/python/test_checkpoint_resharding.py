@@ -114,12 +114,37 @@ def _round_trip(ranks, tmp_path: Path, save: tuple, loads: list[tuple], full: bo
 def test_zero2_world_4_sharded_loads_into_zero_and_fsdp_at_1_2_3(ranks, tmp_path: Path):
     _round_trip(ranks, tmp_path, (4, "zero2"),
                 [(1, "zero1"), (2, "zero2"), (3, "fsdp:FULL_SHARD"), (3, "zero0"), (4, "fsdp:HYBRID_SHARD", TWO_HOSTS)])
+    _consolidates_into_a_plain_model(tmp_path / "zero2_w4", tmp_path / "zero2.pt")
+
+
+def _consolidates_into_a_plain_model(directory: Path, out: Path) -> None:
+    """In this process, which has no process group: one plain file that the unwrapped model and torch's AdamW
+    load, holding the reference's values after 2 steps."""
+    from shardkit.checkpoint import consolidate
+
+    consolidate(directory, out)
+    plain = torch.load(out, weights_only=True)
+    model = net(seed=5, depth=3, d_in=7)
+    model.load_state_dict(plain["model"])  # strict: every key, the parameters' own shapes
+    _, optim_two, params_two = reference_run()
+    for key, value in params_two.items():
+        assert_close(model.state_dict()[key], value, f"consolidated {key}")
+    optimizer = adamw(model.parameters())
+    names = [name for name, _ in model.named_parameters()]
+    optimizer.load_state_dict({"state": {names.index(n): s for n, s in plain["optim"]["state"].items()},
+                               "param_groups": [{**g, "params": [names.index(n) for n in g["params"]]}
+                                                for g in plain["optim"]["param_groups"]]})
+    for p, name in zip(model.parameters(), names):
+        for key, value in optim_two[name].items():
+            assert_close(optimizer.state[p][key], value, f"consolidated optimizer {name}.{key}")
 
 
 @pytest.mark.timeout(300)
 def test_fsdp_sharded_loads_into_zero_at_other_world_sizes(ranks, tmp_path: Path):
     _round_trip(ranks, tmp_path, (3, "fsdp:SHARD_GRAD_OP"), [(4, "zero1"), (2, "zero2")])
     _round_trip(ranks, tmp_path, (1, "fsdp:NO_SHARD"), [(4, "fsdp:FULL_SHARD")])
+    _round_trip(ranks, tmp_path, (2, "zero0"), [(3, "zero1")])  # a plain optimizer's whole state, flattened
+    _consolidates_into_a_plain_model(tmp_path / "zero0_w2", tmp_path / "zero0.pt")
 
 
 @pytest.mark.timeout(300)

@@ -248,16 +248,14 @@ def _full_state_dict_peak(rank: int, world: int) -> dict:
 
 @pytest.mark.timeout(120)
 def test_full_state_dict_peak_memory_is_one_unit_above_the_sharded_state(ranks):
-    # Page-granular RSS: allocator bookkeeping and the interpreter (slack); and on a rank that keeps nothing, up
-    # to half a unit (one shard) of the previous unit's buffer: the shardkit backend's worker thread drops its
-    # reference to an all-gather's output just after waking the caller, which may already be filling the next
-    # buffer (seen here: 0 to 8 MiB). Two whole units at once (the bug this caught: the previous unit's values
-    # kept alive across the next gather) exceed the bound by 4 MiB.
-    slack = 4 << 20
+    # Page-granular RSS: allocator bookkeeping and the interpreter. Two whole units at once (the bug this caught:
+    # the previous unit's values alive across the next gather; or a backend worker thread dropping its
+    # reference to an all-gather's output only after waking the caller) exceed the bound by 14 MiB.
+    slack = 2 << 20
     for rank, r in enumerate(ranks.run(_full_state_dict_peak, 2, timeout=100)):
         if rank == 0:  # holds the result (every unit, whole) and never more than one unit besides
             assert r["keys"] == 12
             assert r["model"] <= r["growth"] <= r["model"] + r["unit"] + slack, r
         else:  # keeps nothing: one unit's gather at a time
             assert r["keys"] == 0
-            assert r["growth"] <= r["unit"] + r["unit"] // 2 + slack, r
+            assert r["growth"] <= r["unit"] + slack, r
