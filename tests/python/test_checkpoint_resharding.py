@@ -187,3 +187,40 @@ def test_another_models_checkpoint_raises_on_every_rank_naming_parameters_and_sh
         deeper = errors["deeper"]
         assert deeper.startswith(head + "missing from the checkpoint: ['model.blocks.3.up.weight', "), deeper
         assert "Size mismatch between saved torch.Size([112]) and current: torch.Size([144])" in errors["dcp"], errors["dcp"]
+
+
+def _fsdp1_interface(rank: int, world: int, path: str, system: str, save: bool) -> dict:
+    """FSDP1's state_dict_type / optim_state_dict on a shardkit DDP: keys keep the DDP's ``module.`` prefix."""
+    import torch.distributed.checkpoint as dcp
+    from shardkit import FullyShardedDataParallel as FSDP
+    from shardkit.fsdp import StateDictType
+
+    model, optimizer = _build(system, seed=0 if save else 123)
+    if save:
+        train_global(model, optimizer, rank, world, range(2))
+    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        state = {"model": model.state_dict(), "optim": FSDP.optim_state_dict(model, optimizer)}
+        if save:
+            dcp.save(state, checkpoint_id=path)
+        else:
+            dcp.load(state, checkpoint_id=path)
+            model.load_state_dict(state["model"])
+            FSDP.optim_state_dict_to_load(model, optimizer, state["optim"], load_directly=True)
+    keys = sorted(k for k in state["model"] if not k.endswith("_shardkit.shapes"))
+    optim = FSDP.optim_state_dict(model, optimizer)  # outside the context: full
+    return {"keys": keys, "params": {k: v.tolist() for k, v in model.module.state_dict().items()},
+            "optim": {name: {k: v.tolist() for k, v in entry.items()} for name, entry in optim["state"].items()}}
+
+
+@pytest.mark.timeout(240)
+def test_fsdp1_interface_on_ddp_keeps_the_module_prefix_and_reshards(ranks, tmp_path: Path):
+    path = str(tmp_path / "ckpt")
+    saved = ranks.run(_fsdp1_interface, 2, path, "zero1", True, timeout=120)
+    assert saved[0]["keys"] == sorted("module." + k for k in net(seed=0, depth=3, d_in=7).state_dict())
+    _, optim_two, params_two = reference_run()
+    for rank, got in enumerate(ranks.run(_fsdp1_interface, 3, path, "zero2", False, timeout=120)):
+        for key, value in params_two.items():
+            assert_close(torch.tensor(got["params"][key]), value, f"rank {rank}: {key}")
+        for name, entry in optim_two.items():
+            for key, value in entry.items():
+                assert_close(torch.tensor(got["optim"][name][key]), value, f"rank {rank}: optimizer {name}.{key}")
