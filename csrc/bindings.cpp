@@ -226,6 +226,8 @@ PYBIND11_MODULE(_C, m) {
       .def("pieces_of_param", &FlatLayout::pieces_of_param, py::arg("param"))
       .def("owned_numel", &FlatLayout::owned_numel, py::arg("rank"));
 
+  m.def("exact_storage_alias", &shardkit::fsdp::exact_storage_alias, py::arg("view"),
+        "The same memory as a contiguous view, with a storage of exactly its bytes that keeps the view's alive.");
   m.def("reduce_isa", &shardkit::core::reduce_isa, "Vector ISA the reduction loops dispatched to at runtime.");
 #ifdef SHARDKIT_WITH_CUDA
   m.attr("with_cuda") = true;

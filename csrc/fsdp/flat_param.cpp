@@ -278,4 +278,13 @@ void FlatParamHandle::write_back(const std::vector<at::Tensor>& full_values) {
   }
 }
 
+at::Tensor exact_storage_alias(const at::Tensor& view) {
+  TORCH_CHECK(view.is_contiguous(), "shardkit exact_storage_alias: the tensor must be contiguous, got sizes ",
+              view.sizes(), " and strides ", view.strides());
+  if (view.numel() == 0) return view;
+  // The deleter owns a reference to the viewed tensor: its storage lives as long as the alias's.
+  return at::from_blob(
+      view.data_ptr(), view.sizes(), [keep = view](void*) {}, view.options());
+}
+
 }  // namespace shardkit::fsdp

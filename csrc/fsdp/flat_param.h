@@ -131,4 +131,11 @@ class FlatParamHandle {
   at::Tensor unsynced_grad_;
 };
 
+// A tensor over the same memory as `view` whose storage is exactly `view`'s bytes and keeps `view`'s storage
+// alive. A piece of a flat shard is a view of a larger storage; writers that copy such views, or write whole
+// storages (torch.distributed.checkpoint's file writer clones them and keeps every clone until the file is
+// done; torch.save writes the whole storage), take this one as it is. `view` must be contiguous; an empty
+// one is returned as it is.
+at::Tensor exact_storage_alias(const at::Tensor& view);
+
 }  // namespace shardkit::fsdp

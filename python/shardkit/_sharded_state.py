@@ -37,7 +37,7 @@ from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
 from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
 
-from . import _exchange
+from . import _C, _exchange
 
 # The sharded model state dict's record of each parameter's own shape (its tensors are flattened), a JSON
 # string that DCP saves like any object: what a consumer without the model (``python -m shardkit checkpoint``)
@@ -68,8 +68,12 @@ class ShardedSpace:
 
     def sharded_tensor(self, index: int, local: torch.Tensor) -> ShardedTensor | torch.Tensor:
         """``local`` (this rank's piece, 1-D) as a ShardedTensor over the flattened parameter; ``local`` itself
-        where the space is not sharded (every rank holds the whole parameter; DCP saves it once)."""
+        where the space is not sharded (every rank holds the whole parameter; DCP saves it once). A piece that
+        views a larger storage is handed over as ``_C.exact_storage_alias`` of it (same memory), which DCP's
+        writer does not copy."""
         numel = self.layout.numels[index]
+        if local.numel() and local.untyped_storage().nbytes() != local.nbytes:
+            local = _C.exact_storage_alias(local)  # a piece of a flat buffer: DCP's writer would copy it
         if self.group is None or numel == 0:
             return local
         device = local.device
@@ -235,13 +239,15 @@ def init_optimizer_state(optim: torch.optim.Optimizer) -> None:
 
 def optim_state_dict(optim: torch.optim.Optimizer, slots: list[Slot], spaces: list[ShardedSpace],
                      groups: list[dict[str, Any]], *, sharded: bool, group: dist.ProcessGroup | None,
-                     device: torch.device) -> dict[str, Any]:
+                     device: torch.device, keep: bool = True) -> dict[str, Any]:
     """The name-keyed optimizer state dict ``{"state": {name: {key: value}}, "param_groups": groups}``.
 
     Sharded: each piece-shaped state tensor as ``space.sharded_tensor`` (no communication; a rank holds the
     names it has pieces of). Full: every state tensor in its parameter's own shape on every rank, gathered per
     space and state key (a collective over ``group``, whose ranks agree first, in one object exchange, on the
-    keys and dtypes and on the scalar state of pieces they do not hold)."""
+    keys and dtypes and on the scalar state of pieces they do not hold). A rank with ``keep`` False (rank0_only)
+    takes part in every gather but drops each result at once, and returns ``{}``. Kept values are views of one
+    gathered buffer per space and state key (padding included): no second copy."""
     if sharded:
         state: dict[str, dict[str, Any]] = {}
         for slot in slots:
@@ -249,7 +255,8 @@ def optim_state_dict(optim: torch.optim.Optimizer, slots: list[Slot], spaces: li
             if entry is not None:
                 state[slot.name] = {key: _sharded_value(slot, value) for key, value in entry.items()}
         return {"state": state, "param_groups": groups}
-    return {"state": _gathered_state(optim, slots, spaces, group, device), "param_groups": groups}
+    state = _gathered_state(optim, slots, spaces, group, device, keep)
+    return {"state": state, "param_groups": groups} if keep else {}
 
 
 def _sharded_value(slot: Slot, value: Any) -> Any:
@@ -261,7 +268,7 @@ def _sharded_value(slot: Slot, value: Any) -> Any:
 
 
 def _gathered_state(optim: torch.optim.Optimizer, slots: list[Slot], spaces: list[ShardedSpace],
-                    group: dist.ProcessGroup | None, device: torch.device) -> dict[str, dict[str, Any]]:
+                    group: dist.ProcessGroup | None, device: torch.device, keep: bool) -> dict[str, dict[str, Any]]:
     position = {id(space): i for i, space in enumerate(spaces)}
     tensor_keys: list[dict[str, torch.dtype]] = [{} for _ in spaces]  # per space: piece-shaped state keys
     others: dict[str, dict[str, Any]] = {}  # per parameter of a space with state here: its other state
@@ -294,9 +301,11 @@ def _gathered_state(optim: torch.optim.Optimizer, slots: list[Slot], spaces: lis
         for key in sorted(keys):  # the same keys, in the same order, on every rank
             pieces = [optim.state[held[i].param].get(key) if i in held else None for i in range(len(space.names))]
             wholes = space.gather(pieces, keys[key], device)
-            for name, whole in zip(space.names, wholes):
-                if name in agreed_others:
-                    state.setdefault(name, {})[key] = whole.clone()
+            if keep:
+                for name, whole in zip(space.names, wholes):
+                    if name in agreed_others:
+                        state.setdefault(name, {})[key] = whole
+            del wholes  # before the next gather: a rank that keeps nothing holds one at a time
     for name, entry in agreed_others.items():
         state.setdefault(name, {}).update({k: v.to(device) if isinstance(v, torch.Tensor) and v.dim() else v
                                            for k, v in entry.items()})
@@ -321,7 +330,8 @@ def check_param_groups(where: str, saved_groups: list[dict[str, Any]], names: li
 def local_optim_state(where: str, slots: list[Slot], optim_state: dict[str, Any]) -> dict[int, dict[str, Any]]:
     """Per slot (by position in ``slots``), its state cut from a name-keyed optimizer state dict, full or
     sharded, saved at any world size and layout: piece-shaped values are this rank's piece in the slot's shape
-    (copies); other values as they are."""
+    (a copy when cut from a whole value, so the whole is not kept alive; a sharded value's local shard as it
+    is); other values as they are."""
     out: dict[int, dict[str, Any]] = {}
     for position, slot in enumerate(slots):
         saved = optim_state["state"].get(slot.name)
@@ -338,7 +348,9 @@ def _local_value(where: str, slot: Slot, key: str, value: Any) -> Any:
         shards = value.local_shards()
         if not shards:
             return torch.zeros_like(slot.param)
-        return shards[0].tensor.detach().reshape(slot.param.shape).clone()
+        # Not copied: DCP loaded it in place, usually into this optimizer's own state (see optim_state_dict);
+        # the optimizer's load_state_dict takes it as it is (same dtype and device), as torch's does.
+        return shards[0].tensor.detach().reshape(slot.param.shape)
     if not isinstance(value, torch.Tensor) or value.dim() == 0:
         return _copy(value)
     if slot.space is None:  # whole: its own shape, or flattened

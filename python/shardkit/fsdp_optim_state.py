@@ -58,9 +58,9 @@ def state_dict_of(optim: "Optimizer", names: dict[int, str], spaces: list[tuple[
     slots, group_names = _slots(optim, names, placed, flatten_whole)
     groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": names_}
               for g, names_ in zip(optim.param_groups, group_names)]
-    state = name_keyed_state(optim, slots, [space for _, space in spaces], groups, sharded=sharded, group=group,
-                             device=device)
-    return {} if not sharded and rank0_only and dist.get_rank(group) else state
+    keep = sharded or not rank0_only or dist.get_rank(group) == 0
+    return name_keyed_state(optim, slots, [space for _, space in spaces], groups, sharded=sharded, group=group,
+                            device=device, keep=keep)
 
 
 def state_dict_to_load(where: str, optim: "Optimizer", names: dict[int, str], spaces: list[tuple[list, ShardedSpace]],

@@ -122,12 +122,10 @@ def optim_state_dict(model: nn.Module, zero: "ZeroRedundancyOptimizer") -> dict[
     groups = [{**{k: v for k, v in g.items() if k not in ("params", "param_names")}, "params": names}
               for g, names in zip(zero.param_groups, group_names)]
     device = zero._spaces[0].device if zero._spaces else torch.device("cpu")
-    state = name_keyed_state(zero.optim, slots, spaces, groups, sharded=sharded, group=zero.process_group,
-                             device=device)
     config = getattr(model, "_state_dict_config", None)
-    if not sharded and getattr(config, "rank0_only", False) and zero.rank != 0:
-        return {}
-    return state
+    keep = sharded or not getattr(config, "rank0_only", False) or zero.rank == 0
+    return name_keyed_state(zero.optim, slots, spaces, groups, sharded=sharded, group=zero.process_group,
+                            device=device, keep=keep)
 
 
 def optim_state_dict_to_load(model: nn.Module, zero: "ZeroRedundancyOptimizer",

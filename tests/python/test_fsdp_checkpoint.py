@@ -42,11 +42,16 @@ def _save(rank: int, world: int, path: str, strategy: str = "FULL_SHARD") -> dic
         optimizer.step()
     with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
         sharded = model.state_dict()
-    shards = [p.untyped_storage().data_ptr() for u in model._units for g in u.groups for p in [g.handle.shard]]
+    shards = [(s.data_ptr(), s.data_ptr() + s.nbytes) for u in model._units for g in u.groups for s in [g.handle.shard]]
     for key, value in sharded.items():
-        if hasattr(value, "local_shards"):  # this rank's pieces are views of its shards: nothing was copied
+        if hasattr(value, "local_shards"):  # this rank's pieces lie in its shards: nothing was copied
             for shard in value.local_shards():
-                assert shard.tensor.untyped_storage().data_ptr() in shards, key
+                piece = shard.tensor
+                if piece.numel():
+                    assert any(begin <= piece.data_ptr() and piece.data_ptr() + piece.nbytes <= end
+                               for begin, end in shards), key
+                    # ... and own a storage of exactly their bytes, which DCP's writer does not copy
+                    assert piece.untyped_storage().nbytes() == piece.nbytes, key
     dcp.save(sharded, checkpoint_id=path)
     return {k: v.tolist() for k, v in model.state_dict().items()}  # tensors would travel as shared memory
 
