@@ -94,19 +94,20 @@ class ShardedSpace:
             process_group=self.group)
 
     def gather(self, pieces: list[torch.Tensor | None], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
-        """Every parameter's whole value, in its own shape, from this rank's ``pieces`` (one per parameter, its
-        piece's shape or 1-D; None: zeros) and every other rank's: one all-gather of the S-element shards (a
-        collective over ``group``: every rank calls it with the same dtype)."""
+        """Every parameter's whole value, in its own shape (views of one gathered buffer), from this rank's
+        ``pieces`` (one per parameter, its piece's shape or 1-D; None: zeros) and every other rank's: one
+        all-gather of the S-element shards (a collective over ``group``: every rank calls it with the same
+        dtype). The pieces are packed straight into this rank's slice of the output, which is then the
+        all-gather's input (as FlatParamHandle's gather does): one unit's worth of memory, no staging shard."""
         layout = self.layout
-        mine = torch.zeros(layout.shard_numel, dtype=dtype, device=device)
+        world = layout.world if self.group is not None else 1
+        whole = torch.zeros(layout.shard_numel * world, dtype=dtype, device=device)
+        mine = whole[self.rank * layout.shard_numel:(self.rank + 1) * layout.shard_numel]
         for index, value in enumerate(pieces):
             piece = self.piece(index)
             if value is not None and piece.numel:
                 mine[piece.shard_begin:piece.shard_begin + piece.numel] = value.reshape(-1)
-        if self.group is None:
-            whole = mine
-        else:
-            whole = torch.empty(layout.padded_numel, dtype=dtype, device=device)
+        if self.group is not None:
             _exchange.all_gather_single(whole, mine, group=self.group)
         return [whole[offset:offset + numel].view(shape)
                 for offset, numel, shape in zip(layout.offsets, layout.numels, self.shapes)]
