@@ -133,6 +133,7 @@ bench: build $(VENV)/.bench-deps
 	$(VENV)/bin/python benchmarks/ddp_step.py
 	$(VENV)/bin/python benchmarks/powersgd.py
 	$(VENV)/bin/python benchmarks/fsdp_step.py
+	$(VENV)/bin/python benchmarks/checkpoint.py
 
 clean:
 	rm -rf build *.egg-info python/*.egg-info python/shardkit/*.so $(VENV)/.built
