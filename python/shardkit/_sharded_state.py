@@ -137,8 +137,8 @@ class Place:
 def sharded_entries(entries: dict[str, Any], places: dict[int, Place], prefix: str,
                     offload_to_cpu: bool) -> dict[str, Any]:
     """A sharded model state dict: each placed parameter as a ShardedTensor of its piece, other tensors detached,
-    and ``prefix + SHAPES_KEY`` recording the parameters' own shapes by state-dict key. ``entries``: the unwrapped module's state
-    dict with ``keep_vars=True`` (so parameters can be found in ``places`` by identity)."""
+    and ``prefix + SHAPES_KEY`` recording the parameters' own shapes by state-dict key. ``entries``: the
+    unwrapped module's state dict with ``keep_vars=True`` (so parameters can be found in ``places`` by identity)."""
     out: dict[str, Any] = {}
     shapes: dict[str, list[int]] = {}
     for key, value in entries.items():
@@ -287,7 +287,8 @@ def _gathered_state(optim: torch.optim.Optimizer, slots: list[Slot], spaces: lis
                 tensor_keys[position[id(slot.space)]][key] = value.dtype
             else:
                 mine[key] = value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value
-    everyone = _exchange.all_gather_object((tensor_keys, others), group) if group is not None else [(tensor_keys, others)]
+    held_here = (tensor_keys, others)
+    everyone = _exchange.all_gather_object(held_here, group) if group is not None else [held_here]
     agreed_keys: list[dict[str, torch.dtype]] = [{} for _ in spaces]
     agreed_others: dict[str, dict[str, Any]] = {}
     for their_keys, their_others in everyone:
@@ -344,8 +345,8 @@ def local_optim_state(where: str, slots: list[Slot], optim_state: dict[str, Any]
 def _local_value(where: str, slot: Slot, key: str, value: Any) -> Any:
     if isinstance(value, ShardedTensor):
         if slot.space is not None:
-            check_shape(where, f"state {key!r} of parameter {slot.name!r}", value.size(), [slot.space.layout.numels[slot.index]],
-                        flattened=True)
+            check_shape(where, f"state {key!r} of parameter {slot.name!r}", value.size(),
+                        [slot.space.layout.numels[slot.index]], flattened=True)
         shards = value.local_shards()
         if not shards:
             return torch.zeros_like(slot.param)

@@ -60,7 +60,8 @@ def spaces(model: "FullyShardedDataParallel") -> list[tuple["_FlatGroup", Sharde
 
 def _places(model: "FullyShardedDataParallel") -> dict[int, Place]:
     """id(parameter) -> its place: this rank's piece is the parameter itself (a 1-D view of the shard)."""
-    return {id(p): Place(space, i, p.detach().reshape(-1)) for g, space in spaces(model) for i, p in enumerate(g.params)}
+    return {id(p): Place(space, i, p.detach().reshape(-1))
+            for g, space in spaces(model) for i, p in enumerate(g.params)}
 
 
 def _keys_of(model: "FullyShardedDataParallel", prefix: str) -> dict[str, Any]:

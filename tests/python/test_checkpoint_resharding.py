@@ -78,7 +78,8 @@ def _resume(rank: int, world: int, system: str, path: str, full: bool) -> dict:
     whole = StateDictOptions(full_state_dict=True)
     params_loaded, optim_loaded = get_state_dict(model, optimizer, options=whole)
     loaded = {"loaded": {k: v.tolist() for k, v in params_loaded.items()},  # values now: the dict may alias them
-              "optim": {name: {k: v.tolist() for k, v in entry.items()} for name, entry in optim_loaded["state"].items()}}
+              "optim": {name: {k: v.tolist() for k, v in entry.items()}
+                        for name, entry in optim_loaded["state"].items()}}
     train_global(model, optimizer, rank, world, range(2, 5))
     return {**loaded, "after": {k: v.tolist() for k, v in get_model_state_dict(model, options=whole).items()}}
 
@@ -186,7 +187,8 @@ def test_another_models_checkpoint_raises_on_every_rank_naming_parameters_and_sh
         assert shallower.startswith(head + "not in the model: ['model.blocks.2.up.weight', "), shallower
         deeper = errors["deeper"]
         assert deeper.startswith(head + "missing from the checkpoint: ['model.blocks.3.up.weight', "), deeper
-        assert "Size mismatch between saved torch.Size([112]) and current: torch.Size([144])" in errors["dcp"], errors["dcp"]
+        dcp_error = errors["dcp"]
+        assert "Size mismatch between saved torch.Size([112]) and current: torch.Size([144])" in dcp_error, dcp_error
 
 
 def _fsdp1_interface(rank: int, world: int, path: str, system: str, save: bool) -> dict:
