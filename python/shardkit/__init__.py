@@ -12,10 +12,11 @@ from . import state_dict  # noqa: E402  (after fsdp and ddp, which it wraps)
 from .backend import register_backend
 from .ddp import DistributedDataParallel
 from .fsdp import FullyShardedDataParallel
+from .strategy import auto
 from .zero import ZeroRedundancyOptimizer
 
 __version__ = "0.1.0"
-__all__ = ["DistributedDataParallel", "FullyShardedDataParallel", "ZeroRedundancyOptimizer", "__version__", "fsdp",
-           "hooks", "register_backend", "state_dict", "wrap"]
+__all__ = ["DistributedDataParallel", "FullyShardedDataParallel", "ZeroRedundancyOptimizer", "__version__", "auto",
+           "fsdp", "hooks", "register_backend", "state_dict", "wrap"]
 
 register_backend()

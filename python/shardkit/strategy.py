@@ -1,0 +1,165 @@
+"""``shardkit.auto`` (defined here): wrap a model with the data-parallel strategy the memory math picks.
+
+    model, optimizer = shardkit.auto(model, torch.optim.AdamW, lr=3e-4)
+
+1. Count the trainable parameters (Psi), read the precision from their dtype (fp32, or bf16/fp16 held in that
+   dtype: no fp32 master copy) and the optimizer's state from its class (Adam-like: 8 bytes per parameter,
+   SGD with momentum: 4, without: 0 -- counted as 4, the estimator's smallest).
+2. The budget per rank: ``memory_budget_gb`` if given; else, for a model on a CUDA device, that device's free
+   memory; for a CPU model, the host's available memory (``MemAvailable``) divided by the ranks on this host
+   (``LOCAL_WORLD_SIZE``, as torchrun sets it; else 1). Every rank then takes the smallest of all ranks'
+   budgets (one object exchange), so all choose the same strategy.
+3. The estimator's rule (shardkit.estimate.recommend, the ZeRO paper's and the users' guides' arithmetic):
+   the first of DDP, ZeRO-2, ZeRO-3 (FSDP FULL_SHARD) and ZeRO-3 + CPU offload whose model states plus
+   ``headroom_gb`` fit the budget. Activations are not modelled: pass a measured ``activation_gb``.
+4. Wrap and build the optimizer:
+     ddp    shardkit.DistributedDataParallel(model)            + optimizer_class(model.parameters(), ...)
+     zero2  shardkit.DistributedDataParallel(model, zero_stage=2) + ZeroRedundancyOptimizer(..., optimizer_class)
+     zero3  shardkit.FullyShardedDataParallel(model, auto_wrap_policy) + optimizer_class(model.parameters(), ...)
+   ZeRO-3 + CPU offload is not implemented yet: when only it fits, ``auto`` raises saying so (with the table);
+   when nothing fits, it raises with the table too. The decision is logged (logger ``shardkit.auto``, rank 0)
+   with the table behind it, and returned as ``model.shardkit_plan`` (an ``AutoPlan``). ``plan()`` is the
+   decision alone, without torch.distributed.
+
+Counted conservatively: a bf16/fp16 model's optimizer state is counted as fp32 moments (8 bytes per parameter
+for Adam) though torch's optimizers keep it in the parameters' dtype.
+
+FSDP's units: ``auto_wrap_policy`` if given; else the classes of the modules held in the model's
+``nn.ModuleList``s (a transformer's blocks), else a size-based policy of Psi / 8 parameters per unit, so that a
+rank gathers one slice of the model at a time, as the ZeRO-3 row of the estimate assumes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import _exchange, estimate
+
+__all__ = ["AutoPlan", "auto", "plan"]
+
+log = logging.getLogger("shardkit.auto")
+
+_ADAM_LIKE = ("Adam", "AdamW", "NAdam", "RAdam", "Adamax", "Adafactor", "Lamb", "LAMB")
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoPlan:
+    """What ``auto`` decided and why: the inputs of the estimate, its table and the chosen strategy."""
+
+    strategy: str  # "ddp" | "zero2" | "zero3" (a key of shardkit.estimate.STRATEGIES)
+    num_params: int
+    world_size: int
+    precision: str  # "fp32" | "bf16" | "fp16"
+    optimizer: str  # "adam" | "sgd" (the estimator's names)
+    budget_gb: float  # per rank, the smallest over the ranks
+    headroom_gb: float
+    activation_gb: float
+    report: str  # the estimator's table and recommendation
+
+    @property
+    def state_bytes(self) -> float:
+        """The estimate's model-state bytes per rank for the chosen strategy (activations excluded)."""
+        row = estimate.model_states(self.num_params, self.world_size, self.precision, self.optimizer,
+                                    master_weights=False)[self.strategy]
+        return row.weights_bytes + row.grads_bytes + row.optimizer_bytes
+
+
+def plan(num_params: int, world_size: int, budget_gb: float, precision: str = "fp32", optimizer: str = "adam",
+         headroom_gb: float = 0.0, activation_gb: float = 0.0) -> AutoPlan:
+    """The decision alone (no torch.distributed): raises RuntimeError when no implemented strategy fits."""
+    states = estimate.model_states(num_params, world_size, precision, optimizer, master_weights=False,
+                                   activation_gb=activation_gb)
+    report = estimate.format_report(num_params, world_size, budget_gb, precision, optimizer, master_weights=False,
+                                    activation_gb=activation_gb, headroom_gb=headroom_gb)
+    choice = estimate.recommend(states, budget_gb, headroom_gb)
+    if choice is None or choice == "zero3_offload":
+        what = ("only ZeRO-3 + CPU offload fits, and shardkit has no CPU offload yet" if choice
+                else "no strategy fits")
+        raise RuntimeError(f"shardkit.auto: {what} in {budget_gb:g} GB per rank ({num_params} parameters, "
+                           f"{world_size} ranks, {precision}, {optimizer}):\n{report}")
+    return AutoPlan(choice, num_params, world_size, precision, optimizer, budget_gb, headroom_gb, activation_gb,
+                    report)
+
+
+def auto(model: nn.Module, optimizer_class: type[torch.optim.Optimizer], memory_budget_gb: float | None = None, *,
+         process_group: dist.ProcessGroup | None = None, headroom_gb: float = 0.0, activation_gb: float = 0.0,
+         auto_wrap_policy: Callable[..., bool] | set[type[nn.Module]] | None = None,
+         **optimizer_kwargs: Any) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """(wrapped model, optimizer) with the strategy the memory math picks; see the module docstring. A
+    collective: call it on every rank of ``process_group`` (default: the default group) with the same model."""
+    from .ddp import DistributedDataParallel
+    from .fsdp import FullyShardedDataParallel
+    from .zero import ZeroRedundancyOptimizer
+
+    group = process_group if process_group is not None else dist.distributed_c10d._get_default_group()
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if not trainable:
+        raise ValueError(f"shardkit.auto (rank {rank}): the model has no trainable parameters")
+    mine = memory_budget_gb if memory_budget_gb is not None else _free_memory_gb(trainable[0].device)
+    if not mine > 0:
+        raise ValueError(f"shardkit.auto (rank {rank}): memory_budget_gb must be positive, got {mine!r}")
+    budget = min(_exchange.all_gather_object(float(mine), group))
+    decided = plan(sum(p.numel() for p in trainable), world, budget, _precision(trainable),
+                   _optimizer_kind(optimizer_class), headroom_gb, activation_gb)
+    if rank == 0:
+        log.info("shardkit.auto chose %s (%s GB per rank):\n%s", estimate.STRATEGIES[decided.strategy],
+                 f"{budget:g}", decided.report)
+    if decided.strategy == "ddp":
+        wrapped: nn.Module = DistributedDataParallel(model, process_group=group)
+        optimizer: torch.optim.Optimizer = optimizer_class(wrapped.parameters(), **optimizer_kwargs)
+    elif decided.strategy == "zero2":
+        wrapped = DistributedDataParallel(model, process_group=group, zero_stage=2)
+        optimizer = ZeroRedundancyOptimizer(wrapped.parameters(), optimizer_class, process_group=group,
+                                            **optimizer_kwargs)
+    else:
+        policy = auto_wrap_policy if auto_wrap_policy is not None else default_wrap_policy(model)
+        wrapped = FullyShardedDataParallel(model, process_group=group, auto_wrap_policy=policy)
+        optimizer = optimizer_class(wrapped.parameters(), **optimizer_kwargs)
+    wrapped.shardkit_plan = decided
+    return wrapped, optimizer
+
+
+def default_wrap_policy(model: nn.Module) -> Callable[..., bool] | set[type[nn.Module]]:
+    """The classes held in the model's ModuleLists (a transformer's blocks); else Psi / 8 parameters per unit."""
+    from .wrap import size_based_auto_wrap_policy
+
+    blocks = {type(child) for m in model.modules() if isinstance(m, nn.ModuleList) for child in m
+              if any(True for _ in child.parameters())}
+    if blocks:
+        return blocks
+    numel = sum(p.numel() for p in model.parameters())
+    return lambda module, recurse, nonwrapped_numel: size_based_auto_wrap_policy(
+        module, recurse, nonwrapped_numel, min_num_params=max(1, numel // 8))
+
+
+def _precision(params: list[torch.Tensor]) -> str:
+    dtypes = {p.dtype for p in params}
+    if dtypes == {torch.bfloat16}:
+        return "bf16"
+    if dtypes == {torch.float16}:
+        return "fp16"
+    return "fp32"  # fp32, or mixed: counted at the larger size
+
+
+def _optimizer_kind(optimizer_class: type) -> str:
+    if any(base.__name__ in _ADAM_LIKE for base in optimizer_class.__mro__):
+        return "adam"
+    return "sgd"  # momentum (4 bytes); plain SGD needs less, the estimator's smallest row is this one
+
+
+def _free_memory_gb(device: torch.device) -> float:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free / estimate.GB
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    with open("/proc/meminfo") as meminfo:
+        available_kib = next(int(line.split()[1]) for line in meminfo if line.startswith("MemAvailable:"))
+    return available_kib * 1024 / estimate.GB / max(local, 1)
