@@ -75,6 +75,18 @@ def test_training_example(clean_python, outside):
     assert len(losses) == 3 and losses[-1] < 0.5 * losses[0], losses
 
 
+def test_gpt_example_with_auto(clean_python, outside):
+    """The showcase needs nothing but torch and the wheel: auto and the memory table. (Its checkpoints do not:
+    torch.distributed.checkpoint's gather_object converts through numpy, and the example says so.)"""
+    tiny = ["--steps", "3", "--layers", "2", "--d-model", "64", "--vocab", "512", "--seq", "16"]
+    out = torchrun(clean_python, outside, REPO / "examples" / "train_gpt.py", *tiny)
+    assert "strategy auto -> ddp" in out and "held/estimate" in out, out
+    refused = harness.run_torchrun(REPO / "examples" / "train_gpt.py", 1, *tiny, "--checkpoint", str(outside / "c"),
+                                   timeout=JOB_TIMEOUT_S, python=clean_python, cwd=outside)
+    assert refused.returncode != 0
+    assert "--checkpoint/--resume need numpy: torch.distributed.checkpoint exchanges its plans" in refused.stderr
+
+
 def test_collectives_demo(clean_python, outside):
     out = torchrun(clean_python, outside, REPO / "examples" / "collectives_demo.py")
     assert "shardkit demo: 2 ranks, allreduce/allgather/broadcast all correct" in out, out

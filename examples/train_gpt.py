@@ -1,0 +1,257 @@
+"""Train a small GPT with shardkit and let the memory math choose how to shard it.
+
+    torchrun --standalone --nproc_per_node=2 examples/train_gpt.py --strategy auto --steps 100
+    torchrun --standalone --nproc_per_node=2 examples/train_gpt.py --strategy fsdp --checkpoint ckpt
+    torchrun --standalone --nproc_per_node=4 examples/train_gpt.py --strategy zero2 --resume ckpt
+
+Strategies: ``auto`` (shardkit.auto: the first of DDP, ZeRO-2, FSDP FULL_SHARD that fits the memory budget),
+``ddp``, ``zero1``, ``zero2`` (shardkit.DistributedDataParallel with zero_stage and ZeroRedundancyOptimizer),
+``fsdp`` (FullyShardedDataParallel FULL_SHARD, one unit per block), ``hsdp`` (HYBRID_SHARD: sharded inside a
+host, replicated across hosts). ``--hook powersgd|bf16`` compresses DDP's gradient allreduce. ``--precision
+bf16`` computes in bf16 (FSDP's MixedPrecision; autocast under DDP/ZeRO).
+
+Data: synthetic tokens (seeded per rank and step), or ``--data FILE``: a local text file read as bytes (vocabulary
+256), each rank reading its own windows. Checkpoints (``--checkpoint DIR``, ``--resume DIR``) go through
+torch.distributed.checkpoint and load at any world size and with any strategy.
+
+Rank 0 prints a line every ``--log-every`` steps (loss, tokens/s, RSS per rank), and with ``--json`` one JSON
+line per step (``{"step", "loss", "tokens_per_s", "seconds"}``: what ``python -m shardkit scale`` reads). At the
+end it prints the memory table: per rank, the model-state bytes actually held (parameters, gradients and
+optimizer state, each storage once) beside what shardkit.estimate predicts for this strategy and for DDP, and
+the peak RSS; and a final JSON line ``{"summary": ...}``. Needs torch and shardkit only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import json
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import shardkit
+from shardkit import estimate
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpt_model import GPT, Block, ModelConfig  # noqa: E402
+
+STRATEGIES = ("auto", "ddp", "zero1", "zero2", "fsdp", "hsdp")
+# Which row of shardkit.estimate each strategy is (auto: the one it chose).
+ESTIMATE_ROW = {"ddp": "ddp", "zero1": "zero1", "zero2": "zero2", "fsdp": "zero3", "hsdp": "zero3", "zero3": "zero3"}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--strategy", choices=STRATEGIES, default="auto")
+    p.add_argument("--hook", choices=("none", "powersgd", "bf16"), default="none",
+                   help="DDP gradient compression (ddp only)")
+    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--d-model", type=int, default=256)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=4096, help="synthetic data only (--data uses 256)")
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--data", type=Path, default=None, help="a local text file, read as bytes")
+    p.add_argument("--memory-budget-gb", type=float, default=None, help="auto: the per-rank budget to fit")
+    p.add_argument("--checkpoint", type=Path, default=None, help="save a DCP checkpoint here at the end")
+    p.add_argument("--resume", type=Path, default=None, help="resume from a DCP checkpoint (any world size)")
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--json", action="store_true", help="one JSON line per step on rank 0")
+    args = p.parse_args(argv)
+    if args.hook != "none" and args.strategy != "ddp":
+        p.error(f"--hook {args.hook} compresses DDP's allreduce; it does not apply to --strategy {args.strategy}")
+    if (args.checkpoint or args.resume) and importlib.util.find_spec("numpy") is None:
+        p.error("--checkpoint/--resume need numpy: torch.distributed.checkpoint exchanges its plans with "
+                "torch.distributed.gather_object, which converts through numpy (pip install numpy)")
+    return args
+
+
+def setup() -> torch.device:
+    if torch.cuda.is_available() and "LOCAL_RANK" in os.environ:
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+        dist.init_process_group("cpu:shardkit,cuda:shardkit")
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("shardkit")
+    return device
+
+
+def build(args: argparse.Namespace, cfg: ModelConfig, device: torch.device):
+    """(model, optimizer, the estimate row it is) for ``args.strategy``."""
+    torch.manual_seed(0)  # the same initial model on every rank and every run
+    module = GPT(cfg).to(device)
+    adamw = {"lr": args.lr, "weight_decay": 0.1}
+    bf16 = args.precision == "bf16"
+    mp = shardkit.fsdp.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16) if bf16 else None
+    if args.strategy == "auto":
+        model, optimizer = shardkit.auto(module, torch.optim.AdamW, memory_budget_gb=args.memory_budget_gb,
+                                         auto_wrap_policy={Block}, **adamw)
+        return model, optimizer, model.shardkit_plan.strategy
+    if args.strategy in ("fsdp", "hsdp"):
+        strategy = shardkit.fsdp.ShardingStrategy.FULL_SHARD if args.strategy == "fsdp" else \
+            shardkit.fsdp.ShardingStrategy.HYBRID_SHARD
+        model = shardkit.FullyShardedDataParallel(module, auto_wrap_policy={Block}, sharding_strategy=strategy,
+                                                  mixed_precision=mp)
+        return model, torch.optim.AdamW(model.parameters(), **adamw), args.strategy
+    stage = {"ddp": 0, "zero1": 1, "zero2": 2}[args.strategy]
+    model = shardkit.DistributedDataParallel(module, zero_stage=stage)
+    if args.hook == "powersgd":
+        state = shardkit.hooks.PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=2)
+        model.register_comm_hook(state, shardkit.hooks.powerSGD_hook)
+    elif args.hook == "bf16":
+        model.register_comm_hook(None, shardkit.hooks.bf16_compress_hook)
+    if stage == 0:
+        return model, torch.optim.AdamW(model.parameters(), **adamw), args.strategy
+    return model, shardkit.ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, **adamw), args.strategy
+
+
+def batches(args: argparse.Namespace, cfg: ModelConfig, rank: int, world: int, device: torch.device):
+    """(tokens, next tokens) for step s: seeded synthetic tokens, or windows of the --data file's bytes."""
+    text = None
+    if args.data is not None:
+        text = torch.frombuffer(bytearray(args.data.read_bytes()), dtype=torch.uint8).long()
+        if text.numel() <= cfg.seq + 1:
+            raise SystemExit(f"--data {args.data}: {text.numel()} bytes, need more than {cfg.seq + 1}")
+
+    def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(1000 * step + rank)
+        if text is None:
+            tokens = torch.randint(0, cfg.vocab, (args.batch, cfg.seq + 1), generator=g)
+        else:
+            starts = torch.randint(0, text.numel() - cfg.seq - 1, (args.batch,), generator=g)
+            tokens = torch.stack([text[s:s + cfg.seq + 1] for s in starts.tolist()])
+        tokens = tokens.to(device)
+        return tokens[:, :-1], tokens[:, 1:]
+
+    return batch
+
+
+def state_bytes(model, optimizer) -> int:
+    """Bytes of the parameters, gradients and optimizer state this rank holds, each storage counted once
+    (a view of a flat buffer counts the buffer)."""
+    tensors = list(model.parameters()) + [p.grad for p in model.parameters() if p.grad is not None]
+    tensors += getattr(model, "gradient_shards", [])  # ZeRO-2 keeps gradients here, not in .grad
+    inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer's local optimizer
+    tensors += [v for s in inner.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim()]
+    seen: dict[int, int] = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def save(path: Path, model, optimizer, step: int) -> None:
+    import torch.distributed.checkpoint as dcp
+    from shardkit.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd, "step": step}, checkpoint_id=str(path))
+
+
+def resume(path: Path, model, optimizer) -> int:
+    from shardkit import checkpoint
+    from shardkit.state_dict import get_state_dict, set_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd, "step": 0}
+    checkpoint.load(state, path)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return int(state["step"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    device = setup()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = ModelConfig(vocab=256 if args.data else args.vocab, d_model=args.d_model, heads=args.heads,
+                      layers=args.layers, seq=args.seq, batch=args.batch)
+    model, optimizer, row = build(args, cfg, device)
+    psi = sum(p.numel() for p in GPT(cfg).parameters())
+    first = resume(args.resume, model, optimizer) if args.resume else 0
+    batch = batches(args, cfg, rank, world, device)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.precision == "bf16" and \
+        row not in ("fsdp", "hsdp", "zero3") else contextlib.nullcontext()
+    if rank == 0:
+        print(f"shardkit {shardkit.__version__}: GPT of {psi:,} parameters, {world} ranks on {device.type}, "
+              f"strategy {args.strategy}{f' -> {row}' if args.strategy == 'auto' else ''}, {args.precision}"
+              f"{f', hook {args.hook}' if args.hook != 'none' else ''}"
+              f"{f', resumed at step {first}' if first else ''}", flush=True)
+    losses, held, tokens_per_step = [], 0, args.batch * cfg.seq * world
+    start = time.perf_counter()
+    for step in range(first, first + args.steps):
+        t0 = time.perf_counter()
+        tokens, targets = batch(step)
+        with autocast:
+            logits = model(tokens)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        loss.backward()
+        optimizer.step()
+        held = max(held, state_bytes(model, optimizer))  # after the step: every state exists
+        optimizer.zero_grad(set_to_none=True)
+        loss_value = loss.item()
+        losses.append(loss_value)
+        seconds = time.perf_counter() - t0
+        if rank == 0 and args.json:
+            print(json.dumps({"step": step, "loss": round(loss_value, 5), "seconds": round(seconds, 6),
+                              "tokens_per_s": round(tokens_per_step / seconds, 1)}), flush=True)
+        elif rank == 0 and (step % args.log_every == 0 or step == first + args.steps - 1):
+            print(f"step {step:5d}  loss {loss_value:.4f}  {tokens_per_step / seconds:9.0f} tokens/s  "
+                  f"rss {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB (rank 0)", flush=True)
+    elapsed = time.perf_counter() - start
+    if args.checkpoint:
+        save(args.checkpoint, model, optimizer, first + args.steps)
+    report(rank, world, psi, row, args, held, losses, elapsed, tokens_per_step)
+    dist.destroy_process_group()
+    return 0
+
+
+def report(rank: int, world: int, psi: int, row: str, args: argparse.Namespace, held: int, losses: list[float],
+           elapsed: float, tokens_per_step: int) -> None:
+    """Rank 0 prints each rank's measured model-state bytes and peak RSS beside the estimate's."""
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    # A tensor all-gather, not all_gather_object: torch's object collectives convert through numpy.
+    mine = torch.tensor([held, peak_rss], dtype=torch.int64)
+    gathered = torch.empty(2 * world, dtype=torch.int64)
+    dist.all_gather_into_tensor(gathered, mine)
+    everyone = [tuple(pair) for pair in gathered.view(world, 2).tolist()]
+    if rank != 0:
+        return
+    # The parameters, gradients and AdamW state stay fp32 in every mode here (bf16 is compute only: FSDP's
+    # MixedPrecision, autocast): 16 bytes per parameter unsharded.
+    rows = estimate.model_states(psi, world, "fp32", "adam", master_weights=False)
+    chosen = rows[ESTIMATE_ROW.get(row, row)]
+    predicted = chosen.weights_bytes + chosen.grads_bytes + chosen.optimizer_bytes
+    ddp = rows["ddp"].weights_bytes + rows["ddp"].grads_bytes + rows["ddp"].optimizer_bytes
+    mib = 1 << 20
+    print(f"\nmodel states per rank ({chosen.name}; estimate = shardkit.estimate, fp32 AdamW, 16 bytes/param "
+          f"unsharded):")
+    print(f"{'rank':>4}  {'held MiB':>9}  {'estimate MiB':>12}  {'held/estimate':>13}  {'DDP MiB':>8}  "
+          f"{'peak RSS MiB':>12}")
+    for r, (h, rss) in enumerate(everyone):
+        print(f"{r:>4}  {h / mib:9.2f}  {predicted / mib:12.2f}  {h / predicted:13.3f}  {ddp / mib:8.2f}  "
+              f"{rss / mib:12.0f}")
+    steps = len(losses)
+    print(f"{steps} steps in {elapsed:.1f} s: {steps * tokens_per_step / elapsed:,.0f} tokens/s; "
+          f"loss {losses[0]:.4f} -> {losses[-1]:.4f}")
+    print(json.dumps({"summary": {"strategy": args.strategy, "row": row, "world": world, "params": psi,
+                                  "held_bytes": [h for h, _ in everyone], "estimate_bytes": predicted,
+                                  "ddp_bytes": ddp, "peak_rss_bytes": [rss for _, rss in everyone],
+                                  "tokens_per_s": steps * tokens_per_step / elapsed,
+                                  "first_loss": losses[0], "last_loss": losses[-1]}}), flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
