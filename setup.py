@@ -1,8 +1,8 @@
-"""Build shardkit's C++/CUDA extension, `shardkit._C`.
+"""Build shardkit's C++/CUDA extension, `shardkit._C`. The package's metadata is in pyproject.toml.
 
-CPU build by default; a CUDA build (kernels in csrc/cuda/, NCCL code in csrc/comm/nccl/) when the installed
-torch is a CUDA build and CUDA_HOME is found. SHARDKIT_CUDA=1 demands CUDA (an error if it cannot be
-built, never a silent CPU build); SHARDKIT_CUDA=0 forces the CPU build. Install with
+A CUDA build (adding the kernels in csrc/cuda/ and the NCCL code in csrc/comm/nccl/) when the installed torch
+is a CUDA build and a CUDA toolkit is found at CUDA_HOME, else a CPU build. SHARDKIT_CUDA=1 demands CUDA (an
+error if it cannot be built, never a silent CPU build); SHARDKIT_CUDA=0 forces the CPU build. Install with
 `pip install --no-build-isolation .` so the extension is built against the torch already installed.
 """
 
@@ -136,6 +136,7 @@ def _cmdclass():
 setup(
     packages=find_packages("python"),
     package_dir={"": "python"},
+    package_data={"shardkit": ["py.typed"]},  # PEP 561: the package's inline annotations are for type checkers
     ext_modules=get_extensions(),
     cmdclass=_cmdclass(),
 )

@@ -612,14 +612,18 @@ def plot(rows: dict[str, dict[str, Any]], path: Path) -> Path | None:
 # --- main ------------------------------------------------------------------------------------------------------
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    configurations = "\n".join(f"  {v.key}  {v.label}" + ("  (reference: no target)" if v.reference else "")
+                               for v in VARIANTS)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=f"configurations (DDP + optimizer / process group), by --only's letters:\n"
+                                       f"{configurations}")
     p.add_argument("--warmup", type=int, default=3, help="warm-up rounds (≥ 3: the bucket rebuild is in step 2)")
     p.add_argument("--rounds", type=int, default=10, help="timed rounds (one step per configuration each)")
     p.add_argument("--batch", type=int, default=ModelConfig.batch, help="sequences per rank per step")
     p.add_argument("--layers", type=int, default=ModelConfig.layers)
-    p.add_argument("--only", nargs="+", choices=[v.key for v in VARIANTS], default=None,
-                   help="run only these configurations (default: all)")
+    p.add_argument("--only", nargs="+", choices=[v.key for v in VARIANTS], default=None, metavar="LETTER",
+                   help="run only these configurations, listed below (default: all)")
     p.add_argument("--no-rss", action="store_true", help="skip the fresh-process RSS probes")
     p.add_argument("--out", type=Path, default=RESULTS_DIR, help="directory for ddp_step.json/png")
     return p.parse_args(argv)

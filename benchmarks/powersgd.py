@@ -2,6 +2,7 @@
 
     python benchmarks/powersgd.py                # worlds 1, 2, 4; rank 2 (~3 minutes on 2 cores)
     python benchmarks/powersgd.py --worlds 2 --rounds 20
+    python benchmarks/powersgd.py --worlds 1 2 --rounds 1 --out /tmp/psgd   # smoke test, ~30 s
 
 One job of spawned ranks per world size, default group "shardkit". Every configuration wraps its own copy
 of one model (Linear 1024x1024, 1024x1024, 1024x4096, 4096x1024 with biases: 10.5M parameters) in torch's
@@ -22,7 +23,7 @@ shardkit's configurations are compared after every step (max |diff|). Bytes per 
 compression_stats() against the formula sum over compressed matrices of (n + m)*r plus the uncompressed
 elements, times 4 bytes.
 
-Results: benchmarks/results/powersgd.{json,png}.
+Results: benchmarks/results/powersgd.{json,png} (``--out DIR`` writes them to DIR instead).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import copy
 import statistics
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -149,13 +151,18 @@ def slowest_median(per_rank: list[list[float]]) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4])
-    parser.add_argument("--rounds", type=int, default=8)
-    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4],
+                        help="world sizes, one job of spawned ranks each (default: 1 2 4)")
+    parser.add_argument("--rounds", type=int, default=8, help="timed rounds (default: 8)")
+    parser.add_argument("--warmup", type=int, default=3,
+                        help=f"untimed rounds first (≥ {START}: PowerSGD starts at iteration {START})")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="directory for powersgd.json/png")
     args = parser.parse_args()
+    if args.warmup < START or args.rounds < 1:
+        raise SystemExit(f"--warmup must be ≥ {START} (PowerSGD starts at iteration {START}) and --rounds ≥ 1")
     info = machine_info()
-    print(f"PowerSGD hook benchmark — {info.get('cpu', '?')}, torch {torch.__version__}; rank {RANK}, "
-          f"model 10.5M parameters, batch {BATCH}/rank")
+    print(f"PowerSGD hook benchmark — {info['cpu_model']}, {info['usable_cores']} cores, torch {info['torch']}; "
+          f"rank {RANK}, model 10.5M parameters, batch {BATCH}/rank")
     results: dict[str, Any] = {"machine": info, "matrix_approximation_rank": RANK, "worlds": {}}
     checks = []
     rows = []
@@ -182,12 +189,12 @@ def main() -> None:
         print(f"[{'PASS' if c['pass'] else 'MISS'}] world {c['world']} {c['kind']}: shardkit hook ≤ 0.5× torch's: "
               f"{c['ratio']:.3f}×")
     results["checks"] = checks
-    path = write_json(RESULTS_DIR / "powersgd.json", results)
+    path = write_json(args.out / "powersgd.json", results)
     panels = {f"world {w}": (["plain", "batched"], {"torch": [r["hook_s"]["torch"] * 1e3, r["hook_s"]["torch_b"] * 1e3],
                                                    "shardkit": [r["hook_s"]["shardkit"] * 1e3,
                                                                 r["hook_s"]["shardkit_b"] * 1e3]})
               for w, r in results["worlds"].items()}
-    plot_bar_panels(RESULTS_DIR / "powersgd.png", panels, ylabels={k: "hook ms / step" for k in panels},
+    plot_bar_panels(args.out / "powersgd.png", panels, ylabels={k: "hook ms / step" for k in panels},
                     suptitle="PowerSGD hook time per step")
     print(f"wrote {path}")
 

@@ -41,6 +41,7 @@ GB means 10**9 bytes throughout (not GiB).
 from __future__ import annotations
 
 import argparse
+import difflib
 import math
 import re
 from dataclasses import dataclass
@@ -198,14 +199,16 @@ def fits(state: StrategyMemory, gpu_memory_gb: float, headroom_gb: float = 0.0) 
     return state.total_gb + headroom_gb <= gpu_memory_gb
 
 
+# The decision rule's rungs, in the order they are tried: the least sharding first.
+# ZeRO-1 is no rung: ZeRO-2 needs less memory for the same communication.
+_RULE = ("ddp", "zero2", "zero3", "zero3_offload")
+
+
 def recommend(
     states: dict[str, StrategyMemory], gpu_memory_gb: float, headroom_gb: float = 0.0
 ) -> str | None:
-    """The guides' rule: the first of DDP, ZeRO-2, ZeRO-3, ZeRO-3 + offload that fits, else None.
-
-    ZeRO-1 is never the answer: ZeRO-2 needs less memory for the same communication.
-    """
-    for key in ("ddp", "zero2", "zero3", "zero3_offload"):
+    """The guides' rule: the first of DDP, ZeRO-2, ZeRO-3, ZeRO-3 + offload that fits, else None."""
+    for key in _RULE:
         if fits(states[key], gpu_memory_gb, headroom_gb):
             return key
     return None
@@ -213,15 +216,23 @@ def recommend(
 
 def parse_param_count(text: str) -> int:
     """A parameter count from a preset name (PRESETS) or a number: "7e9", "7b", "1.5B", "124M",
-    "6_738_415_616". Suffixes k, M, B, T are powers of 1000; the count must be whole and > 0."""
+    "6_738_415_616". Suffixes k, M, B, T are powers of 1000; the count must be whole and > 0.
+    A name that is no preset gets the closest one suggested in the ValueError."""
     key = text.strip().lower()
     if key in PRESETS:
         return PRESETS[key]
     match = _COUNT_RE.match(key)
     if match is None:
+        presets = ", ".join(PRESETS)
+        close = difflib.get_close_matches(key, PRESETS, n=1)
+        if close:
+            raise ValueError(
+                f"unknown model {text!r}: did you mean {close[0]}? "
+                f"(presets: {presets}; or a number like 7e9, 7b, 1.5b, 124M)"
+            )
         raise ValueError(
             f"unknown model or parameter count {text!r}: use a number like 7e9, 7b, 1.5b, 124M "
-            f"or a preset ({', '.join(PRESETS)})"
+            f"or a preset ({presets})"
         )
     try:
         value = Decimal(match.group(1)) * _SUFFIXES[match.group(2)]
@@ -292,24 +303,36 @@ def format_report(
         f"ZeRO-3 + CPU offload keeps {offload.cpu_gb:.1f} GB of optimizer state per GPU in host "
         f"RAM ({offload.cpu_gb * num_gpus:.1f} GB across all {num_gpus} GPUs)."
     )
-    budget = f"{gpu_memory_gb:g} GB" + (f" - {headroom_gb:g} GB headroom" if headroom_gb else "")
-    if choice is None:
-        lines.append(
-            f"recommended: none - does not fit: even ZeRO-3 + CPU offload needs "
-            f"{offload.total_gb:.1f} GB/GPU, more than {budget}; add GPUs or reduce activations."
-        )
-    else:
-        lines.append(f"recommended: {_RECOMMENDATION_TEXT[choice]} ({states[choice].total_gb:.1f} "
-                     f"GB/GPU within {budget})")
+    lines.append(_recommendation_line(states, choice, gpu_memory_gb, headroom_gb))
     return "\n".join(lines)
 
 
-_RECOMMENDATION_TEXT = {
-    "ddp": "DDP - the model states fit on every GPU; no sharding needed",
-    "zero2": "ZeRO-2 / FSDP SHARD_GRAD_OP - DDP does not fit",
-    "zero3": "ZeRO-3 / FSDP FULL_SHARD - ZeRO-2 does not fit",
-    "zero3_offload": "ZeRO-3 + CPU offload - ZeRO-3 alone does not fit",
+# What the recommendation line calls each rung: the FSDP sharding strategy that matches it, too.
+_RECOMMENDATION_NAMES = {
+    "ddp": "DDP",
+    "zero2": "ZeRO-2 / FSDP SHARD_GRAD_OP",
+    "zero3": "ZeRO-3 / FSDP FULL_SHARD",
+    "zero3_offload": "ZeRO-3 + CPU offload",
 }
+
+
+def _recommendation_line(
+    states: dict[str, StrategyMemory], choice: str | None, gpu_memory_gb: float, headroom_gb: float
+) -> str:
+    """The report's last line. Each GB/GPU figure stands right after the name of its strategy: the
+    chosen one's, then that of the rung before it, which did not fit (named as in the table)."""
+    budget = f"{gpu_memory_gb:g} GB" + (f" - {headroom_gb:g} GB headroom" if headroom_gb else "")
+    if choice is None:
+        offload = states["zero3_offload"]
+        return (f"recommended: none - does not fit: even {offload.name} needs "
+                f"{offload.total_gb:.1f} GB/GPU, more than {budget}; add GPUs or reduce "
+                f"activations.")
+    chosen = (f"recommended: {_RECOMMENDATION_NAMES[choice]} ({states[choice].total_gb:.1f} GB/GPU "
+              f"within {budget})")
+    if choice == "ddp":
+        return f"{chosen} - the model states fit on every GPU; no sharding needed"
+    rejected = states[_RULE[_RULE.index(choice) - 1]]
+    return f"{chosen} - {rejected.name} does not fit ({rejected.total_gb:.1f} GB/GPU)"
 
 
 def _positive_int(name: str, value: object) -> int:
@@ -331,8 +354,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="parameter count (7e9, 7b, 1.5B, 124M, 6_738_415_616) or a preset: "
         + ", ".join(f"{k} ({v:,})" for k, v in PRESETS.items()),
     )
-    parser.add_argument("--gpus", required=True, type=_positive_int_arg, metavar="N",
-                        help="number of GPUs (data-parallel world size)")
+    parser.add_argument("--gpus", type=_positive_int_arg, default=1, metavar="N",
+                        help="number of GPUs (data-parallel world size; default: 1, like "
+                        "torchrun's --nproc-per-node)")
     parser.add_argument(
         "--gpu-memory-gb", type=_gb_arg(allow_zero=False), default=80.0, metavar="GB",
         help="memory per GPU in GB = 1e9 bytes (default: 80); a card's exact figure is "

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,7 @@ import harness
 
 REPO = Path(__file__).resolve().parents[2]
 CLEAN_VENV = REPO / "build" / "clean-venv"
+WHEEL_DIR = REPO / "build" / "wheel"  # where `make clean-venv` builds the wheel
 # The first run builds the wheel (a full compile) and installs torch into the venv: minutes on 2 cores.
 SETUP_TIMEOUT_S = 1500
 JOB_TIMEOUT_S = 300
@@ -66,6 +68,13 @@ def test_the_venv_has_torch_and_the_wheel_but_no_numpy(clean_python, outside):
     assert missing == "None None"  # else this module proves nothing about a clean install
     assert torch_version.startswith("2.13.0")
     assert Path(shardkit_file).is_relative_to(CLEAN_VENV / "lib"), shardkit_file  # the wheel, not the checkout
+
+
+def test_the_wheel_ships_the_license_and_py_typed(clean_python):
+    (wheel,) = WHEEL_DIR.glob("shardkit-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        names = set(archive.namelist())
+    assert {"shardkit/py.typed", "shardkit-0.1.0.dist-info/licenses/LICENSE"} <= names, sorted(names)
 
 
 def test_training_example(clean_python, outside):

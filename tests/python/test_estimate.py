@@ -154,6 +154,48 @@ def test_cli_says_when_nothing_fits(capsys):
     assert [row[5] for row in table_rows(out).values()] == ["no"] * 5
 
 
+# 7b, bf16 + Adam without master weights, 4 GPUs: DDP 84.0, ZeRO-2 31.5, ZeRO-3 21.0, offload 7.0 GB/GPU.
+@pytest.mark.parametrize("gpus, gpu_gb, activation_gb, headroom_gb, line", [
+    (4, 84, 0, 0, "recommended: DDP (84.0 GB/GPU within 84 GB) - the model states fit on every GPU; "
+                  "no sharding needed"),
+    (4, 80, 0, 0, "recommended: ZeRO-2 / FSDP SHARD_GRAD_OP (31.5 GB/GPU within 80 GB) - DDP does not fit "
+                  "(84.0 GB/GPU)"),
+    (4, 84, 0, 1, "recommended: ZeRO-2 / FSDP SHARD_GRAD_OP (31.5 GB/GPU within 84 GB - 1 GB headroom) - "
+                  "DDP does not fit (84.0 GB/GPU)"),
+    (4, 24, 0, 0, "recommended: ZeRO-3 / FSDP FULL_SHARD (21.0 GB/GPU within 24 GB) - ZeRO-2 does not fit "
+                  "(31.5 GB/GPU)"),
+    (4, 24, 5, 0, "recommended: ZeRO-3 + CPU offload (12.0 GB/GPU within 24 GB) - ZeRO-3 / FULL_SHARD does "
+                  "not fit (26.0 GB/GPU)"),
+    (1, 24, 0, 0, "recommended: none - does not fit: even ZeRO-3 + CPU offload needs 28.0 GB/GPU, more "
+                  "than 24 GB; add GPUs or reduce activations."),
+])
+def test_recommendation_line_gives_each_strategy_its_own_figure(gpus, gpu_gb, activation_gb, headroom_gb,
+                                                                 line):
+    report = estimate.format_report(7_000_000_000, gpus, gpu_gb, "bf16", "adam", master_weights=False,
+                                    activation_gb=activation_gb, headroom_gb=headroom_gb)
+    assert report.splitlines()[-1] == line
+
+
+def test_recommendation_figures_match_the_table():
+    # A new user's run (issue #12): the figure after "ZeRO-2 does not fit" was the chosen ZeRO-3's.
+    result = run_cli("--params", "7b", "--gpus", "8", "--gpu-memory-gb", "24")
+    assert result.returncode == 0, result.stderr
+    rows = table_rows(result.stdout)
+    assert rows["ZeRO-2"][4] == "26.2" and rows["ZeRO-3 / FULL_SHARD"][4] == "14.0"
+    assert result.stdout.splitlines()[-1] == (
+        "recommended: ZeRO-3 / FSDP FULL_SHARD (14.0 GB/GPU within 24 GB) - ZeRO-2 does not fit (26.2 GB/GPU)"
+    )
+
+
+def test_gpus_defaults_to_one(capsys):
+    assert shardkit_main(["estimate", "--params", "7b"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0] == (
+        "7,000,000,000 parameters, 1 GPU(s) x 80 GB, bf16 mixed precision, with fp32 master weights, adam"
+    )
+    assert table_rows(out)["ZeRO-3 / FULL_SHARD"][4] == "112.0"  # 16 bytes x 7e9 on one GPU
+
+
 # --- parameter counts -----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("text, expected", [
@@ -184,6 +226,36 @@ def test_parse_param_count(text, expected):
 def test_parse_param_count_rejects(text):
     with pytest.raises(ValueError):
         parse_param_count(text)
+
+
+PRESET_LIST = "gpt2, gpt2-medium, gpt2-large, gpt2-xl, llama-7b, llama-13b, llama2-70b, zero-paper-7.5b"
+
+
+@pytest.mark.parametrize("text, closest", [
+    ("gpt2-meduim", "gpt2-medium"),
+    ("GPT-2", "gpt2"),
+    ("gpt2xl", "gpt2-xl"),
+    ("llama-9b", "llama-7b"),
+    (" llama-13 ", "llama-13b"),
+    ("zero-7.5b", "zero-paper-7.5b"),
+])
+def test_unknown_preset_suggests_the_closest(text, closest):
+    with pytest.raises(ValueError) as error:
+        parse_param_count(text)
+    assert str(error.value) == (
+        f"unknown model {text!r}: did you mean {closest}? (presets: {PRESET_LIST}; "
+        "or a number like 7e9, 7b, 1.5b, 124M)"
+    )
+
+
+@pytest.mark.parametrize("text", ["foo", "7bb", "b"])
+def test_unknown_name_far_from_every_preset(text):
+    with pytest.raises(ValueError) as error:
+        parse_param_count(text)
+    assert str(error.value) == (
+        f"unknown model or parameter count {text!r}: use a number like 7e9, 7b, 1.5b, 124M "
+        f"or a preset ({PRESET_LIST})"
+    )
 
 
 @pytest.mark.parametrize("kwargs", [
@@ -237,6 +309,16 @@ def test_cli_bad_input_subprocess():
     )
 
 
+def test_cli_suggests_a_preset(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        shardkit_main(["estimate", "--params", "gpt2-meduim"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == (
+        "shardkit estimate: error: argument --params: unknown model 'gpt2-meduim': did you mean "
+        f"gpt2-medium? (presets: {PRESET_LIST}; or a number like 7e9, 7b, 1.5b, 124M)\n"
+    )
+
+
 def test_cli_missing_flag(capsys):
     with pytest.raises(SystemExit) as exit_info:
         shardkit_main(["estimate", "--gpus", "4"])
@@ -250,8 +332,9 @@ def test_cli_help(capsys):
     with pytest.raises(SystemExit) as exit_info:
         shardkit_main(["estimate", "--help"])
     assert exit_info.value.code == 0
-    out = capsys.readouterr().out
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps help lines at the terminal width
     assert "--no-master-weights" in out and "llama-7b (6,738,415,616)" in out
+    assert "--gpus N number of GPUs (data-parallel world size; default: 1, like torchrun's --nproc-per-node)" in out
 
 
 def test_estimate_module_is_pure_stdlib():
