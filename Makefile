@@ -1,7 +1,7 @@
 # shardkit — every set-up step lives here, so a fresh machine needs only `make test` or `make demo`.
 #
 #   make test        apt deps + .venv (torch 2.13.0 CPU) + build, then GoogleTest (ctest) and pytest
-#   make demo        same set-up, then the estimator and two demos under torchrun (training, collectives)
+#   make demo        same set-up, then the estimator, a GPT trained under shardkit.auto and under DDP, collectives
 #   make cuda-check  .venv-cuda (torch 2.14.1, CUDA 13) + the CUDA extension compiled, linked and imported
 #   make bench       the benchmarks under benchmarks/ (results in benchmarks/results/)
 #   make peer-test   torch's own distributed_test.py on gloo and on shardkit side by side (tests/peer/)
@@ -102,9 +102,13 @@ clean-venv-check: venv
 	$(VENV)/bin/python -m pytest tests/python/test_clean_install.py -ra
 
 # --- demo ---------------------------------------------------------------------------------------------
+# The estimator's table; then a 3.3M-parameter GPT on 2 ranks: shardkit.auto under a 0.04 GB budget per rank
+# (DDP would need 0.053 GB: it picks ZeRO-2), and the same model under DDP for comparison, each ending with its
+# memory table (held vs estimated model-state bytes per rank) and throughput; then the collectives demo.
 demo: build
 	$(VENV)/bin/python -m shardkit estimate --params 7b --gpus 4 --gpu-memory-gb 80
-	$(VENV)/bin/torchrun --standalone --nproc_per_node=2 examples/train_ddp.py
+	$(VENV)/bin/torchrun --standalone --nproc_per_node=2 examples/train_gpt.py --strategy auto --memory-budget-gb 0.04 --steps 300 --log-every 50
+	$(VENV)/bin/torchrun --standalone --nproc_per_node=2 examples/train_gpt.py --strategy ddp --steps 300 --log-every 50
 	$(VENV)/bin/torchrun --standalone --nproc_per_node=2 examples/collectives_demo.py
 
 # --- CUDA compile check (no GPU needed) -----------------------------------------------------------------

@@ -10,7 +10,8 @@ Strategies: ``auto`` (shardkit.auto: the first of DDP, ZeRO-2, FSDP FULL_SHARD t
 host, replicated across hosts). ``--hook powersgd|bf16`` compresses DDP's gradient allreduce. ``--precision
 bf16`` computes in bf16 (FSDP's MixedPrecision; autocast under DDP/ZeRO).
 
-Data: synthetic tokens (seeded per rank and step), or ``--data FILE``: a local text file read as bytes (vocabulary
+Data: synthetic counting sequences (a random start and stride per sequence, seeded per rank and step: after a
+few tokens the next one is predictable, so the loss falls), or ``--data FILE``: a local text file read as bytes (vocabulary
 256), each rank reading its own windows. Checkpoints (``--checkpoint DIR``, ``--resume DIR``) go through
 torch.distributed.checkpoint and load at any world size and with any strategy.
 
@@ -61,8 +62,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--d-model", type=int, default=256)
     p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=4096, help="synthetic data only (--data uses 256)")
-    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--vocab", type=int, default=512, help="synthetic data only (--data uses 256)")
+    p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--data", type=Path, default=None, help="a local text file, read as bytes")
     p.add_argument("--memory-budget-gb", type=float, default=None, help="auto: the per-rank budget to fit")
     p.add_argument("--checkpoint", type=Path, default=None, help="save a DCP checkpoint here at the end")
@@ -128,8 +129,10 @@ def batches(args: argparse.Namespace, cfg: ModelConfig, rank: int, world: int, d
 
     def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
         g = torch.Generator().manual_seed(1000 * step + rank)
-        if text is None:
-            tokens = torch.randint(0, cfg.vocab, (args.batch, cfg.seq + 1), generator=g)
+        if text is None:  # counting sequences: a random start and stride per sequence, so there is a rule to learn
+            start = torch.randint(0, cfg.vocab, (args.batch, 1), generator=g)
+            stride = torch.randint(1, 8, (args.batch, 1), generator=g)
+            tokens = (start + stride * torch.arange(cfg.seq + 1)) % cfg.vocab
         else:
             starts = torch.randint(0, text.numel() - cfg.seq - 1, (args.batch,), generator=g)
             tokens = torch.stack([text[s:s + cfg.seq + 1] for s in starts.tolist()])
@@ -222,10 +225,11 @@ def report(rank: int, world: int, psi: int, row: str, args: argparse.Namespace, 
            elapsed: float, tokens_per_step: int) -> None:
     """Rank 0 prints each rank's measured model-state bytes and peak RSS beside the estimate's."""
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    # A tensor all-gather, not all_gather_object: torch's object collectives convert through numpy.
+    # A tensor all-gather, not all_gather_object: torch's object collectives convert through numpy. (torch 2.13
+    # renamed all_gather_into_tensor to all_gather_single.)
     mine = torch.tensor([held, peak_rss], dtype=torch.int64)
     gathered = torch.empty(2 * world, dtype=torch.int64)
-    dist.all_gather_into_tensor(gathered, mine)
+    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(gathered, mine)
     everyone = [tuple(pair) for pair in gathered.view(world, 2).tolist()]
     if rank != 0:
         return
