@@ -1,12 +1,13 @@
-"""``python -m shardkit <command>``: command-line tools: ``estimate`` (memory math) and ``checkpoint``
-(``info`` / ``consolidate`` of a torch.distributed.checkpoint directory)."""
+"""``python -m shardkit <command>``: command-line tools: ``estimate`` (memory math), ``checkpoint``
+(``info`` / ``consolidate`` of a torch.distributed.checkpoint directory) and ``scale`` (a training script at
+several world sizes)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from shardkit import checkpoint, estimate
+from shardkit import checkpoint, estimate, scale
 
 
 class _Parser(argparse.ArgumentParser):
@@ -36,6 +37,16 @@ def main(argv: list[str] | None = None) -> int:
         description="info: what a DCP checkpoint holds; consolidate: one plain torch.save state dict.",
     )
     checkpoint.add_arguments(checkpoint_parser)
+
+    scale_parser = commands.add_parser(
+        "scale",
+        help="run a training script at several world sizes and strategies: throughput, scaling efficiency, memory",
+        description="Runs SCRIPT under torchrun at each world size (and each --strategy), reads the JSON line it "
+        "prints per step (as examples/train_gpt.py --json does) and reports throughput, scaling efficiency "
+        "throughput(N) / (N x throughput(1)) and per-rank memory.",
+        usage="shardkit scale [--worlds N ...] [--strategies S ...] [--out DIR] -- SCRIPT [ARGS ...]",
+    )
+    scale.add_arguments(scale_parser)
 
     args = parser.parse_args(argv)
     return args.run(args)
