@@ -202,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
         loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
         loss.backward()
         optimizer.step()
-        held = max(held, state_bytes(model, optimizer))  # after the step: every state exists
+        if step == first:  # after the first step every state exists, and the sizes do not change after it
+            held = state_bytes(model, optimizer)
         optimizer.zero_grad(set_to_none=True)
         loss_value = loss.item()
         losses.append(loss_value)

@@ -64,16 +64,37 @@ def flatten_into_buffers(spaces: list[FlatSpace]) -> None:
         space.flat = flat
 
 
+def packed_output(layout: Any, rank: int, world: int, pieces: list[torch.Tensor | None], dtype: torch.dtype,
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(full, mine): a ``world * S`` output buffer and its ``rank``-th slice, which holds this rank's pieces of
+    ``pieces`` (one value per parameter of ``layout``, whole or already this rank's piece, any shape; None:
+    zeros) and zeros in its gaps. ``mine`` is then the input of an in-place all-gather into ``full``: no
+    staging shard (both shardkit's backend and gloo take an input that aliases its own place in the output;
+    test_zero.py checks)."""
+    shard = layout.shard_numel
+    full = torch.empty(shard * world, dtype=dtype, device=device)
+    mine = full[rank * shard:(rank + 1) * shard]
+    mine.zero_()
+    for piece in layout.pieces_of_rank(rank):
+        value = pieces[piece.param]
+        if value is None:
+            continue
+        flat = value.detach().reshape(-1)
+        if flat.numel() != piece.numel:  # a whole value: cut this rank's piece out of it
+            flat = flat[piece.param_begin:piece.param_begin + piece.numel]
+        mine[piece.shard_begin:piece.shard_begin + piece.numel] = flat
+    return full, mine
+
+
 def all_gather_parameters(spaces: list[FlatSpace], group: dist.ProcessGroup) -> None:
     """Every rank's slice of every space's parameters to every rank: one all-gather (all_gather_into_tensor)
     per space, all in flight together (a collective over ``group``, the spaces laid out for its size).
 
     Where the parameters are views of the space's flat buffer (a shardkit DDP with zero_stage 1|2), this rank's
-    slice of the buffer is the all-gather's input and the buffer its output: nothing is packed or copied (both
-    shardkit's backend and gloo take an input that aliases its own place in the output; test_zero.py checks).
-    Otherwise this rank's pieces are packed into a transient shard, gathered into a transient flat buffer and
-    copied into the parameters."""
-    rank = dist.get_rank(group)
+    slice of the buffer is the all-gather's input and the buffer its output: nothing is packed or copied.
+    Otherwise this rank's pieces are packed into its slice of a transient flat buffer (``packed_output``),
+    gathered in place and copied into the parameters."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
     gathered = []
     for space in spaces:
         layout = space.layout
@@ -81,11 +102,7 @@ def all_gather_parameters(spaces: list[FlatSpace], group: dist.ProcessGroup) -> 
             begin = layout.rank_begin(rank)
             mine, full = space.flat[begin:begin + layout.shard_numel], space.flat
         else:
-            mine = torch.zeros(layout.shard_numel, dtype=space.dtype, device=space.device)
-            for piece in layout.pieces_of_rank(rank):
-                owned = space.params[piece.param].detach().reshape(-1)[piece.param_begin:piece.param_begin + piece.numel]
-                mine[piece.shard_begin:piece.shard_begin + piece.numel] = owned
-            full = torch.empty(layout.padded_numel, dtype=space.dtype, device=space.device)
+            full, mine = packed_output(layout, rank, world, list(space.params), space.dtype, space.device)
         work = _exchange.all_gather_single(full, mine, group=group, async_op=True)
         gathered.append((space, full, work))
     with torch.no_grad():

@@ -37,7 +37,7 @@ from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
 from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
 
-from . import _C, _exchange
+from . import _C, _exchange, _flat
 
 # The sharded model state dict's record of each parameter's own shape (its tensors are flattened), a JSON
 # string that DCP saves like any object: what a consumer without the model (``python -m shardkit checkpoint``)
@@ -98,15 +98,11 @@ class ShardedSpace:
         ``pieces`` (one per parameter, its piece's shape or 1-D; None: zeros) and every other rank's: one
         all-gather of the S-element shards (a collective over ``group``: every rank calls it with the same
         dtype). The pieces are packed straight into this rank's slice of the output, which is then the
-        all-gather's input (as FlatParamHandle's gather does): one unit's worth of memory, no staging shard."""
+        all-gather's input (``_flat.packed_output``, as FlatParamHandle's gather does): one unit's worth of
+        memory, no staging shard."""
         layout = self.layout
         world = layout.world if self.group is not None else 1
-        whole = torch.zeros(layout.shard_numel * world, dtype=dtype, device=device)
-        mine = whole[self.rank * layout.shard_numel:(self.rank + 1) * layout.shard_numel]
-        for index, value in enumerate(pieces):
-            piece = self.piece(index)
-            if value is not None and piece.numel:
-                mine[piece.shard_begin:piece.shard_begin + piece.numel] = value.reshape(-1)
+        whole, mine = _flat.packed_output(layout, self.rank, world, pieces, dtype, device)
         if self.group is not None:
             _exchange.all_gather_single(whole, mine, group=self.group)
         return [whole[offset:offset + numel].view(shape)
@@ -298,8 +294,12 @@ def _gathered_state(optim: torch.optim.Optimizer, slots: list[Slot], spaces: lis
         for name, entry in their_others.items():
             agreed_others.setdefault(name, {}).update({k: v for k, v in entry.items()
                                                        if k not in agreed_others.get(name, {})})
+    held_by_space: dict[int, dict[int, Slot]] = {}  # id(space) -> {index: slot with state here}
+    for slot in slots:
+        if slot.space is not None and slot.param in optim.state:
+            held_by_space.setdefault(id(slot.space), {})[slot.index] = slot
     for space, keys in zip(spaces, agreed_keys):
-        held = {slot.index: slot for slot in slots if slot.space is space and slot.param in optim.state}
+        held = held_by_space.get(id(space), {})
         for key in sorted(keys):  # the same keys, in the same order, on every rank
             pieces = [optim.state[held[i].param].get(key) if i in held else None for i in range(len(space.names))]
             wholes = space.gather(pieces, keys[key], device)

@@ -63,13 +63,6 @@ class AutoPlan:
     activation_gb: float
     report: str  # the estimator's table and recommendation
 
-    @property
-    def state_bytes(self) -> float:
-        """The estimate's model-state bytes per rank for the chosen strategy (activations excluded)."""
-        row = estimate.model_states(self.num_params, self.world_size, self.precision, self.optimizer,
-                                    master_weights=False)[self.strategy]
-        return row.weights_bytes + row.grads_bytes + row.optimizer_bytes
-
 
 def plan(num_params: int, world_size: int, budget_gb: float, precision: str = "fp32", optimizer: str = "adam",
          headroom_gb: float = 0.0, activation_gb: float = 0.0) -> AutoPlan:
