@@ -113,7 +113,8 @@ def _round_trip(ranks, tmp_path: Path, save: tuple, loads: list[tuple], full: bo
 
 @pytest.mark.timeout(300)
 def test_zero2_world_4_sharded_loads_into_zero_and_fsdp_at_1_2_3(ranks, tmp_path: Path):
-    _round_trip(ranks, tmp_path, (4, "zero2"),
+    # saved on 2 simulated hosts x 2 ranks (the ZeRO partition's all-gathers and DCP's exchanges cross hosts)
+    _round_trip(ranks, tmp_path, (4, "zero2", TWO_HOSTS),
                 [(1, "zero1"), (2, "zero2"), (3, "fsdp:FULL_SHARD"), (3, "zero0"), (4, "fsdp:HYBRID_SHARD", TWO_HOSTS)])
     _consolidates_into_a_plain_model(tmp_path / "zero2_w4", tmp_path / "zero2.pt")
 
@@ -142,7 +143,7 @@ def _consolidates_into_a_plain_model(directory: Path, out: Path) -> None:
 
 @pytest.mark.timeout(300)
 def test_fsdp_sharded_loads_into_zero_at_other_world_sizes(ranks, tmp_path: Path):
-    _round_trip(ranks, tmp_path, (3, "fsdp:SHARD_GRAD_OP"), [(4, "zero1"), (2, "zero2")])
+    _round_trip(ranks, tmp_path, (3, "fsdp:SHARD_GRAD_OP"), [(4, "zero1", TWO_HOSTS), (2, "zero2")])
     _round_trip(ranks, tmp_path, (1, "fsdp:NO_SHARD"), [(4, "fsdp:FULL_SHARD")])
     _round_trip(ranks, tmp_path, (2, "zero0"), [(3, "zero1")])  # a plain optimizer's whole state, flattened
     _consolidates_into_a_plain_model(tmp_path / "zero0_w2", tmp_path / "zero0.pt")

@@ -96,6 +96,11 @@ def test_gpt_example_with_auto(clean_python, outside):
     assert "--checkpoint/--resume need numpy: torch.distributed.checkpoint exchanges its plans" in refused.stderr
 
 
+def test_quickstart(clean_python, outside):
+    out = torchrun(clean_python, outside, REPO / "examples" / "quickstart.py")
+    assert out.splitlines()[-1] == "2 ranks: all_reduce AVG = 0.5; 5 DDP steps done", out
+
+
 def test_collectives_demo(clean_python, outside):
     out = torchrun(clean_python, outside, REPO / "examples" / "collectives_demo.py")
     assert "shardkit demo: 2 ranks, allreduce/allgather/broadcast all correct" in out, out
