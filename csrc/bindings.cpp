@@ -87,6 +87,9 @@ PYBIND11_MODULE(_C, m) {
            py::arg("first_bucket_bytes"), py::arg("find_unused_parameters"), py::arg("gradient_as_bucket_view"),
            py::arg("shard_gradients") = false)
       .def("prepare_for_backward", &Reducer::prepare_for_backward, py::call_guard<py::gil_scoped_release>())
+      .def("set_divisor_for_this_backward", &Reducer::set_divisor_for_this_backward, py::arg("ranks"))
+      // Released: a Python comm hook run on the zero buckets takes the GIL from the hook's thread.
+      .def("shadow_backward", &Reducer::shadow_backward, py::call_guard<py::gil_scoped_release>())
       .def("register_comm_hook",
            [](Reducer& reducer, py::object state, py::object hook) {
              reducer.register_comm_hook(std::make_unique<c10d::PythonCommHook>(std::move(state), std::move(hook)));

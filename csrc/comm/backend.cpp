@@ -110,7 +110,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::allreduce(std::vector<at::T
   at::Tensor tensor = args_.single(tensors, "allreduce");
   args_.check(tensor, "allreduce");
   const ReduceSpec spec = args_.reduce_spec(opts.reduceOp, tensor.scalar_type(), "allreduce");
-  return launch(c10d::OpType::ALLREDUCE, "shardkit:allreduce", "allreduce", {tensor}, opts,
+  return launch(c10d::OpType::ALLREDUCE, "shardkit::allreduce", "allreduce", {tensor}, opts,
                 [tensor, spec, world = getSize()](Engine& engine, const OpContext& op) mutable {
                   with_contiguous(tensor, [&](at::Tensor& t) {
                     reduce_with(spec, t, world, true, [&](at::Tensor& d) { engine.allreduce(op, d, spec.op); });
@@ -133,7 +133,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::allreduce_sparse_coo(const 
   TORCH_CHECK(opts.reduceOp == c10d::ReduceOp::SUM, args_.where(name),
               "sparse tensors support reduce op SUM only (as gloo)");
   return launch(
-      c10d::OpType::ALLREDUCE, "shardkit:allreduce", name, {tensor}, opts,
+      c10d::OpType::ALLREDUCE, "shardkit::allreduce", name, {tensor}, opts,
       [tensor, world = getSize()](Engine& engine, const OpContext& op) mutable {
         // Every rank contributes its (coalesced) indices and values; all ranks concatenate them in rank
         // order and coalesce, which sums duplicates: the same result, bit for bit, everywhere.
@@ -173,7 +173,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::allreduce_coalesced(std::ve
     args_.check_same(tensor, tensors[0], name);
   }
   const ReduceSpec spec = args_.reduce_spec(opts.reduceOp, tensors[0].scalar_type(), name);
-  return launch(c10d::OpType::ALLREDUCE_COALESCED, "shardkit:allreduce_coalesced", name, tensors, opts,
+  return launch(c10d::OpType::ALLREDUCE_COALESCED, "shardkit::allreduce_coalesced", name, tensors, opts,
                 [tensors, spec, world = getSize()](Engine& engine, const OpContext& op) mutable {
                   at::Tensor flat = concat_flat(tensors);
                   reduce_with(spec, flat, world, true, [&](at::Tensor& d) { engine.allreduce(op, d, spec.op); });
@@ -188,7 +188,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::reduce(std::vector<at::Tens
   args_.check_root(opts.rootRank, "reduce");
   const ReduceSpec spec = args_.reduce_spec(opts.reduceOp, tensor.scalar_type(), "reduce");
   const int root = static_cast<int>(opts.rootRank);
-  return launch(c10d::OpType::REDUCE, "shardkit:reduce", "reduce", {tensor}, opts,
+  return launch(c10d::OpType::REDUCE, "shardkit::reduce", "reduce", {tensor}, opts,
                 [tensor, spec, root, rank = getRank(), world = getSize()](Engine& engine, const OpContext& op) mutable {
                   auto run = [&](at::Tensor& d) { engine.reduce(op, d, spec.op, root); };
                   if (rank == root) {
@@ -210,7 +210,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::reduce_scatter(std::vector<
   std::vector<at::Tensor> in = inputs[0];
   args_.check_per_rank(in, output, "reduce_scatter", "input_list");
   const ReduceSpec spec = args_.reduce_spec(opts.reduceOp, output.scalar_type(), "reduce_scatter");
-  return launch(c10d::OpType::REDUCE_SCATTER, "shardkit:reduce_scatter", "reduce_scatter", {output}, opts,
+  return launch(c10d::OpType::REDUCE_SCATTER, "shardkit::reduce_scatter", "reduce_scatter", {output}, opts,
                 [output, in, spec, world = getSize()](Engine& engine, const OpContext& op) mutable {
                   at::Tensor flat = concat_flat(in);
                   if (spec.premultiply) flat.mul_(spec.factor);
@@ -241,7 +241,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::reduce_scatter_tensor_coale
     args_.check_numel(inputs[i], outputs[i].numel() * getSize(), name, "input");
     specs.push_back(args_.reduce_spec(opts.reduceOp, inputs[i].scalar_type(), name));
   }
-  return launch(c10d::OpType::_REDUCE_SCATTER_BASE, "shardkit:reduce_scatter_tensor", name, outputs, opts,
+  return launch(c10d::OpType::_REDUCE_SCATTER_BASE, "shardkit::reduce_scatter_tensor", name, outputs, opts,
                 [outputs, inputs, specs, world = getSize()](Engine& engine, const OpContext& op) mutable {
                   for (size_t i = 0; i < inputs.size(); ++i) {
                     const ReduceSpec& spec = specs[i];
@@ -262,7 +262,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::broadcast(std::vector<at::T
   args_.check(tensor, "broadcast");
   args_.check_root(opts.rootRank, "broadcast");
   const int root = static_cast<int>(opts.rootRank);
-  return launch(c10d::OpType::BROADCAST, "shardkit:broadcast", "broadcast", {tensor}, opts,
+  return launch(c10d::OpType::BROADCAST, "shardkit::broadcast", "broadcast", {tensor}, opts,
                 [tensor, root](Engine& engine, const OpContext& op) mutable {
                   with_contiguous(tensor, [&](at::Tensor& t) { engine.broadcast(op, t, root); });
                 });
@@ -276,7 +276,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::allgather(std::vector<std::
   TORCH_CHECK(outputs.size() == 1, args_.where("allgather"), "expects one output list, got ", outputs.size());
   std::vector<at::Tensor> out = outputs[0];
   args_.check_per_rank(out, input, "allgather", "output_tensor_list");
-  return launch(c10d::OpType::ALLGATHER, "shardkit:allgather", "allgather", out, opts,
+  return launch(c10d::OpType::ALLGATHER, "shardkit::allgather", "allgather", out, opts,
                 [input, out, world = getSize()](Engine& engine, const OpContext& op) mutable {
                   at::Tensor flat = at::empty({input.numel() * world}, input.options());
                   engine.allgather(op, input.contiguous(), flat);
@@ -302,7 +302,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::allgather_into_tensor_coale
     args_.check_same(outputs[i], inputs[i], name);
     args_.check_numel(outputs[i], inputs[i].numel() * getSize(), name, "output");
   }
-  return launch(c10d::OpType::_ALLGATHER_BASE, "shardkit:all_gather_into_tensor", name, outputs, opts,
+  return launch(c10d::OpType::_ALLGATHER_BASE, "shardkit::all_gather_into_tensor", name, outputs, opts,
                 [outputs, inputs](Engine& engine, const OpContext& op) mutable {
                   for (size_t i = 0; i < inputs.size(); ++i) {
                     const at::Tensor in = inputs[i].contiguous();
@@ -334,7 +334,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::allgather_coalesced(
     }
   }
   // Tensors of any dtypes travel together as bytes.
-  return launch(c10d::OpType::ALLGATHER_COALESCED, "shardkit:all_gather_coalesced", name, flat_outputs, opts,
+  return launch(c10d::OpType::ALLGATHER_COALESCED, "shardkit::all_gather_coalesced", name, flat_outputs, opts,
                 [inputs, flat_outputs, bytes, world = getSize()](Engine& engine, const OpContext& op) mutable {
                   std::vector<at::Tensor> parts;
                   for (const auto& input : inputs) parts.push_back(as_bytes(input.contiguous()));
@@ -366,7 +366,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::gather(std::vector<std::vec
     TORCH_CHECK(outputs.empty() || outputs[0].empty(), args_.where("gather"),
                 "only the root (rank ", root, ") passes a gather_list");
   }
-  return launch(c10d::OpType::GATHER, "shardkit:gather", "gather", out, opts,
+  return launch(c10d::OpType::GATHER, "shardkit::gather", "gather", out, opts,
                 [input, out, root, rank = getRank(), world = getSize()](Engine& engine, const OpContext& op) mutable {
                   at::Tensor flat;
                   if (rank == root) flat = at::empty({input.numel() * world}, input.options());
@@ -391,7 +391,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::scatter(std::vector<at::Ten
     TORCH_CHECK(inputs.empty() || inputs[0].empty(), args_.where("scatter"),
                 "only the root (rank ", root, ") passes a scatter_list");
   }
-  return launch(c10d::OpType::SCATTER, "shardkit:scatter", "scatter", {output}, opts,
+  return launch(c10d::OpType::SCATTER, "shardkit::scatter", "scatter", {output}, opts,
                 [output, in, root](Engine& engine, const OpContext& op) mutable {
                   const at::Tensor flat = in.empty() ? at::Tensor() : concat_flat(in);
                   with_contiguous(output, [&](at::Tensor& out) { engine.scatter(op, flat, out, root); });
@@ -408,7 +408,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::alltoall_base(at::Tensor& o
   args_.check_same(output, input, name);
   const std::vector<size_t> send_counts = args_.split_counts(input, input_split_sizes, name, "input");
   const std::vector<size_t> recv_counts = args_.split_counts(output, output_split_sizes, name, "output");
-  return launch(c10d::OpType::ALLTOALL_BASE, "shardkit:all_to_all_single", name, {output}, opts,
+  return launch(c10d::OpType::ALLTOALL_BASE, "shardkit::all_to_all_single", name, {output}, opts,
                 [output, input, send_counts, recv_counts](Engine& engine, const OpContext& op) mutable {
                   const at::Tensor in = input.contiguous();
                   with_contiguous(output, [&](at::Tensor& out) {
@@ -434,7 +434,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::alltoall(std::vector<at::Te
     send_counts.push_back(static_cast<size_t>(inputs[r].numel()));
     recv_counts.push_back(static_cast<size_t>(outputs[r].numel()));
   }
-  return launch(c10d::OpType::ALLTOALL, "shardkit:all_to_all", name, outputs, opts,
+  return launch(c10d::OpType::ALLTOALL, "shardkit::all_to_all", name, outputs, opts,
                 [outputs, inputs, send_counts, recv_counts](Engine& engine, const OpContext& op) mutable {
                   const at::Tensor in = concat_flat(inputs);
                   const size_t total = std::accumulate(recv_counts.begin(), recv_counts.end(), size_t{0});
@@ -445,7 +445,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::alltoall(std::vector<at::Te
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::barrier(const c10d::BarrierOptions& opts) {
-  return launch(c10d::OpType::BARRIER, "shardkit:barrier", "barrier", {}, opts,
+  return launch(c10d::OpType::BARRIER, "shardkit::barrier", "barrier", {}, opts,
                 [](Engine& engine, const OpContext& op) { engine.barrier(op); });
 }
 

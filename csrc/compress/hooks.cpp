@@ -1,9 +1,12 @@
 #include "compress/hooks.h"
+#include "profile_span.h"
 
 namespace shardkit::compress {
 
 FuturePtr cast_compress_hook(const c10::intrusive_ptr<c10d::ProcessGroup>& group, c10d::GradBucket& bucket,
                              at::ScalarType dtype) {
+  SHARDKIT_PROFILE_SPAN(std::string("shardkit::") + (dtype == at::kBFloat16 ? "bf16" : "fp16") + "_compress[" +
+                        std::to_string(bucket.getIndex()) + "]");
   at::Tensor buffer = bucket.getBuffer();
   TORCH_CHECK(at::isFloatingType(buffer.scalar_type()), "shardkit ", dtype, " compress hook (rank ",
               group->getRank(), "): bucket ", bucket.getIndex(), " holds ", buffer.scalar_type(),

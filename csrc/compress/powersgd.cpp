@@ -7,6 +7,7 @@
 #include <memory>
 #include <string>
 #include <utility>
+#include "profile_span.h"
 
 namespace shardkit::compress {
 
@@ -139,6 +140,7 @@ at::Tensor PowerSGDState::error_plus(int64_t index, const at::Tensor& values, in
 }
 
 FuturePtr PowerSGDState::powersgd_hook(c10d::GradBucket& bucket) {
+  SHARDKIT_PROFILE_SPAN("shardkit::powersgd[" + std::to_string(bucket.getIndex()) + "]");
   if (FuturePtr plain = allreduce_before_start(bucket)) return plain;
   const auto group = process_group_;
   at::Tensor input = bucket.getBuffer();
@@ -288,6 +290,7 @@ FuturePtr PowerSGDState::powersgd_hook(c10d::GradBucket& bucket) {
 }
 
 FuturePtr PowerSGDState::batched_powersgd_hook(c10d::GradBucket& bucket) {
+  SHARDKIT_PROFILE_SPAN("shardkit::batched_powersgd[" + std::to_string(bucket.getIndex()) + "]");
   if (FuturePtr plain = allreduce_before_start(bucket)) return plain;
   const auto group = process_group_;
   at::Tensor input = bucket.getBuffer();

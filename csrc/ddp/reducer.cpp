@@ -7,6 +7,7 @@
 #include <limits>
 
 #include "core/bucket_assignment.h"
+#include "profile_span.h"
 
 namespace shardkit::ddp {
 
@@ -203,27 +204,67 @@ void Reducer::prepare_for_backward() {
   // The DDP sets the shards right after building the reducer; only a direct user of _C.Reducer can miss it.
   TORCH_CHECK(!options_.shard_gradients || shards_, where(), "zero_stage=2 reducer without gradient shards: call "
               "set_gradient_shards before the first synchronised backward");
-  if (iteration_ == 1 && !rebuilt_ && !options_.find_unused_parameters) {
-    // Rebuild once from the arrival order of the first iteration; rank 0's order wins so that every rank
-    // builds identical buckets (they launch collectives bucket by bucket). Parameters that never arrived
-    // keep their reverse-registration place at the end.
-    std::vector<size_t> order = arrival_order_;
-    std::vector<bool> present(params_.size(), false);
-    for (size_t index : order) present[index] = true;
-    for (size_t i = params_.size(); i-- > 0;) {
-      if (!present[i]) order.push_back(i);
-    }
-    at::Tensor agreed = at::empty({static_cast<int64_t>(order.size())}, at::kLong);
-    int64_t* slots = agreed.data_ptr<int64_t>();
-    for (size_t i = 0; i < order.size(); ++i) slots[i] = static_cast<int64_t>(order[i]);
-    std::vector<at::Tensor> payload{agreed};
-    process_group_->broadcast(payload)->wait();
-    for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<size_t>(slots[i]);
-    build_buckets(core::assign_buckets(param_shapes(), order, options_.first_bucket_bytes, options_.bucket_bytes_cap));
-    rebuilt_ = true;
-  }
+  rebuild_buckets_if_due();
   reset_iteration();
   armed_ = true;
+}
+
+void Reducer::rebuild_buckets_if_due() {
+  if (iteration_ != 1 || rebuilt_ || options_.find_unused_parameters) return;
+  SHARDKIT_PROFILE_SPAN("shardkit::ddp.rebuild_buckets");
+  // Rebuild once from the arrival order of the first iteration; rank 0's order wins so that every rank
+  // builds identical buckets (they launch collectives bucket by bucket). Parameters that never arrived
+  // keep their reverse-registration place at the end.
+  std::vector<size_t> order = arrival_order_;
+  std::vector<bool> present(params_.size(), false);
+  for (size_t index : order) present[index] = true;
+  for (size_t i = params_.size(); i-- > 0;) {
+    if (!present[i]) order.push_back(i);
+  }
+  at::Tensor agreed = at::empty({static_cast<int64_t>(order.size())}, at::kLong);
+  int64_t* slots = agreed.data_ptr<int64_t>();
+  for (size_t i = 0; i < order.size(); ++i) slots[i] = static_cast<int64_t>(order[i]);
+  std::vector<at::Tensor> payload{agreed};
+  process_group_->broadcast(payload)->wait();
+  for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<size_t>(slots[i]);
+  build_buckets(core::assign_buckets(param_shapes(), order, options_.first_bucket_bytes, options_.bucket_bytes_cap));
+  rebuilt_ = true;
+}
+
+void Reducer::set_divisor_for_this_backward(double ranks) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(armed_, where(), "set_divisor_for_this_backward: no synchronised backward is prepared");
+  TORCH_CHECK(ranks >= 1 && ranks <= process_group_->getSize(), where(), "the divisor must count between 1 and ",
+              process_group_->getSize(), " ranks, got ", ranks);
+  divisor_ = ranks;
+}
+
+void Reducer::shadow_backward() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(!callback_queued_, where(), "the previous backward has not finished its gradient reduction");
+  TORCH_CHECK(!options_.shard_gradients, where(), "join() is not supported with zero_stage=2");
+  SHARDKIT_PROFILE_SPAN("shardkit::ddp.join_shadow_backward");
+  rebuild_buckets_if_due();
+  reset_iteration();
+  // Fresh zero buffers: the real ones may be this rank's .grad (gradient_as_bucket_view), which must survive.
+  std::vector<at::Tensor> real;
+  for (Bucket& bucket : buckets_) {
+    real.push_back(bucket.buffer);
+    bucket.buffer = at::zeros_like(bucket.buffer);
+    bucket.pending = 0;
+  }
+  launch_ready_buckets();
+  std::exception_ptr failure;
+  try {
+    wait_for_bucket_futures();
+    if (options_.find_unused_parameters) agree_on_used(at::zeros({static_cast<int64_t>(params_.size())}, at::kInt));
+  } catch (...) {
+    failure = std::current_exception();
+  }
+  for (size_t i = 0; i < buckets_.size(); ++i) buckets_[i].buffer = std::move(real[i]);
+  reset_iteration();
+  if (failure) std::rethrow_exception(failure);
+  ++iteration_;
 }
 
 void Reducer::reset_iteration() {
@@ -235,6 +276,7 @@ void Reducer::reset_iteration() {
   next_launch_ = 0;
   armed_ = false;
   callback_queued_ = false;
+  divisor_ = 0;
 }
 
 void Reducer::mark_ready(size_t index) {
@@ -268,6 +310,7 @@ void Reducer::launch_ready_buckets() {
 }
 
 void Reducer::launch(size_t bucket_index) {
+  SHARDKIT_PROFILE_SPAN("shardkit::ddp.bucket[" + std::to_string(bucket_index) + "]");
   Bucket& bucket = buckets_[bucket_index];
   if (comm_hook_) {
     std::vector<c10::IntArrayRef> sizes;
@@ -296,6 +339,7 @@ void Reducer::launch(size_t bucket_index) {
 void Reducer::finalize() {
   std::unique_lock<std::mutex> lock(mutex_);
   if (!armed_) return;
+  SHARDKIT_PROFILE_SPAN("shardkit::ddp.finalize");
   at::Tensor used;  // find_unused_parameters: 1 where this rank used the parameter
   if (options_.find_unused_parameters) {
     // Unused here: contribute zeros, so that ranks that did use the parameter get the right average.
@@ -325,6 +369,18 @@ void Reducer::finalize() {
   TORCH_INTERNAL_ASSERT(next_launch_ == buckets_.size(), "only ", next_launch_, " of ", buckets_.size(),
                         " buckets were launched");
 
+  wait_for_bucket_futures();
+  const std::vector<int32_t> globally_used = used.defined() ? agree_on_used(used) : std::vector<int32_t>{};
+  for (Bucket& bucket : buckets_) {
+    const bool average = comm_hook_ == nullptr;  // a hook does its own division, as in torch
+    at::Tensor result = average ? bucket.buffer : comm_hook_->parseHookResult(bucket.futures.front()->value());
+    finalize_bucket(bucket, result, average, globally_used);
+  }
+  ++iteration_;
+  reset_iteration();
+}
+
+void Reducer::wait_for_bucket_futures() {
   // Every bucket's reduction must be over before anything else is issued: a comm hook may still issue
   // collectives from its callbacks until its future completes, and every rank must issue collectives in
   // the same order (DESIGN.md, "Collective order"). A failed reduction (a peer died, the group aborted)
@@ -340,37 +396,30 @@ void Reducer::finalize() {
     reset_iteration();
     std::rethrow_exception(failure);
   }
+}
 
-  std::vector<int32_t> globally_used;
-  if (used.defined()) {
-    std::vector<at::Tensor> payload{used};
-    c10d::AllreduceOptions max;
-    max.reduceOp = c10d::ReduceOp::MAX;
-    auto work = process_group_->allreduce(payload, max);
-    try {
-      work->wait();
-    } catch (...) {
-      reset_iteration();
-      throw;
-    }
-    globally_used.assign(used.data_ptr<int32_t>(), used.data_ptr<int32_t>() + used.numel());
+std::vector<int32_t> Reducer::agree_on_used(at::Tensor used) {
+  std::vector<at::Tensor> payload{used};
+  c10d::AllreduceOptions max;
+  max.reduceOp = c10d::ReduceOp::MAX;
+  auto work = process_group_->allreduce(payload, max);
+  try {
+    work->wait();
+  } catch (...) {
+    reset_iteration();
+    throw;
   }
-  for (Bucket& bucket : buckets_) {
-    const bool average = comm_hook_ == nullptr;  // a hook does its own division, as in torch
-    at::Tensor result = average ? bucket.buffer : comm_hook_->parseHookResult(bucket.futures.front()->value());
-    finalize_bucket(bucket, result, average, globally_used);
-  }
-  ++iteration_;
-  reset_iteration();
+  return std::vector<int32_t>(used.data_ptr<int32_t>(), used.data_ptr<int32_t>() + used.numel());
 }
 
 void Reducer::finalize_bucket(Bucket& bucket, const at::Tensor& result, bool average,
                               const std::vector<int32_t>& globally_used) {
-  const double world = static_cast<double>(process_group_->getSize());
-  const at::Tensor divisor = average ? at::scalar_tensor(world, result.options()) : at::Tensor();
+  SHARDKIT_PROFILE_SPAN("shardkit::ddp.copy_bucket_to_grad[" + std::to_string(&bucket - buckets_.data()) + "]");
+  const double ranks = divisor_ > 0 ? divisor_ : static_cast<double>(process_group_->getSize());
+  const at::Tensor divisor = average ? at::scalar_tensor(ranks, result.options()) : at::Tensor();
   if (options_.gradient_as_bucket_view) {
     if (!result.is_same(bucket.buffer)) bucket.buffer.copy_(result);
-    if (average) bucket.buffer.div_(world);
+    if (average) bucket.buffer.div_(ranks);
   }
   for (size_t position = 0; position < bucket.members.size(); ++position) {
     const size_t index = bucket.members[position];

@@ -62,6 +62,16 @@ class Reducer {
   void prepare_for_backward();
   // Takes ownership of the comm hook; only one may be registered, ever.
   void register_comm_hook(std::unique_ptr<c10d::CommHookInterface> hook);
+  // Join (uneven inputs, torch DDP's join(divide_by_initial_world_size=False)): the default averaging of the
+  // synchronised backward prepared last divides by `ranks` (those that still had inputs) instead of the world
+  // size. Call after prepare_for_backward(); it holds for that backward only.
+  void set_divisor_for_this_backward(double ranks);
+  // Join: on a rank whose inputs ran out, issues exactly the collectives a synchronised backward issues on
+  // the other ranks, in the same order — on the second iteration the bucket rebuild's broadcast, then each
+  // bucket's reduction (or comm hook) over zeros, then find_unused_parameters' allreduce — and waits for
+  // them. Nothing of this rank's .grad changes; the iteration count advances as a backward's would.
+  // Not with shard_gradients (ZeRO-2 ranks must also step their shard: the DDP refuses join() there).
+  void shadow_backward();
   // Parameter indices per bucket, in launch order (for tests and introspection).
   std::vector<std::vector<size_t>> bucket_indices() const;
   // Adopts `assignment` (parameter indices per bucket, in launch order, as bucket_indices() returned them in
@@ -97,6 +107,11 @@ class Reducer {
   };
 
   std::vector<core::BucketParam> param_shapes() const;
+  void rebuild_buckets_if_due();  // the second iteration's rebuild (a broadcast); runs under mutex_
+  // Waits for every bucket's futures in bucket order; the first failure resets the iteration and is rethrown.
+  void wait_for_bucket_futures();
+  // find_unused_parameters: the allreduce (MAX) that tells which parameters some rank used.
+  std::vector<int32_t> agree_on_used(at::Tensor used);
   // Lays out buckets (parameter indices per bucket, in launch order) and re-points bucket-view grads.
   void build_buckets(const std::vector<std::vector<size_t>>& assignment);
   void mark_ready(size_t index);  // runs under mutex_
@@ -127,6 +142,7 @@ class Reducer {
   size_t next_launch_ = 0;
   std::vector<bool> ready_;       // per parameter, this backward
   int iteration_ = 0;             // synchronised backwards completed
+  double divisor_ = 0;            // set_divisor_for_this_backward; 0: the world size
   bool rebuilt_ = false;
   std::vector<size_t> arrival_order_;  // of the first iteration
 };

@@ -4,18 +4,26 @@ Construction verifies that every rank holds the same parameters (names, shapes, 
 parameters and buffers from rank 0. Each forward in training mode arms the reducer, whose autograd hooks
 bucket the gradients, reduce them (overlapping backward) and write the averages back into ``.grad``.
 Everything per parameter or per bucket during training happens in C++; this module is configuration.
+
+The class derives from torch.nn.parallel.DistributedDataParallel without running its constructor (no torch
+reducer, logger or hooks exist), so code that recognises DDP by ``isinstance`` (unwrapping ``.module``,
+``no_sync``, torch.compile's DDPOptimizer) treats it as one. Every torch DDP method it does not implement is
+replaced by one that raises NotImplementedError naming it (see the end of this file).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
+from torch.nn.parallel import DistributedDataParallel as _TorchDDP
 
-from . import _C, _exchange, _flat, zero_state_dict
+from . import _C, _exchange, _flat, _profiling, zero_state_dict
 from .fsdp_state_dict import FullStateDictConfig, ShardedStateDictConfig, StateDictType
 from .hooks import check_state_group
 
@@ -24,8 +32,20 @@ _FIRST_BUCKET_BYTES = 1 << 20  # a small first bucket so the first reduction sta
 _BROADCAST_BUCKET_BYTES = 250 << 20
 
 
-class DistributedDataParallel(nn.Module):
+class DistributedDataParallel(_TorchDDP):
     """Data parallelism with torch DDP's arguments and semantics; see torch.nn.parallel.DistributedDataParallel.
+
+    torch's arguments as of 2.13, with these differences: ``init_sync=False`` skips the initial check and
+    broadcast, as torch's does; ``device_mesh`` (1-D) gives the group; ``check_reduction`` is ignored (torch
+    deprecated it); ``batched_grad_copy`` is accepted and changes nothing (the reducer copies each gradient as
+    it arrives either way). ``delay_all_reduce_named_params``/``param_to_hook_all_reduce``, ``mixed_precision``,
+    ``skip_all_reduce_unused_params=True`` and ``bucket_cap_mb_list`` raise NotImplementedError. Parameters
+    and buffers named in ``module._ddp_params_and_buffers_to_ignore`` are neither broadcast nor reduced.
+    ``broadcast_buffers`` (deprecated by torch 2.13) and ``forward_sync_buffers`` mean what they mean in torch.
+
+    ``join()`` (uneven inputs) works as torch's for ``zero_stage=0``: a rank whose inputs ran out matches the
+    others' collectives with zero gradients, and the last rank to join broadcasts the final parameters. The
+    buffers broadcast in each forward come from rank 0 (torch takes the highest rank still training).
 
     ``zero_stage`` (0, 1, 2) selects ZeRO partitioning of optimizer state (1) and gradients (2); both take
     ``shardkit.ZeroRedundancyOptimizer`` as the optimizer, built over this model's parameters.
@@ -56,33 +76,68 @@ class DistributedDataParallel(nn.Module):
         device_ids: list[int | torch.device] | None = None,
         output_device: int | torch.device | None = None,
         dim: int = 0,
-        broadcast_buffers: bool = True,
+        broadcast_buffers: bool | None = None,
+        init_sync: bool = True,
         process_group: dist.ProcessGroup | None = None,
         bucket_cap_mb: float | None = None,
         find_unused_parameters: bool = False,
+        check_reduction: bool = False,
         gradient_as_bucket_view: bool = False,
         static_graph: bool = False,
+        delay_all_reduce_named_params: Any = None,
+        param_to_hook_all_reduce: Any = None,
+        mixed_precision: Any = None,
+        device_mesh: Any = None,
+        skip_all_reduce_unused_params: bool = False,
+        bucket_cap_mb_list: list[int] | None = None,
+        batched_grad_copy: bool = False,
+        forward_sync_buffers: bool | None = None,
+        *,
         zero_stage: int = 0,
     ) -> None:
-        super().__init__()
+        # torch DDP's constructor builds torch's reducer: only nn.Module's and Joinable's run here.
+        nn.Module.__init__(self)
+        _run_eagerly_under_torch_compile()
+        Joinable.__init__(self)
+        _refuse_unsupported(delay_all_reduce_named_params=delay_all_reduce_named_params,
+                            param_to_hook_all_reduce=param_to_hook_all_reduce, mixed_precision=mixed_precision,
+                            skip_all_reduce_unused_params=skip_all_reduce_unused_params or None,
+                            bucket_cap_mb_list=bucket_cap_mb_list)
         if zero_stage not in (0, 1, 2):
             raise ValueError(f"zero_stage must be 0, 1 or 2, got {zero_stage!r}")
         if bucket_cap_mb is not None and bucket_cap_mb <= 0:
             raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb!r}")
         self.module = module
-        self.process_group = process_group if process_group is not None else dist.distributed_c10d._get_default_group()
+        self.process_group = _group_of(process_group, device_mesh)
+        self.device_mesh = device_mesh
         self.device_ids = self._check_devices(module, device_ids)
+        self.device = next(module.parameters(), torch.empty(0)).device
         self.output_device = output_device
         self.dim = dim
-        self.broadcast_buffers = broadcast_buffers
+        # torch 2.13's rule: forward_sync_buffers wins; the deprecated broadcast_buffers=False also keeps the
+        # buffers out of the initial broadcast.
+        self.forward_sync_buffers = forward_sync_buffers if forward_sync_buffers is not None else \
+            broadcast_buffers is not False
+        init_sync_buffers = forward_sync_buffers is not None or broadcast_buffers is not False
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.static_graph = static_graph  # accepted for torch compatibility: the reducer needs no hint
+        self.batched_grad_copy = batched_grad_copy
+        self.mixed_precision = None
         self.zero_stage = zero_stage
         self.require_backward_grad_sync = True
+        self._divide_by_initial_world_size = True  # join(): set by the join hook
+        ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+        self.parameters_to_ignore = ignored
+        self._use_python_reducer = False  # torch DDP attributes that torch's own helpers read
+        self._delay_all_reduce_all_params = False
 
-        named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
-        self._verify_same_parameters_everywhere(named)
+        named = [(name, p) for name, p in module.named_parameters() if p.requires_grad and name not in ignored]
+        if not named:
+            raise RuntimeError("shardkit DDP: the module has no parameter that requires a gradient (and is not in "
+                               "_ddp_params_and_buffers_to_ignore): there is nothing to reduce")
+        if init_sync:
+            self._verify_same_parameters_everywhere(named)
         spaces = []
         if zero_stage:
             # The ZeRO partition: per dtype one FlatLayout over the trainable parameters in module order, each
@@ -90,10 +145,12 @@ class DistributedDataParallel(nn.Module):
             # its gradient hooks see the final storages), and the optimizer's all-gather lands in place.
             spaces = _flat.flat_spaces([p for _, p in named], dist.get_world_size(self.process_group))
             _flat.flatten_into_buffers(spaces)
-        self._broadcast_from_rank0([p.detach() for _, p in module.named_parameters()] +
-                                   [b.detach() for b in module.buffers()])
+        if init_sync:
+            self._broadcast_from_rank0([p.detach() for n, p in module.named_parameters() if n not in ignored] +
+                                       (self._synced_buffers() if init_sync_buffers else []))
         # torch's rule: the small first bucket applies only when the cap is the default one.
         cap_bytes = max(1, int((bucket_cap_mb if bucket_cap_mb is not None else _DEFAULT_BUCKET_CAP_MB) * 1024 * 1024))
+        self.bucket_bytes_cap = cap_bytes  # torch.compile's DDPOptimizer splits graphs at this size
         first_bytes = _FIRST_BUCKET_BYTES if bucket_cap_mb is None else cap_bytes
         self.reducer = _C.Reducer([p for _, p in named], [name for name, _ in named], self.process_group,
                                   cap_bytes, first_bytes, find_unused_parameters, gradient_as_bucket_view,
@@ -140,21 +197,136 @@ class DistributedDataParallel(nn.Module):
                         f"shardkit DDP (rank {rank}): parameters differ across ranks at position {position}: "
                         f"rank {rank} has {_describe(a)} but rank {other_rank} has {_describe(b)}")
 
-    def _broadcast_from_rank0(self, tensors: list[torch.Tensor]) -> None:
+    def _broadcast_from_rank0(self, tensors: list[torch.Tensor], src: int = 0) -> None:
         if tensors:
-            dist._broadcast_coalesced(self.process_group, tensors, _BROADCAST_BUCKET_BYTES, 0)
+            dist._broadcast_coalesced(self.process_group, tensors, _BROADCAST_BUCKET_BYTES, src)
+
+    def _synced_buffers(self) -> list[torch.Tensor]:
+        return [b.detach() for n, b in self.module.named_buffers() if n not in self.parameters_to_ignore]
+
+    @property
+    def broadcast_buffers(self) -> bool:
+        """torch's deprecated name for ``forward_sync_buffers``."""
+        return self.forward_sync_buffers
+
+    @broadcast_buffers.setter
+    def broadcast_buffers(self, value: bool) -> None:
+        self.forward_sync_buffers = value
 
     # --- training -------------------------------------------------------------------------------------
+    # torch.compile: __call__ and forward run eagerly (their frames are marked for dynamo to skip, see the end
+    # of this file: the reducer and the collectives are C++ that dynamo cannot trace), while the wrapped module,
+    # called from them, is compiled whole; torch's DDPOptimizer then splits its graph at bucket_bytes_cap
+    # because this module is the active DDP module meanwhile. No graph break is left: torch DDP's own forward
+    # is traced and breaks three times before it reaches the module.
+    def __call__(self, *inputs: Any, **kwargs: Any) -> Any:
+        """nn.Module.__call__; without module hooks (or DistributedDataParallel.compile()) straight to forward."""
+        if self._compiled_call_impl is not None or _hooks_registered(self):
+            return nn.Module.__call__(self, *inputs, **kwargs)
+        return self.forward(*inputs, **kwargs)
+
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        if self.device_ids:
-            inputs, kwargs = _to_device((inputs, kwargs), self.device_ids[0])
-        if self.broadcast_buffers and self.require_forward_param_sync:
-            self._broadcast_from_rank0([b.detach() for b in self.module.buffers()])
+        inputs, kwargs, outer = self._before_forward(inputs, kwargs)
+        try:
+            return self.module(*inputs, **kwargs)
+        finally:
+            self._after_forward(outer)
+
+    @torch._disable_dynamo  # everything it calls runs eagerly under torch.compile
+    def _before_forward(self, inputs: tuple, kwargs: dict) -> tuple[tuple, dict, tuple[Any, Any]]:
+        """Opens the forward's profiler span, runs the forward's collectives and makes this the active DDP module
+        (torch's _inside_ddp_forward, which torch.compile's DDPOptimizer reads). Returns the inputs moved to this
+        module's device and what _after_forward restores."""
+        span = _profiling.span("shardkit::ddp.forward")
+        span.__enter__()
+        try:
+            if self.device_ids:
+                inputs, kwargs = _to_device((inputs, kwargs), self.device_ids[0])
+            self._prepare_forward()
+        except BaseException:
+            span.__exit__(None, None, None)
+            raise
+        outer = _TorchDDP._active_ddp_module  # a DDP nested in another restores the outer one afterwards
+        _TorchDDP._active_ddp_module = self
+        return inputs, kwargs, (span, outer)
+
+    @staticmethod
+    @torch._disable_dynamo
+    def _after_forward(outer: tuple[Any, Any]) -> None:
+        span, _TorchDDP._active_ddp_module = outer
+        span.__exit__(None, None, None)
+
+    def _prepare_forward(self) -> None:
+        """The collectives of a forward, in the order the join hook (_ShardkitJoinHook.main_hook) matches them
+        on ranks whose inputs ran out: the join notification, the buffer broadcast, whether backward syncs;
+        then the reducer's preparation (on the second iteration its bucket rebuild broadcasts)."""
+        joined_count = Join.notify_join_context(self)  # None unless inside join() (torch's Join protocol)
+        if self.forward_sync_buffers and self.require_forward_param_sync:
+            self._broadcast_from_rank0(self._synced_buffers())
         synced = torch.is_grad_enabled() and self.require_backward_grad_sync
+        if self._join_config.enable:
+            self._agree_on_backward_sync(synced)
         if synced:
             self.reducer.prepare_for_backward()
+            if joined_count is not None and not self._divide_by_initial_world_size:
+                joined_count.wait()
+                self.reducer.set_divisor_for_this_backward(float(joined_count.result()[0].item()))
         self.require_forward_param_sync = synced
-        return self.module(*inputs, **kwargs)
+
+    def _agree_on_backward_sync(self, synced: bool) -> bool:
+        """Join: an allreduce telling ranks whose inputs ran out whether this iteration's backward syncs."""
+        flag = torch.tensor([1 if synced else 0], dtype=torch.int32, device=self.device)
+        dist.all_reduce(flag, group=self.process_group)
+        return bool(flag.item())
+
+    # --- uneven inputs (torch.distributed.algorithms.join) ---------------------------------------------
+    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
+             throw_on_early_termination: bool = False) -> Join:
+        """torch DDP's ``join()``: a context manager for training with a different number of inputs per rank.
+        Ranks that run out keep matching the others' collectives (with zero gradients) until all are done;
+        with ``divide_by_initial_world_size=False`` the average is over the ranks still training."""
+        self._check_joinable()
+        return Join([self], enable, throw_on_early_termination,
+                    divide_by_initial_world_size=divide_by_initial_world_size)
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        """The Joinable protocol's hook (``divide_by_initial_world_size``, default True, as torch's)."""
+        self._check_joinable()
+        return _ShardkitJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
+
+    @property
+    def join_device(self) -> torch.device:
+        return self.device
+
+    @property
+    def join_process_group(self) -> dist.ProcessGroup:
+        return self.process_group
+
+    def _check_joinable(self) -> None:
+        if self.zero_stage:
+            raise NotImplementedError(
+                f"shardkit DDP: join() with zero_stage={self.zero_stage} is not supported: a rank whose inputs ran "
+                "out would also have to step its ZeRO partition and match ZeroRedundancyOptimizer.step()'s "
+                "all-gather; use zero_stage=0 with join(), or give every rank the same number of batches")
+
+    def will_sync_module_buffers(self) -> bool:
+        return self.require_forward_param_sync and self.forward_sync_buffers and bool(self._synced_buffers())
+
+    def _set_static_graph(self) -> None:
+        """torch DDP's private switch some trainers call; the shardkit reducer needs no static-graph hint."""
+        self.static_graph = True
+
+    def train(self, mode: bool = True) -> "DistributedDataParallel":
+        return nn.Module.train(self, mode)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in _UNSUPPORTED_PROPERTIES:
+            raise AttributeError(f"shardkit DDP does not implement torch DDP's {name}")
+        return super().__getattr__(name)
+
+    def __getstate__(self):
+        raise TypeError("shardkit DDP holds a C++ reducer bound to a process group and cannot be pickled or "
+                        "deep-copied; save .module or state_dict() instead")
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -240,6 +412,63 @@ class DistributedDataParallel(nn.Module):
         self.reducer.register_comm_hook(state, hook)
 
 
+class _ShardkitJoinHook(JoinHook):
+    """torch's Join protocol for shardkit DDP. Each iteration that the other ranks still train, a rank whose
+    inputs ran out issues what their forward and backward issue (DistributedDataParallel._prepare_forward and
+    Reducer::shadow_backward), contributing zeros; at the end the last rank to join broadcasts the model."""
+
+    def __init__(self, ddp: DistributedDataParallel, divide_by_initial_world_size: bool) -> None:
+        self.ddp = ddp
+        ddp._divide_by_initial_world_size = divide_by_initial_world_size
+
+    def main_hook(self) -> None:
+        ddp = self.ddp
+        with _profiling.span("shardkit::ddp.join_main_hook"):
+            if ddp.forward_sync_buffers and ddp.require_forward_param_sync:
+                ddp._broadcast_from_rank0(ddp._synced_buffers())
+            synced = ddp._agree_on_backward_sync(False)
+            ddp.require_forward_param_sync = synced
+            if synced:
+                ddp.reducer.shadow_backward()
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        """The model of the last rank to join (the highest such rank) goes to every rank: the others skipped
+        optimizer steps after their inputs ran out."""
+        ddp = self.ddp
+        candidate = torch.tensor([dist.get_rank(ddp.process_group) if is_last_joiner else -1], device=ddp.device)
+        dist.all_reduce(candidate, op=dist.ReduceOp.MAX, group=ddp.process_group)
+        source = dist.get_global_rank(ddp.process_group, int(candidate.item()))
+        tensors = [p.detach() for n, p in ddp.module.named_parameters() if n not in ddp.parameters_to_ignore]
+        if ddp.forward_sync_buffers:
+            tensors += ddp._synced_buffers()
+        ddp._broadcast_from_rank0(tensors, src=source)
+
+
+def _hooks_registered(module: nn.Module) -> bool:
+    """Whether nn.Module.__call__ would run hooks around ``module``'s forward (its own or global ones)."""
+    hooks = torch.nn.modules.module
+    return bool(module._backward_hooks or module._backward_pre_hooks or module._forward_hooks
+                or module._forward_pre_hooks or hooks._global_backward_pre_hooks or hooks._global_backward_hooks
+                or hooks._global_forward_hooks or hooks._global_forward_pre_hooks)
+
+
+def _group_of(process_group: dist.ProcessGroup | None, device_mesh: Any) -> dist.ProcessGroup:
+    if device_mesh is None:
+        return process_group if process_group is not None else dist.distributed_c10d._get_default_group()
+    if process_group is not None:
+        raise ValueError("shardkit DDP: pass process_group or device_mesh, not both")
+    if device_mesh.ndim != 1:
+        raise ValueError(f"shardkit DDP: only a 1-D device_mesh is supported, got {device_mesh.ndim} dimensions "
+                         f"({device_mesh})")
+    return device_mesh.get_group(mesh_dim=0)
+
+
+def _refuse_unsupported(**arguments: Any) -> None:
+    for name, value in arguments.items():
+        if value is not None:
+            raise NotImplementedError(f"shardkit DDP does not support torch DDP's {name} (got {value!r})")
+
+
 def _describe(entry) -> str:
     if entry is None:
         return "no parameter there"
@@ -255,3 +484,50 @@ def _to_device(obj: Any, device: torch.device) -> Any:
     if isinstance(obj, dict):
         return {k: _to_device(v, device) for k, v in obj.items()}
     return obj
+
+
+_UNSUPPORTED_PROPERTIES: set[str] = set()
+
+
+@functools.cache
+def _run_eagerly_under_torch_compile() -> None:
+    """Marks __call__'s and forward's frames for dynamo to skip (frames they call are still compiled). Done at
+    the first construction, not at import: importing torch._dynamo costs seconds."""
+    from torch._dynamo.eval_frame import skip_code
+
+    skip_code(DistributedDataParallel.__call__.__code__)
+    skip_code(DistributedDataParallel.forward.__code__)
+
+# torch DDP's methods that shardkit DDP does not implement: each would reach for torch's reducer, logger or
+# hooks, which do not exist here. They raise naming themselves instead of an AttributeError from deep inside
+# torch; properties raise an AttributeError with that message (so hasattr() stays False).
+_TORCH_DDP_KEPT = {
+    "_get_active_ddp_module", "_inside_ddp_forward",  # torch.compile's DDPOptimizer: this module is a DDP
+    "scatter", "to_kwargs", "gather", "_get_data_parallel_params", "_set_params_and_buffers_to_ignore_for_model",
+}
+
+
+def _unsupported_method(name: str) -> Callable[..., Any]:
+    def unsupported(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(f"shardkit DDP does not implement torch DDP's {name}()")
+    unsupported.__name__ = name
+    return unsupported
+
+
+def _unsupported_property(name: str) -> property:
+    def unsupported(self) -> Any:
+        raise AttributeError(name)  # nn.Module.__getattr__ runs next: DistributedDataParallel.__getattr__ names it
+    _UNSUPPORTED_PROPERTIES.add(name)
+    return property(unsupported)
+
+
+for _name, _value in vars(_TorchDDP).items():
+    if _name in vars(DistributedDataParallel) or _name in _TORCH_DDP_KEPT:
+        continue
+    if _name.startswith("__") and _name != "__setstate__":
+        continue
+    if isinstance(_value, property):
+        setattr(DistributedDataParallel, _name, _unsupported_property(_name))
+    elif callable(_value) or isinstance(_value, (staticmethod, classmethod)):
+        setattr(DistributedDataParallel, _name, _unsupported_method(_name))
+del _name, _value

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import _C, _exchange, fsdp_optim_state, zero_state_dict
+from . import _C, _exchange, _profiling, fsdp_optim_state, zero_state_dict
 from .backend import host_groups
 from .fsdp_state_dict import (FullStateDictConfig, ShardedStateDictConfig, StateDictType, full_state_dict,
                               sharded_state_dict)
@@ -98,6 +98,7 @@ class _FlatGroup:
     shapes: list[torch.Size]  # the parameters' own shapes
     trainable: bool
     leaf: torch.Tensor | None = None  # this iteration's autograd leaf aliasing the full buffer
+    unit_name: str = "(root)"  # the FSDP unit's module name, in profiler labels
 
 
 @dataclasses.dataclass(eq=False)
@@ -216,7 +217,7 @@ class FullyShardedDataParallel(nn.Module):
             for p, view in zip(ps, handle.shard_views()):
                 p.data = view
             groups.append(_FlatGroup(handle, ps, [n for n, _ in members], [occurrences[id(p)] for p in ps], shapes,
-                                     trainable))
+                                     trainable, unit_name=name or "(root)"))
         return _Unit(name, module, groups, is_root=name == "")
 
     def _verify_same_layout_everywhere(self, owners: dict[str, list[tuple[str, nn.Parameter]]]) -> None:
@@ -499,8 +500,10 @@ class FullyShardedDataParallel(nn.Module):
             if self._require_backward_grad_sync:
                 while self._pending:  # at most one reduction in flight besides this one
                     done = self._pending.pop(0)
-                    done.handle.reduce_finish(done.params)
-                group.handle.reduce_start(grad)
+                    with _profiling.span("shardkit::fsdp.reduce_finish", done.unit_name):
+                        done.handle.reduce_finish(done.params)
+                with _profiling.span("shardkit::fsdp.reduce_scatter", unit.name or "(root)"):
+                    group.handle.reduce_start(grad)
                 self._pending.append(group)
                 self.collective_counts["reduce_scatter"] += self._shard_group is not None
                 self.collective_counts["all_reduce"] += self._replicate_group is not None
@@ -527,7 +530,8 @@ class FullyShardedDataParallel(nn.Module):
         frees every full buffer. Also what a forward without backward (evaluation, an abandoned graph) left
         gathered is dropped here: the shards may change before the next forward (optimizer step, loading)."""
         for g in self._pending:
-            g.handle.reduce_finish(g.params)
+            with _profiling.span("shardkit::fsdp.reduce_finish", g.unit_name):
+                g.handle.reduce_finish(g.params)
         self._pending.clear()
         for u in self._units:
             for g in u.groups:
@@ -539,15 +543,17 @@ class FullyShardedDataParallel(nn.Module):
     def _start_gather(self, unit: _Unit) -> None:
         for g in unit.groups:
             if not g.handle.allocated:
-                g.handle.unshard_start()
+                with _profiling.span("shardkit::fsdp.all_gather", unit.name or "(root)"):
+                    g.handle.unshard_start()
                 self._gathered_bytes += g.handle.full_bytes
                 self.peak_gathered_bytes = max(self.peak_gathered_bytes, self._gathered_bytes)
                 self.collective_counts["all_gather"] += self._shard_group is not None
 
     def _unshard(self, unit: _Unit) -> None:
         self._start_gather(unit)
-        for g in unit.groups:
-            g.handle.unshard_wait()
+        with _profiling.span("shardkit::fsdp.wait_all_gather", unit.name or "(root)"):
+            for g in unit.groups:
+                g.handle.unshard_wait()
 
     def _reshard(self, unit: _Unit) -> None:
         for g in unit.groups:

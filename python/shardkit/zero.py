@@ -71,7 +71,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
-from . import _exchange, _flat
+from . import _exchange, _flat, _profiling
 
 __all__ = ["ELEMENTWISE_OPTIMIZERS", "ZeroRedundancyOptimizer"]
 
@@ -277,7 +277,7 @@ class ZeroRedundancyOptimizer(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._consolidated = None  # a consolidated state is stale once the optimizer has stepped
-        with torch.no_grad():
+        with torch.no_grad(), _profiling.span("shardkit::zero.step"):
             self._sync_options()
             for piece, grad in zip(self._pieces, self._owned_grads()):
                 piece.leaf.grad = grad
@@ -286,7 +286,8 @@ class ZeroRedundancyOptimizer(Optimizer):
             finally:
                 for piece in self._pieces:
                     piece.leaf.grad = None
-            _flat.all_gather_parameters(self._spaces, self.process_group)
+            with _profiling.span("shardkit::zero.all_gather"):
+                _flat.all_gather_parameters(self._spaces, self.process_group)
         return loss
 
     def _owned_grads(self) -> list[torch.Tensor | None]:
