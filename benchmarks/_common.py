@@ -18,6 +18,7 @@ import queue
 import resource
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 import traceback
@@ -179,6 +180,17 @@ class ForeignLoad:
 
 
 # --- launching ranks --------------------------------------------------------------------------------------
+
+def rank0_progress(rank: int, prefix: str = "") -> Callable[..., None]:
+    """``progress(text, end="\\n")``: on rank 0, ``prefix + text`` to stderr at once (stdout keeps the results, and a
+    run of minutes shows where it is); on the other ranks nothing."""
+
+    def progress(text: str, end: str = "\n") -> None:
+        if rank == 0:
+            print(prefix + text, end=end, file=sys.stderr, flush=True)
+
+    return progress
+
 
 class RanksFailed(RuntimeError):
     """A rank raised, crashed or did not finish in time."""

@@ -105,6 +105,7 @@ from _common import (  # noqa: E402  (the benchmarks folder is not a package)
     merge_results,
     peak_rss_bytes,
     plot_bar_panels,
+    rank0_progress,
     return_large_frees_to_os,
     synthetic_token_batches,
     write_json,
@@ -430,9 +431,7 @@ def rank_main(rank: int, world: int, store: str, run: RunConfig, scratch: str) -
     gloo = groups["gloo"]
     cfg = run.model
 
-    def progress(text: str) -> None:
-        if rank == 0:
-            print(text, file=sys.stderr, flush=True)
+    progress = rank0_progress(rank)
 
     train, probe = synthetic_token_batches(cfg.vocab, cfg.batch, cfg.seq, rank, 2)
     systems = list(dict.fromkeys(k.split(":")[0] for k in run.keys))

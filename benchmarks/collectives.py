@@ -62,6 +62,7 @@ from _common import (  # noqa: E402  (the benchmarks folder is not a package)
     merge_results,
     parse_size,
     plot_panels,
+    rank0_progress,
     time_collective,
     time_interleaved,
     write_json,
@@ -233,9 +234,7 @@ def rank_main(rank: int, world: int, store: str, cfg: BenchConfig) -> dict[str, 
                                                "gloo": lambda: dist.barrier(group=gloo)}
     groups = {"shardkit": None, "gloo": gloo}
 
-    def progress(text: str, end: str = "") -> None:
-        if rank == 0:
-            print(text, end=end, file=sys.stderr, flush=True)
+    progress = rank0_progress(rank)
 
     # The memory bandwidth is measured right before and after the largest f32 allreduce, so that the bound
     # and the time it is compared with see the same machine state (other load drifts over a run).
@@ -249,9 +248,9 @@ def rank_main(rank: int, world: int, store: str, cfg: BenchConfig) -> dict[str, 
     for case in cases_for(cfg):
         label = f"world {world}: {case.op} {case.dtype}:"
         if label != last_label:
-            progress(("\n" if last_label else "") + label)
+            progress(("\n" if last_label else "") + label, end="")
             last_label = label
-        progress(f" {format_size(case.size)}")
+        progress(f" {format_size(case.size)}", end="")
         check_against_gloo(case, rank, world, gloo)
         # Zeros keep the in-place allreduce's values fixed over thousands of calls (no overflow to inf,
         # no denormals), the same data for both backends.
@@ -287,9 +286,9 @@ def compare_dtypes(world: int, cfg: BenchConfig, barrier: Callable[[], None], gl
     """
     timing = dataclasses.replace(cfg.timing, reps=2 * cfg.timing.reps, point_s=2 * cfg.timing.point_s)
     out = []
-    progress(f"world {world}: allreduce per byte, dtypes interleaved:")
+    progress(f"world {world}: allreduce per byte, dtypes interleaved:", end="")
     for size in cfg.sizes:
-        progress(f" {format_size(size)}")
+        progress(f" {format_size(size)}", end="")
         tensors = {d: torch.zeros(size // torch.tensor([], dtype=DTYPES[d]).element_size(), dtype=DTYPES[d])
                    for d in ALLREDUCE_DTYPES}
         calls = {d: (lambda t=t: dist.all_reduce(t)) for d, t in tensors.items()}

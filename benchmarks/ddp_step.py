@@ -83,6 +83,7 @@ from _common import (  # noqa: E402  (the benchmarks folder is not a package)
     peak_rss_bytes,
     live_rss_bytes,
     plot_bar_panels,
+    rank0_progress,
     return_large_frees_to_os,
     synthetic_token_batches,
     unique_storage_bytes,
@@ -327,9 +328,7 @@ def rank_main(rank: int, world: int, store: str, run: RunConfig) -> dict[str, An
     groups = setup_groups(rank, world, store, run.pg_timeout_s)
     gloo = groups["gloo"]
 
-    def progress(text: str) -> None:
-        if rank == 0:
-            print(text, file=sys.stderr, flush=True)
+    progress = rank0_progress(rank)
 
     variants = [v for v in VARIANTS if v.key in run.keys]
     built: dict[str, Built] = {}

@@ -80,6 +80,7 @@ from _common import (  # noqa: E402  (the benchmarks folder is not a package)
     merge_results,
     peak_rss_bytes,
     plot_bar_panels,
+    rank0_progress,
     return_large_frees_to_os,
     synthetic_token_batches,
     unique_storage_bytes,
@@ -261,9 +262,7 @@ def rank_main(rank: int, world: int, store: str, run: RunConfig, precision: str)
     groups = setup_groups(rank, world, store, run.pg_timeout_s, run.keys)
     gloo = groups["gloo"]
 
-    def progress(text: str) -> None:
-        if rank == 0:
-            print(f"[{precision}] {text}", file=sys.stderr, flush=True)
+    progress = rank0_progress(rank, prefix=f"[{precision}] ")
 
     batches = synthetic_token_batches(run.model.vocab, run.model.batch, run.model.seq, rank,
                                       run.warmup + run.rounds + 1)

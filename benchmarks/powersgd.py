@@ -23,7 +23,8 @@ shardkit's configurations are compared after every step (max |diff|). Bytes per 
 compression_stats() against the formula sum over compressed matrices of (n + m)*r plus the uncompressed
 elements, times 4 bytes.
 
-Results: benchmarks/results/powersgd.{json,png} (``--out DIR`` writes them to DIR instead).
+Results: benchmarks/results/powersgd.{json,png} (``--out DIR`` writes them to DIR instead). Rank 0 reports each
+round on stderr as it goes.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ import torch.nn as nn
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_psgd
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-from _common import RESULTS_DIR, format_table, launch_ranks, machine_info, plot_bar_panels, write_json
+from _common import RESULTS_DIR, format_table, launch_ranks, machine_info, plot_bar_panels, rank0_progress, write_json
 
 RANK = 2
 START = 2
@@ -109,6 +110,8 @@ def _rank(rank: int, world: int, store: str, rounds: int, warmup: int) -> dict[s
     add("torch_b", torch_psgd.batched_powerSGD_hook, torch_psgd.PowerSGDState(None, **options))
     add("shardkit_b", H.batched_powerSGD_hook, H.PowerSGDState(None, **options))
     names = list(configs)
+    progress = rank0_progress(rank, prefix=f"world {world}: ")
+    progress(f"built {len(names)} configurations; {warmup} warm-up + {rounds} timed rounds")
     worst_diff = {"shardkit": 0.0, "native": 0.0, "shardkit_b": 0.0}
     gloo = dist.new_group(backend="gloo")
     for round_index in range(warmup + rounds):
@@ -134,6 +137,7 @@ def _rank(rank: int, world: int, store: str, rounds: int, warmup: int) -> dict[s
         for ours, ref in (("shardkit", "torch"), ("native", "torch"), ("shardkit_b", "torch_b")):
             diff = max((a - b).abs().max().item() for a, b in zip(configs[ours]["grads"], configs[ref]["grads"]))
             worst_diff[ours] = max(worst_diff[ours], diff)
+        progress(f"round {round_index + 1}/{warmup + rounds}{' (warm-up)' if round_index < warmup else ''}")
     stats = configs["shardkit"]["state"].compression_stats()
     steps_compressed = warmup + rounds - START
     out = {"step_s": {n: c["step_s"] for n, c in configs.items()},

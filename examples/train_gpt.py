@@ -15,11 +15,16 @@ few tokens the next one is predictable, so the loss falls), or ``--data FILE``: 
 256), each rank reading its own windows. Checkpoints (``--checkpoint DIR``, ``--resume DIR``) go through
 torch.distributed.checkpoint and load at any world size and with any strategy.
 
-Rank 0 prints a line every ``--log-every`` steps (loss, tokens/s, RSS per rank), and with ``--json`` one JSON
-line per step (``{"step", "loss", "tokens_per_s", "seconds"}``: what ``python -m shardkit scale`` reads). At the
-end it prints the memory table: per rank, the model-state bytes actually held (parameters, gradients and
-optimizer state, each storage once) beside what shardkit.estimate predicts for this strategy and for DDP, and
-the peak RSS; and a final JSON line ``{"summary": ...}``. Needs torch and shardkit only.
+Rank 0 shows its progress (``--progress``): with tqdm installed and stderr a terminal, a bar on stderr whose
+postfix holds the loss, tokens/s and each rank's peak RSS; otherwise (or with ``--progress lines``) a line on
+stdout every ``--log-every`` steps with the same. Every rank gathers the RSS on those steps, bar or not. With
+``--json`` it prints one JSON line per step (``{"step", "loss", "tokens_per_s", "seconds"}``: what ``python -m
+shardkit scale`` reads) instead of the lines. At the end it prints the memory table: per rank, the model-state
+bytes actually held (parameters, gradients and optimizer state, each storage once) beside what
+shardkit.estimate predicts for this strategy and for DDP, and the peak RSS; and a final JSON line ``{"summary":
+...}`` (with ``losses``, rank 0's loss per step). ``--plot loss.png`` draws that loss per step (needs
+matplotlib; without it the plot is skipped, with a line saying so). Needs torch and shardkit only; tqdm and
+matplotlib are used when installed.
 """
 
 from __future__ import annotations
@@ -70,13 +75,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--resume", type=Path, default=None, help="resume from a DCP checkpoint (any world size)")
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--json", action="store_true", help="one JSON line per step on rank 0")
+    p.add_argument("--progress", choices=("auto", "bar", "lines"), default="auto",
+                   help="rank 0's progress: a tqdm bar on stderr, a line every --log-every steps, or auto (default): "
+                        "the bar when tqdm is installed and stderr is a terminal, else the lines")
+    p.add_argument("--plot", type=Path, default=None,
+                   help="write rank 0's loss per step to this PNG (needs matplotlib; skipped with a note without it)")
     args = p.parse_args(argv)
+    has_tqdm = importlib.util.find_spec("tqdm") is not None
+    if args.progress == "bar" and not has_tqdm:
+        p.error("--progress bar needs tqdm, which is not installed (pip install tqdm); "
+                "--progress lines prints a line every --log-every steps instead")
+    if args.progress == "auto":
+        args.progress = "bar" if has_tqdm and stderr_is_a_terminal() else "lines"
     if args.hook != "none" and args.strategy != "ddp":
         p.error(f"--hook {args.hook} compresses DDP's allreduce; it does not apply to --strategy {args.strategy}")
     if (args.checkpoint or args.resume) and importlib.util.find_spec("numpy") is None:
         p.error("--checkpoint/--resume need numpy: torch.distributed.checkpoint exchanges its plans with "
                 "torch.distributed.gather_object, which converts through numpy (pip install numpy)")
     return args
+
+
+def stderr_is_a_terminal() -> bool:
+    """A terminal with a size: on one of width or height 0 (a pty nobody sized, as `script` makes) tqdm draws
+    nothing."""
+    try:
+        return sys.stderr.isatty() and min(os.get_terminal_size(sys.stderr.fileno())) > 0
+    except (OSError, ValueError, AttributeError):  # no fileno (a replaced sys.stderr), or not a terminal
+        return False
 
 
 def setup() -> torch.device:
@@ -156,6 +181,81 @@ def state_bytes(model, optimizer) -> int:
     return sum(seen.values())
 
 
+def gather_ints(values: list[int], world: int) -> list[list[int]]:
+    """Every rank's ``values`` (the same count on each), by rank. A collective: all ranks call it together.
+
+    A tensor all-gather, not all_gather_object: torch's object collectives convert through numpy. (torch 2.13
+    renamed all_gather_into_tensor to all_gather_single.)"""
+    mine = torch.tensor(values, dtype=torch.int64)
+    gathered = torch.empty(len(values) * world, dtype=torch.int64)
+    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(gathered, mine)
+    return gathered.view(world, len(values)).tolist()
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+class Progress:
+    """What rank 0 shows while training: a tqdm bar on stderr (``--progress bar``), its postfix the loss,
+    tokens/s and each rank's peak RSS; or (``lines``) a line on stdout with the same on the steps that carry
+    the RSS; with ``--json`` a JSON line per step on stdout instead of those lines (beside the bar, if any)."""
+
+    def __init__(self, args: argparse.Namespace, desc: str) -> None:
+        self.json = args.json
+        self.bar = None
+        if args.progress == "bar":
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=args.steps, desc=desc, unit="step", file=sys.stderr, dynamic_ncols=True)
+        self.rss = "?"
+
+    def step(self, step: int, loss: float, tokens_per_s: float, seconds: float, rss: list[int] | None) -> None:
+        """``rss``: each rank's peak RSS in bytes on the steps where the ranks gathered it, else None."""
+        if rss is not None:  # "312 MiB", or per rank "312/310 MiB (ranks 0/1)"
+            self.rss = "/".join(f"{b / (1 << 20):.0f}" for b in rss) + " MiB" + \
+                (f" (ranks {'/'.join(map(str, range(len(rss))))})" if len(rss) > 1 else "")
+        if self.json:
+            self._print(json.dumps({"step": step, "loss": round(loss, 5), "seconds": round(seconds, 6),
+                                    "tokens_per_s": round(tokens_per_s, 1)}))
+        if self.bar is not None:
+            self.bar.set_postfix_str(f"loss {loss:.4f}, {tokens_per_s:,.0f} tokens/s, rss {self.rss}", refresh=False)
+            self.bar.update(1)
+        elif rss is not None and not self.json:
+            self._print(f"step {step:5d}  loss {loss:.4f}  {tokens_per_s:9.0f} tokens/s  rss {self.rss}")
+
+    def _print(self, line: str) -> None:
+        if self.bar is not None:
+            self.bar.write(line, file=sys.stdout)  # above the bar, not through it
+            sys.stdout.flush()
+        else:
+            print(line, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def plot_losses(path: Path, losses: list[float], first: int, title: str) -> str:
+    """Rank 0's loss per step as a PNG (matplotlib, Agg backend); returns the line to print."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return f"--plot {path}: skipped, matplotlib is not installed (pip install matplotlib)"
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    ax.plot(range(first, first + len(losses)), losses, linewidth=1)
+    ax.set(xlabel="step", ylabel="loss (rank 0's batches)", title=title)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format="png")
+    plt.close(fig)
+    return f"wrote {path} (loss per step)"
+
+
 def save(path: Path, model, optimizer, step: int) -> None:
     import torch.distributed.checkpoint as dcp
     from shardkit.state_dict import get_state_dict
@@ -193,8 +293,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{f', hook {args.hook}' if args.hook != 'none' else ''}"
               f"{f', resumed at step {first}' if first else ''}", flush=True)
     losses, held, tokens_per_step = [], 0, args.batch * cfg.seq * world
+    progress = Progress(args, desc=row) if rank == 0 else None
+    last = first + args.steps - 1
     start = time.perf_counter()
-    for step in range(first, first + args.steps):
+    for step in range(first, last + 1):
         t0 = time.perf_counter()
         tokens, targets = batch(step)
         with autocast:
@@ -208,30 +310,29 @@ def main(argv: list[str] | None = None) -> int:
         loss_value = loss.item()
         losses.append(loss_value)
         seconds = time.perf_counter() - t0
-        if rank == 0 and args.json:
-            print(json.dumps({"step": step, "loss": round(loss_value, 5), "seconds": round(seconds, 6),
-                              "tokens_per_s": round(tokens_per_step / seconds, 1)}), flush=True)
-        elif rank == 0 and (step % args.log_every == 0 or step == first + args.steps - 1):
-            print(f"step {step:5d}  loss {loss_value:.4f}  {tokens_per_step / seconds:9.0f} tokens/s  "
-                  f"rss {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB (rank 0)", flush=True)
+        # A collective, so on the same steps on every rank whatever rank 0 shows (bar, lines or JSON).
+        rss = [r for r, in gather_ints([peak_rss_bytes()], world)] \
+            if step % args.log_every == 0 or step == last else None
+        if progress is not None:
+            progress.step(step, loss_value, tokens_per_step / seconds, seconds, rss)
     elapsed = time.perf_counter() - start
+    if progress is not None:
+        progress.close()
     if args.checkpoint:
         save(args.checkpoint, model, optimizer, first + args.steps)
-    report(rank, world, psi, row, args, held, losses, elapsed, tokens_per_step)
+    if rank == 0 and args.plot:
+        strategy = f"{args.strategy} -> {row}" if args.strategy == "auto" else args.strategy
+        print(plot_losses(args.plot, losses, first, f"train_gpt.py: {strategy}, {world} rank{'s' * (world > 1)}, "
+                                                    f"GPT of {psi / 1e6:.2f}M parameters"), flush=True)
+    report(rank, world, psi, row, args, held, losses, elapsed, tokens_per_step, first)
     dist.destroy_process_group()
     return 0
 
 
 def report(rank: int, world: int, psi: int, row: str, args: argparse.Namespace, held: int, losses: list[float],
-           elapsed: float, tokens_per_step: int) -> None:
+           elapsed: float, tokens_per_step: int, first: int) -> None:
     """Rank 0 prints each rank's measured model-state bytes and peak RSS beside the estimate's."""
-    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    # A tensor all-gather, not all_gather_object: torch's object collectives convert through numpy. (torch 2.13
-    # renamed all_gather_into_tensor to all_gather_single.)
-    mine = torch.tensor([held, peak_rss], dtype=torch.int64)
-    gathered = torch.empty(2 * world, dtype=torch.int64)
-    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(gathered, mine)
-    everyone = [tuple(pair) for pair in gathered.view(world, 2).tolist()]
+    everyone = [tuple(pair) for pair in gather_ints([held, peak_rss_bytes()], world)]
     if rank != 0:
         return
     # The parameters, gradients and AdamW state stay fp32 in every mode here (bf16 is compute only: FSDP's
@@ -255,7 +356,8 @@ def report(rank: int, world: int, psi: int, row: str, args: argparse.Namespace, 
                                   "held_bytes": [h for h, _ in everyone], "estimate_bytes": predicted,
                                   "ddp_bytes": ddp, "peak_rss_bytes": [rss for _, rss in everyone],
                                   "tokens_per_s": steps * tokens_per_step / elapsed,
-                                  "first_loss": losses[0], "last_loss": losses[-1]}}), flush=True)
+                                  "first_loss": losses[0], "last_loss": losses[-1],
+                                  "first_step": first, "losses": [round(x, 5) for x in losses]}}), flush=True)
 
 
 if __name__ == "__main__":

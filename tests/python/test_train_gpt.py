@@ -1,16 +1,23 @@
 """examples/train_gpt.py (issue #12) under real torchrun: every strategy and hook trains, and the model-state
 bytes each rank holds are what shardkit.estimate predicts for that strategy (within 5%; padding and the flat
 layouts' alignment are the only differences); a checkpoint saved by FSDP at world 2 resumes under ZeRO-2 at
-world 1 from the step it stopped at.
+world 1 from the step it stopped at. The showcase's output: log lines with every rank's RSS, a tqdm bar on
+stderr instead (tqdm is optional: without it ``--progress bar`` is refused by name), and ``--plot`` (matplotlib
+is optional: without it the plot is skipped with a line, and the run goes on).
 
 What each can catch: a wrapper that keeps a second copy (of parameters, gradients or optimizer state), a ZeRO
 stage that shards less than it says, auto choosing against its budget, a hook that breaks training, a resume
-that restarts from step 0 or from other weights.
+that restarts from step 0 or from other weights; lines lost or a bar on stdout; a rank that gathers the RSS
+on other steps than rank 0 (the job hangs); an optional package made required.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,11 +28,28 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_gpt.py"
 TINY = ["--layers", "2", "--d-model", "64", "--vocab", "512", "--seq", "16", "--log-every", "100"]
 
 
-def _train(nproc: int, *args: str) -> tuple[dict, str]:
+def _job(nproc: int, *args: str) -> subprocess.CompletedProcess:
     result = harness.run_torchrun(EXAMPLE, nproc, *TINY, *args, timeout=150)
     assert result.returncode == 0, f"{args}\nstdout:\n{result.stdout[-3000:]}\nstderr:\n{result.stderr[-3000:]}"
-    summary = next(json.loads(line)["summary"] for line in result.stdout.splitlines() if line.startswith('{"summary"'))
-    return summary, result.stdout
+    return result
+
+
+def _summary(stdout: str) -> dict:
+    return next(json.loads(line)["summary"] for line in stdout.splitlines() if line.startswith('{"summary"'))
+
+
+def _train(nproc: int, *args: str) -> tuple[dict, str]:
+    result = _job(nproc, *args)
+    return _summary(result.stdout), result.stdout
+
+
+def _example(monkeypatch: pytest.MonkeyPatch):
+    """examples/train_gpt.py imported in this process (it puts examples/ on sys.path: restored after the test)."""
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    spec = importlib.util.spec_from_file_location("train_gpt_example", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.mark.timeout(600)
@@ -56,3 +80,67 @@ def test_checkpoint_at_world_2_resumes_at_world_1_under_another_strategy(tmp_pat
     assert "resumed at step 3" in out
     steps = [json.loads(line)["step"] for line in out.splitlines() if line.startswith('{"step"')]
     assert steps == [3, 4]
+
+
+@pytest.mark.timeout(200)
+def test_progress_lines_show_every_ranks_rss_and_the_summary_holds_the_losses(tmp_path: Path):
+    png = tmp_path / "loss.png"
+    result = _job(2, "--steps", "5", "--progress", "lines", "--log-every", "2", "--plot", str(png))
+    lines = [line for line in result.stdout.splitlines() if line.startswith("step ")]
+    assert [int(line.split()[1]) for line in lines] == [0, 2, 4], result.stdout
+    assert all(re.search(r"  rss \d+/\d+ MiB \(ranks 0/1\)$", line) for line in lines), lines
+    assert "%|" not in result.stderr  # no bar
+    summary = _summary(result.stdout)
+    assert summary["first_step"] == 0 and len(summary["losses"]) == 5
+    assert summary["losses"][-1] == pytest.approx(summary["last_loss"], abs=1e-5)
+    # --plot never fails the run: the PNG, or one line saying why there is none.
+    if importlib.util.find_spec("matplotlib") is None:
+        assert f"--plot {png}: skipped, matplotlib is not installed (pip install matplotlib)" in result.stdout
+        assert not png.exists()
+    else:
+        assert f"wrote {png}" in result.stdout and png.exists()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tqdm") is None,
+                    reason="tqdm is not installed here (without it the bar is refused: test_bar_needs_tqdm)")
+@pytest.mark.timeout(200)
+def test_progress_bar_on_stderr_replaces_the_lines():
+    result = _job(2, "--steps", "5", "--progress", "bar", "--log-every", "2")  # rank 1 gathers the RSS, no bar
+    frames = result.stderr.replace("\r", "\n").splitlines()
+    assert any("5/5" in f and "tokens/s" in f and re.search(r"rss \d+/\d+ MiB", f) for f in frames), result.stderr
+    assert not [line for line in result.stdout.splitlines() if line.startswith("step ")], result.stdout
+    assert len(_summary(result.stdout)["losses"]) == 5
+
+
+def test_bar_needs_tqdm(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]):
+    """Without tqdm (hidden here, installed or not): --progress bar is an argparse error naming the fix, and
+    auto falls back to the lines."""
+    example = _example(monkeypatch)
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # importlib.util.find_spec("tqdm") is None now
+    assert example.parse_args([]).progress == "lines"
+    with pytest.raises(SystemExit) as exited:
+        example.parse_args(["--progress", "bar"])
+    assert exited.value.code == 2
+    assert "--progress bar needs tqdm, which is not installed (pip install tqdm)" in capsys.readouterr().err
+
+
+def test_plot_without_matplotlib_is_a_line_not_an_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    example = _example(monkeypatch)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError now
+    png = tmp_path / "loss.png"
+    line = example.plot_losses(png, [6.3, 5.0, 4.1], 0, "title")
+    assert line == f"--plot {png}: skipped, matplotlib is not installed (pip install matplotlib)"
+    assert not png.exists()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None,
+                    reason="matplotlib is not installed here (optional: the example then skips the plot, see "
+                           "test_plot_without_matplotlib_is_a_line_not_an_error)")
+@pytest.mark.timeout(200)
+def test_plot_writes_a_png_of_the_loss(tmp_path: Path):
+    png = tmp_path / "plots" / "loss.png"
+    _, out = _train(2, "--steps", "5", "--strategy", "zero2", "--plot", str(png))
+    assert f"wrote {png}" in out
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", data[:8]
+    assert len(data) > 2000, f"{len(data)} bytes: an empty figure?"
