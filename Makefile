@@ -73,11 +73,11 @@ peer-test: build $(VENV)/.peer-deps
 # build/temp.*); the venv's torch is installed once; `import numpy` must fail there, or the check proves nothing.
 CLEAN_VENV := build/clean-venv
 WHEEL_DIR  := build/wheel
-PY_SRC     := $(wildcard python/shardkit/*.py)
+WHEEL_SRC  := $(wildcard python/shardkit/*.py) python/shardkit/py.typed LICENSE MANIFEST.in README.md
 CLEAN_TORCH := $(CLEAN_VENV)/.$(subst ==,-,$(TORCH_CPU))
 
 # build/lib.* goes too: a module deleted from python/shardkit/ must not linger in the wheel.
-$(WHEEL_DIR)/.built: $(VENV)/.deps $(CSRC) $(PY_SRC)
+$(WHEEL_DIR)/.built: $(VENV)/.deps $(CSRC) $(WHEEL_SRC)
 	rm -rf $(WHEEL_DIR) build/lib.* build/bdist.*
 	$(VENV)/bin/pip wheel $(PIP_FLAGS) --no-build-isolation --no-deps -w $(WHEEL_DIR) .
 	touch $@
