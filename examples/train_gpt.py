@@ -21,8 +21,8 @@ stdout every ``--log-every`` steps with the same. Every rank gathers the RSS on 
 ``--json`` it prints one JSON line per step (``{"step", "loss", "tokens_per_s", "seconds"}``: what ``python -m
 shardkit scale`` reads) instead of the lines. At the end it prints the memory table: per rank, the model-state
 bytes actually held (parameters, gradients and optimizer state, each storage once) beside what
-shardkit.estimate predicts for this strategy and for DDP, and the peak RSS; and a final JSON line ``{"summary":
-...}`` (with ``losses``, rank 0's loss per step). ``--plot loss.png`` draws that loss per step (needs
+shardkit.estimate predicts for this strategy and for DDP, and the peak RSS; with ``--json`` also a final JSON
+line ``{"summary": ...}`` (with ``losses``, rank 0's loss per step). ``--plot loss.png`` draws that loss per step (needs
 matplotlib; without it the plot is skipped, with a line saying so). Needs torch and shardkit only; tqdm and
 matplotlib are used when installed.
 """
@@ -352,6 +352,8 @@ def report(rank: int, world: int, psi: int, row: str, args: argparse.Namespace, 
     steps = len(losses)
     print(f"{steps} steps in {elapsed:.1f} s: {steps * tokens_per_step / elapsed:,.0f} tokens/s; "
           f"loss {losses[0]:.4f} -> {losses[-1]:.4f}")
+    if not args.json:
+        return
     print(json.dumps({"summary": {"strategy": args.strategy, "row": row, "world": world, "params": psi,
                                   "held_bytes": [h for h, _ in everyone], "estimate_bytes": predicted,
                                   "ddp_bytes": ddp, "peak_rss_bytes": [rss for _, rss in everyone],
