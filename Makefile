@@ -3,6 +3,7 @@
 #   make test        apt deps + .venv (torch 2.13.0 CPU) + build, then GoogleTest (ctest) and pytest
 #   make demo        same set-up, then the estimator, a GPT trained under shardkit.auto and under DDP, collectives
 #   make cuda-check  .venv-cuda (torch 2.14.1, CUDA 13) + the CUDA extension compiled, linked and imported
+#   make gpu-test    on a GPU machine, with its own torch: the CUDA build, the tests marked cuda, the kernel benchmark
 #   make bench       the benchmarks under benchmarks/ (results in benchmarks/results/)
 #   make peer-test   torch's own distributed_test.py on gloo and on shardkit side by side (tests/peer/)
 #   make clean-venv-check  the wheel installed into a venv holding only torch (no numpy), examples run there
@@ -21,9 +22,9 @@ BUILD_CPP    := build/cpp
 CUDA_HOME    ?= $(if $(wildcard /usr/local/cuda/include/cuda_runtime.h),/usr/local/cuda)
 # Compiling torch extensions takes ~2 GB per job; the machines here have 2 cores.
 export MAX_JOBS ?= 2
-CSRC := $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' 2>/dev/null) setup.py pyproject.toml
+CSRC := $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' 2>/dev/null) setup.py pyproject.toml
 
-.PHONY: test demo cuda-check bench peer-test apt-deps venv build cpp-test py-test clean-venv clean-venv-check clean
+.PHONY: test demo cuda-check gpu-test bench peer-test apt-deps venv build cpp-test py-test clean-venv clean-venv-check clean
 
 # --- set-up -------------------------------------------------------------------------------------------
 apt-deps:
@@ -126,6 +127,13 @@ cuda-check: apt-deps $(VENV_CUDA)/.deps
 	  ../../../$(VENV_CUDA)/bin/pip wheel $(PIP_FLAGS) --no-build-isolation --no-deps -w .. .
 	$(VENV_CUDA)/bin/pip install $(PIP_FLAGS) --no-deps --force-reinstall build/cuda-check/shardkit-*.whl
 	cd build/cuda-check && ../../$(VENV_CUDA)/bin/python ../../tests/cuda_check.py
+
+# On a GPU machine: its own Python and torch (a CUDA build, e.g. 2.11+cu130), the CUDA extension built in place,
+# then the tests marked `cuda` (tests/python/test_cuda_kernels.py, ...) and the kernel benchmark.
+gpu-test:
+	SHARDKIT_CUDA=1 $(PYTHON) -m pip install $(PIP_FLAGS) --no-build-isolation --no-deps -e .
+	$(PYTHON) -m pytest tests/python -m cuda -rs
+	$(PYTHON) benchmarks/gpu_kernels.py
 
 $(VENV)/.bench-deps: $(VENV)/.deps
 	$(VENV)/bin/pip install $(PIP_FLAGS) matplotlib

@@ -237,6 +237,14 @@ PYBIND11_MODULE(_C, m) {
   m.def("nccl_version", &shardkit::cuda::nccl_version, "Version of the NCCL library shardkit linked (e.g. 22805).");
   m.def("cuda_scale_", &shardkit::cuda::scale_, py::arg("tensor"), py::arg("factor"),
         "In-place tensor *= factor on the current CUDA stream (the AVG/PREMUL_SUM step of CUDA collectives).");
+  m.def("cuda_pack_", &shardkit::cuda::pack_, py::arg("flat"), py::arg("tensors"), py::arg("offsets"),
+        "flat[offsets[i]:offsets[i]+tensors[i].numel()] = tensors[i] for every i, in one launch per 64 tensors.");
+  m.def("cuda_unpack_", &shardkit::cuda::unpack_, py::arg("flat"), py::arg("tensors"), py::arg("offsets"),
+        py::arg("factor") = 1.0, "tensors[i] = flat[offsets[i]:...] * factor for every i, in one launch per 64 tensors.");
+  m.def("cuda_cast_scale_", &shardkit::cuda::cast_scale_, py::arg("dst"), py::arg("src"), py::arg("factor") = 1.0,
+        "dst = (src * factor) cast to dst's dtype, computed in f32 (f64 if either is f64), rounded once.");
+  m.def("cuda_orthogonalize_", &shardkit::cuda::orthogonalize_, py::arg("matrices"), py::arg("epsilon") = 0.0,
+        "Batched Gram-Schmidt in place on (batch, rows, cols) matrices, one block per matrix.");
 #else
   m.attr("with_cuda") = false;
 #endif

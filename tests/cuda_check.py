@@ -18,6 +18,11 @@ def main() -> int:
     if shardkit.__file__.startswith(str(__import__("pathlib").Path(__file__).resolve().parents[1] / "python")):
         print("cuda-check: FAILED: imported the checkout instead of the installed wheel", file=sys.stderr)
         return 1
+    missing = [name for name in ("cuda_scale_", "cuda_pack_", "cuda_unpack_", "cuda_cast_scale_", "cuda_orthogonalize_")
+               if not hasattr(_C, name)]
+    if missing:
+        print(f"cuda-check: FAILED: the CUDA build lacks {missing}", file=sys.stderr)
+        return 1
     version = _C.nccl_version()
     major, minor, patch = version // 10000, version // 100 % 100, version % 100
     print(f"cuda-check: shardkit {shardkit.__version__} CUDA build imported from {shardkit.__file__}")

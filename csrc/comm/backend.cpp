@@ -1,11 +1,16 @@
 #include "comm/backend.h"
 
+#include <algorithm>
 #include <numeric>
 
 #include "comm/hierarchical_engine.h"
+#include "comm/host_staged_engine.h"
 #include "comm/shm_engine.h"
 #include "compat.h"
 #include "core/reduce.h"
+#ifdef SHARDKIT_WITH_CUDA
+#include "cuda/cuda_ops.h"
+#endif
 
 namespace shardkit::comm {
 
@@ -16,7 +21,18 @@ template <typename Reduce>
 void reduce_with(const ReduceSpec& spec, at::Tensor& data, int world, bool result_here, Reduce reduce) {
   if (spec.premultiply) data.mul_(spec.factor);
   reduce(data);
-  if (spec.average && result_here) core::divide_in_place(data.data_ptr(), data.numel(), core_dtype(data), world);
+  if (!spec.average || !result_here) return;
+  if (data.is_cuda()) {  // the host routine divides exactly as for CPU tensors (integer AVG included)
+    at::Tensor host = data.to(at::kCPU);
+    core::divide_in_place(host.data_ptr(), host.numel(), core_dtype(host), world);
+    data.copy_(host);
+    return;
+  }
+  core::divide_in_place(data.data_ptr(), data.numel(), core_dtype(data), world);
+}
+
+bool any_cuda(const std::vector<at::Tensor>& tensors) {
+  return std::any_of(tensors.begin(), tensors.end(), [](const at::Tensor& t) { return t.defined() && t.is_cuda(); });
 }
 
 // A contiguous tensor's bytes as a flat uint8 tensor sharing its storage.
@@ -62,6 +78,7 @@ ProcessGroupShardkit::ProcessGroupShardkit(int rank, int size, const Config& con
     engine_ = std::make_unique<HierarchicalEngine>(rank, size, std::move(layout), std::move(local), inner_,
                                                    std::move(store));
   }
+  host_staged_ = std::make_unique<HostStagedEngine>(*engine_);
 }
 
 ProcessGroupShardkit::~ProcessGroupShardkit() = default;
@@ -76,20 +93,44 @@ std::chrono::milliseconds ProcessGroupShardkit::op_timeout(std::chrono::millisec
   return requested == c10d::kUnsetTimeout ? timeout_ : requested;
 }
 
-Engine& ProcessGroupShardkit::route(const OpContext&) { return *engine_; }
+Engine& ProcessGroupShardkit::route(const OpContext& op) {
+  if (!op.cuda) return *engine_;
+  TORCH_WARN_ONCE("shardkit: CUDA tensors go through host shared memory (device -> host -> shm -> device): slow "
+                  "but correct. The NCCL engine that will carry them is not built yet (issue #13).");
+  return *host_staged_;
+}
 
 template <typename OpOptions, typename Body>
 c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::launch(c10d::OpType type, const char* profiling_title,
                                                             const char* op, std::vector<at::Tensor> outputs,
-                                                            const OpOptions& opts, Body body) {
+                                                            const OpOptions& opts, Body body,
+                                                            const std::vector<at::Tensor>& inputs) {
   const uint64_t issued = ++seq_;
+  const bool cuda = any_cuda(outputs) || any_cuda(inputs);
+#ifdef SHARDKIT_WITH_CUDA
+  // The worker thread reads the tensors on another stream: what the caller's stream queued must be done first.
+  std::vector<at::Tensor> device_tensors;  // CUDA ops: what the worker synchronises on before completing
+  if (cuda) {
+    device_tensors = outputs;
+    device_tensors.insert(device_tensors.end(), inputs.begin(), inputs.end());
+    cuda::wait_for_current_streams(device_tensors);
+  }
+#endif
   auto work = c10::make_intrusive<ShardkitWork>(getRank(), type, profiling_title, std::move(outputs), issued);
   // Numbered again when it runs: collectives issued from future callbacks run at once (work_queue.h), so the
   // order in which ops run, not the order of the calls, is the one every rank shares. Messages and the shm
   // agreement check use that number.
-  auto run = [this, op, timeout = op_timeout(opts.timeout), body = std::move(body)]() mutable {
-    const OpContext context{op, ++executed_, timeout, getRank()};
+  auto run = [this, op, cuda, timeout = op_timeout(opts.timeout), body = std::move(body)
+#ifdef SHARDKIT_WITH_CUDA
+               , device_tensors = std::move(device_tensors)
+#endif
+  ]() mutable {
+    const OpContext context{op, ++executed_, timeout, getRank(), cuda};
     body(route(context), context);
+#ifdef SHARDKIT_WITH_CUDA
+    // The body's own device copies (split_flat, scaling) ran on this thread's stream: done before the Work is.
+    if (cuda) cuda::wait_for_current_streams(device_tensors);
+#endif
   };
   if (compat::is_async_op(opts)) {
     queue_.enqueue(work, std::move(run));
@@ -372,7 +413,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::gather(std::vector<std::vec
                   if (rank == root) flat = at::empty({input.numel() * world}, input.options());
                   engine.gather(op, input.contiguous(), flat, root);
                   if (flat.defined()) split_flat(flat, out);
-                });
+                }, {input});
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::scatter(std::vector<at::Tensor>& outputs,
@@ -457,17 +498,25 @@ void ProcessGroupShardkit::monitoredBarrier(const c10d::BarrierOptions& opts, bo
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::send(std::vector<at::Tensor>& tensors, int dst_rank, int tag) {
   args_.check(args_.single(tensors, "send"), "send");
+  refuse_cuda_point_to_point(tensors, "send");
   return inner_->all_ranks(args_.where("send"))->send(tensors, dst_rank, tag);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::recv(std::vector<at::Tensor>& tensors, int src_rank, int tag) {
   args_.check(args_.single(tensors, "recv"), "recv");
+  refuse_cuda_point_to_point(tensors, "recv");
   return inner_->all_ranks(args_.where("recv"))->recv(tensors, src_rank, tag);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
   args_.check(args_.single(tensors, "recv"), "recv");
+  refuse_cuda_point_to_point(tensors, "recv");
   return inner_->all_ranks(args_.where("recv"))->recvAnysource(tensors, tag);
+}
+
+void ProcessGroupShardkit::refuse_cuda_point_to_point(const std::vector<at::Tensor>& tensors, const char* op) const {
+  TORCH_CHECK(!any_cuda(tensors), args_.where(op), "point-to-point ", op, " of CUDA tensors is not supported yet "
+              "(it goes to the inner gloo backend, which takes CPU tensors); copy the tensor to the CPU first");
 }
 
 }  // namespace shardkit::comm

@@ -112,14 +112,18 @@ class ProcessGroupShardkit : public c10d::Backend {
  private:
   // Numbers the op, queues `body(engine, op)` (run on the worker thread) and returns its Work, whose
   // Future yields `outputs`. A synchronous caller (`async_op=False`, opts.asyncOp) may run it inline when
-  // nothing is pending.
+  // nothing is pending. `inputs`: tensors the op reads besides `outputs` where outputs alone may not show the
+  // device (gather's input on a non-root rank). An op on CUDA tensors first waits for the caller's current
+  // streams, and its Work completes once the results are on the device (see HostStagedEngine).
   template <typename OpOptions, typename Body>
   c10::intrusive_ptr<c10d::Work> launch(c10d::OpType type, const char* profiling_title, const char* op,
-                                        std::vector<at::Tensor> outputs, const OpOptions& opts, Body body);
-  // The routing point: the engine that runs the op. Topology decided it when the group was built; CUDA
-  // tensors will route to the NCCL engine here.
+                                        std::vector<at::Tensor> outputs, const OpOptions& opts, Body body,
+                                        const std::vector<at::Tensor>& inputs = {});
+  // The routing point: the engine that runs the op. Topology decided engine_ when the group was built; an op
+  // on CUDA tensors goes through host_staged_ (until the NCCL engine takes them).
   Engine& route(const OpContext& op);
   std::chrono::milliseconds op_timeout(std::chrono::milliseconds requested) const;
+  void refuse_cuda_point_to_point(const std::vector<at::Tensor>& tensors, const char* op) const;
   // allreduce of a sparse COO tensor (SUM only, like gloo's): every rank's indices and values, gathered.
   c10::intrusive_ptr<c10d::Work> allreduce_sparse_coo(const at::Tensor& tensor, const c10d::AllreduceOptions& opts);
 
@@ -128,6 +132,7 @@ class ProcessGroupShardkit : public c10d::Backend {
   std::chrono::milliseconds timeout_;
   std::shared_ptr<InnerBackends> inner_;
   std::unique_ptr<Engine> engine_;
+  std::unique_ptr<Engine> host_staged_;  // CUDA tensors through engine_ (host_staged_engine.h)
   std::atomic<uint64_t> seq_{0};       // collectives issued on this group (torch's sequence number)
   std::atomic<uint64_t> executed_{0};  // collectives started, in the order ops run (OpContext::seq)
   WorkQueue queue_;  // last: destroyed first, so queued work finishes while the engine still exists

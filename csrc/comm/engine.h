@@ -34,6 +34,7 @@ struct OpContext {
   uint64_t seq = 0;     // its number in the group (1, 2, ...), in the order collectives run (the same on every rank)
   std::chrono::milliseconds timeout{0};
   int rank = 0;  // this rank in the group
+  bool cuda = false;  // the op's tensors are CUDA tensors (the routing point sends it through host staging)
 
   // The same op, as told to a shared-memory group that runs all of it or one step of it.
   core::CallInfo call(bool step = false) const { return {timeout, op, seq, step}; }

@@ -51,8 +51,13 @@ std::string TensorArgs::where(const char* op) const {
 
 core::DType TensorArgs::check(const at::Tensor& tensor, const char* op) const {
   TORCH_CHECK(tensor.defined(), where(op), "got an undefined tensor");
+#ifdef SHARDKIT_WITH_CUDA
+  TORCH_CHECK(tensor.device().is_cpu() || tensor.device().is_cuda(), where(op), "tensor is on ", tensor.device(),
+              "; shardkit drives CPU and CUDA tensors");
+#else
   TORCH_CHECK(tensor.device().is_cpu(), where(op), "tensor is on ", tensor.device(),
               ", but this shardkit build drives CPU tensors only (CUDA tensors need the CUDA build with NCCL)");
+#endif
   TORCH_CHECK(tensor.layout() == at::kStrided, where(op), "only dense (strided) tensors are supported, got layout ",
               tensor.layout());
   core::DType dtype;
@@ -76,12 +81,16 @@ void TensorArgs::check_per_rank(const std::vector<at::Tensor>& tensors, const at
                 tensors[i].scalar_type(), ", expected ", like.scalar_type());
     TORCH_CHECK(tensors[i].numel() == like.numel(), where(op), what, "[", i, "] has ", tensors[i].numel(),
                 " elements, expected ", like.numel());
+    TORCH_CHECK(tensors[i].device() == like.device(), where(op), "tensors on different devices in one collective: ",
+                what, "[", i, "] is on ", tensors[i].device(), ", the input on ", like.device());
   }
 }
 
 void TensorArgs::check_same(const at::Tensor& a, const at::Tensor& b, const char* op) const {
   TORCH_CHECK(a.scalar_type() == b.scalar_type(), where(op), "output dtype ", a.scalar_type(),
               " differs from input dtype ", b.scalar_type());
+  TORCH_CHECK(a.device() == b.device(), where(op), "tensors on different devices in one collective: ", a.device(),
+              " and ", b.device());
 }
 
 void TensorArgs::check_numel(const at::Tensor& tensor, int64_t expected, const char* op, const char* what) const {

@@ -8,6 +8,9 @@
 #include <string>
 #include <utility>
 #include "profile_span.h"
+#ifdef SHARDKIT_WITH_CUDA
+#include "cuda/cuda_ops.h"
+#endif
 
 namespace shardkit::compress {
 
@@ -53,6 +56,12 @@ void orthogonalize(at::Tensor matrices, double epsilon) {
   const int64_t rank = matrices.size(2);
   const auto dtype = matrices.scalar_type();
   if (rank <= 2 || dtype == at::kHalf || dtype == at::kBFloat16) {
+#ifdef SHARDKIT_WITH_CUDA
+    if (matrices.is_cuda() && matrices.is_contiguous()) {  // the same steps, every matrix in one launch
+      cuda::orthogonalize_(matrices, epsilon);
+      return;
+    }
+#endif
     // Gram–Schmidt: normalise column i, then remove its projection from the columns after it.
     for (int64_t i = 0; i < rank; ++i) {
       at::Tensor column = matrices.narrow(2, i, 1);

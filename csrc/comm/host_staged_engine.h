@@ -1,0 +1,35 @@
+// HostStagedEngine: CUDA tensors through a host engine (device -> host -> shared memory -> device).
+//
+// The route for CUDA tensors where no NCCL engine serves the group (today: always; with the NCCL engine: two
+// or more ranks on one GPU, which NCCL refuses). Slow and correct: each call copies its CUDA inputs to host
+// memory, runs the wrapped engine on the copies, and copies what the op wrote back to the device, waiting for
+// each copy. The backend has already made the caller's current stream finish before the op was queued
+// (ProcessGroupShardkit::launch), so the inputs are final when they are read here; when a call returns, its
+// outputs are on the device. CPU tensors pass straight through, so one engine serves a mixed group.
+#pragma once
+
+#include "comm/engine.h"
+
+namespace shardkit::comm {
+
+class HostStagedEngine final : public Engine {
+ public:
+  explicit HostStagedEngine(Engine& host) : host_(host) {}
+
+  void barrier(const OpContext& op) override { host_.barrier(op); }
+  void broadcast(const OpContext& op, at::Tensor& data, int root) override;
+  void allreduce(const OpContext& op, at::Tensor& data, core::ReduceOp reduce) override;
+  void reduce(const OpContext& op, at::Tensor& data, core::ReduceOp reduce, int root) override;
+  void allgather(const OpContext& op, const at::Tensor& input, at::Tensor& output) override;
+  void gather(const OpContext& op, const at::Tensor& input, at::Tensor& output, int root) override;
+  void scatter(const OpContext& op, const at::Tensor& input, at::Tensor& output, int root) override;
+  void reduce_scatter(const OpContext& op, const at::Tensor& input, at::Tensor& output,
+                      core::ReduceOp reduce) override;
+  void alltoall(const OpContext& op, const at::Tensor& input, const std::vector<size_t>& send_counts,
+                at::Tensor& output, const std::vector<size_t>& recv_counts) override;
+
+ private:
+  Engine& host_;  // the group's shared-memory or hierarchical engine; the backend owns it
+};
+
+}  // namespace shardkit::comm
