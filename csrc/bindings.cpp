@@ -15,6 +15,7 @@
 #include "ddp/reducer.h"
 #include "fsdp/flat_param.h"
 #ifdef SHARDKIT_WITH_CUDA
+#include "comm/nccl/nccl_info.h"
 #include "cuda/cuda_ops.h"
 #endif
 
@@ -67,7 +68,9 @@ PYBIND11_MODULE(_C, m) {
            py::arg("inter_host") = nullptr,
            py::call_guard<py::gil_scoped_release>())
       // torch's ProcessGroup answers sequence numbers for its built-in backends only; this asks ours.
-      .def("_get_sequence_number_for_group", &ProcessGroupShardkit::getSequenceNumberForGroup);
+      .def("_get_sequence_number_for_group", &ProcessGroupShardkit::getSequenceNumberForGroup)
+      .def("cuda_route", &ProcessGroupShardkit::cuda_route,
+           "What carries this group's CUDA collectives: 'nccl', 'host shared memory: <why>', or why none does.");
 
   using shardkit::ddp::Reducer;
   py::class_<Reducer, std::shared_ptr<Reducer>>(m, "Reducer")
@@ -234,7 +237,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("reduce_isa", &shardkit::core::reduce_isa, "Vector ISA the reduction loops dispatched to at runtime.");
 #ifdef SHARDKIT_WITH_CUDA
   m.attr("with_cuda") = true;
-  m.def("nccl_version", &shardkit::cuda::nccl_version, "Version of the NCCL library shardkit linked (e.g. 22805).");
+  m.def("nccl_version", &shardkit::comm::nccl_version, "Version of the NCCL library shardkit linked (e.g. 22805).");
   m.def("cuda_scale_", &shardkit::cuda::scale_, py::arg("tensor"), py::arg("factor"),
         "In-place tensor *= factor on the current CUDA stream (the AVG/PREMUL_SUM step of CUDA collectives).");
   m.def("cuda_pack_", &shardkit::cuda::pack_, py::arg("flat"), py::arg("tensors"), py::arg("offsets"),

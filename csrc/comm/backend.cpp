@@ -4,12 +4,11 @@
 #include <numeric>
 
 #include "comm/hierarchical_engine.h"
-#include "comm/host_staged_engine.h"
 #include "comm/shm_engine.h"
 #include "compat.h"
 #include "core/reduce.h"
 #ifdef SHARDKIT_WITH_CUDA
-#include "cuda/cuda_ops.h"
+#include "comm/nccl/cuda_route.h"
 #endif
 
 namespace shardkit::comm {
@@ -22,10 +21,12 @@ void reduce_with(const ReduceSpec& spec, at::Tensor& data, int world, bool resul
   if (spec.premultiply) data.mul_(spec.factor);
   reduce(data);
   if (!spec.average || !result_here) return;
-  if (data.is_cuda()) {  // the host routine divides exactly as for CPU tensors (integer AVG included)
-    at::Tensor host = data.to(at::kCPU);
-    core::divide_in_place(host.data_ptr(), host.numel(), core_dtype(host), world);
-    data.copy_(host);
+  if (data.is_cuda()) {  // on the op's stream; as the host routine: integer AVG truncates toward zero
+    if (at::isFloatingType(data.scalar_type())) {
+      data.div_(world);
+    } else {
+      data.div_(world, "trunc");
+    }
     return;
   }
   core::divide_in_place(data.data_ptr(), data.numel(), core_dtype(data), world);
@@ -78,13 +79,18 @@ ProcessGroupShardkit::ProcessGroupShardkit(int rank, int size, const Config& con
     engine_ = std::make_unique<HierarchicalEngine>(rank, size, std::move(layout), std::move(local), inner_,
                                                    std::move(store));
   }
-  host_staged_ = std::make_unique<HostStagedEngine>(*engine_);
+#ifdef SHARDKIT_WITH_CUDA
+  cuda_ = std::make_unique<CudaRoute>(rank, size, *engine_);
+#endif
 }
 
 ProcessGroupShardkit::~ProcessGroupShardkit() = default;
 
 void ProcessGroupShardkit::shutdown() {
   queue_.stop();
+#ifdef SHARDKIT_WITH_CUDA
+  cuda_->shutdown();
+#endif
   engine_->shutdown();
   inner_->shutdown();
 }
@@ -93,11 +99,14 @@ std::chrono::milliseconds ProcessGroupShardkit::op_timeout(std::chrono::millisec
   return requested == c10d::kUnsetTimeout ? timeout_ : requested;
 }
 
-Engine& ProcessGroupShardkit::route(const OpContext& op) {
-  if (!op.cuda) return *engine_;
-  TORCH_WARN_ONCE("shardkit: CUDA tensors go through host shared memory (device -> host -> shm -> device): slow "
-                  "but correct. The NCCL engine that will carry them is not built yet (issue #13).");
-  return *host_staged_;
+Engine& ProcessGroupShardkit::route(const OpContext&) { return *engine_; }
+
+std::string ProcessGroupShardkit::cuda_route() const {
+#ifdef SHARDKIT_WITH_CUDA
+  return cuda_->describe();
+#else
+  return "none: this shardkit build drives CPU tensors only";
+#endif
 }
 
 template <typename OpOptions, typename Body>
@@ -108,29 +117,32 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::launch(c10d::OpType type, c
   const uint64_t issued = ++seq_;
   const bool cuda = any_cuda(outputs) || any_cuda(inputs);
 #ifdef SHARDKIT_WITH_CUDA
-  // The worker thread reads the tensors on another stream: what the caller's stream queued must be done first.
-  std::vector<at::Tensor> device_tensors;  // CUDA ops: what the worker synchronises on before completing
+  std::shared_ptr<CudaReady> ready;  // CUDA ops: what the caller's stream queued before the op
   if (cuda) {
-    device_tensors = outputs;
-    device_tensors.insert(device_tensors.end(), inputs.begin(), inputs.end());
-    cuda::wait_for_current_streams(device_tensors);
+    std::vector<at::Tensor> tensors = outputs;
+    tensors.insert(tensors.end(), inputs.begin(), inputs.end());
+    ready = cuda_->ready_after(tensors);
   }
+#else
+  TORCH_INTERNAL_ASSERT(!cuda, "a CUDA tensor passed validation in a CPU build");
 #endif
   auto work = c10::make_intrusive<ShardkitWork>(getRank(), type, profiling_title, std::move(outputs), issued);
   // Numbered again when it runs: collectives issued from future callbacks run at once (work_queue.h), so the
   // order in which ops run, not the order of the calls, is the one every rank shares. Messages and the shm
   // agreement check use that number.
-  auto run = [this, op, cuda, timeout = op_timeout(opts.timeout), body = std::move(body)
+  auto run = [this, op, timeout = op_timeout(opts.timeout), body = std::move(body)
 #ifdef SHARDKIT_WITH_CUDA
-               , device_tensors = std::move(device_tensors)
+               , ready
 #endif
   ]() mutable {
-    const OpContext context{op, ++executed_, timeout, getRank(), cuda};
-    body(route(context), context);
+    const OpContext context{op, ++executed_, timeout, getRank()};
 #ifdef SHARDKIT_WITH_CUDA
-    // The body's own device copies (split_flat, scaling) ran on this thread's stream: done before the Work is.
-    if (cuda) cuda::wait_for_current_streams(device_tensors);
+    if (ready) {  // CUDA tensors: NCCL, or host staging where NCCL cannot serve (comm/nccl/cuda_route.h)
+      cuda_->run(context, *ready, [&](Engine& engine) { body(engine, context); });
+      return;
+    }
 #endif
+    body(route(context), context);
   };
   if (compat::is_async_op(opts)) {
     queue_.enqueue(work, std::move(run));

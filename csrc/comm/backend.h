@@ -28,6 +28,11 @@
 
 namespace shardkit::comm {
 
+#ifdef SHARDKIT_WITH_CUDA
+class CudaRoute;
+struct CudaReady;
+#endif
+
 class ProcessGroupShardkit : public c10d::Backend {
  public:
   struct Config {
@@ -105,6 +110,9 @@ class ProcessGroupShardkit : public c10d::Backend {
   // collectives. torch's DETAIL debug mode compares it across ranks.
   void setSequenceNumberForGroup() override { seq_ = 0; }  // at creation, before any op
   uint64_t getSequenceNumberForGroup() override { return seq_; }
+  // What carries this group's CUDA collectives: "nccl", "host shared memory: <why>", "undecided: ..." before
+  // the first one, or why there is no CUDA support in this build.
+  std::string cuda_route() const;
   c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst_rank, int tag) override;
   c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src_rank, int tag) override;
   c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
@@ -113,14 +121,14 @@ class ProcessGroupShardkit : public c10d::Backend {
   // Numbers the op, queues `body(engine, op)` (run on the worker thread) and returns its Work, whose
   // Future yields `outputs`. A synchronous caller (`async_op=False`, opts.asyncOp) may run it inline when
   // nothing is pending. `inputs`: tensors the op reads besides `outputs` where outputs alone may not show the
-  // device (gather's input on a non-root rank). An op on CUDA tensors first waits for the caller's current
-  // streams, and its Work completes once the results are on the device (see HostStagedEngine).
+  // device (gather's input on a non-root rank). An op on CUDA tensors runs after what the caller's current
+  // stream queued before it, and its Work completes once its results are on the device (CudaRoute).
   template <typename OpOptions, typename Body>
   c10::intrusive_ptr<c10d::Work> launch(c10d::OpType type, const char* profiling_title, const char* op,
                                         std::vector<at::Tensor> outputs, const OpOptions& opts, Body body,
                                         const std::vector<at::Tensor>& inputs = {});
-  // The routing point: the engine that runs the op. Topology decided engine_ when the group was built; an op
-  // on CUDA tensors goes through host_staged_ (until the NCCL engine takes them).
+  // The routing point for host tensors: the engine topology chose when the group was built. Ops on CUDA
+  // tensors go to cuda_ instead, which picks NCCL or host staging (comm/nccl/cuda_route.h).
   Engine& route(const OpContext& op);
   std::chrono::milliseconds op_timeout(std::chrono::milliseconds requested) const;
   void refuse_cuda_point_to_point(const std::vector<at::Tensor>& tensors, const char* op) const;
@@ -132,7 +140,9 @@ class ProcessGroupShardkit : public c10d::Backend {
   std::chrono::milliseconds timeout_;
   std::shared_ptr<InnerBackends> inner_;
   std::unique_ptr<Engine> engine_;
-  std::unique_ptr<Engine> host_staged_;  // CUDA tensors through engine_ (host_staged_engine.h)
+#ifdef SHARDKIT_WITH_CUDA
+  std::unique_ptr<CudaRoute> cuda_;  // ops on CUDA tensors (comm/nccl/cuda_route.h)
+#endif
   std::atomic<uint64_t> seq_{0};       // collectives issued on this group (torch's sequence number)
   std::atomic<uint64_t> executed_{0};  // collectives started, in the order ops run (OpContext::seq)
   WorkQueue queue_;  // last: destroyed first, so queued work finishes while the engine still exists

@@ -5,9 +5,11 @@
 //   - ShmEngine (shm_engine.h): every rank on one host, through the shared-memory segment;
 //   - HierarchicalEngine (hierarchical_engine.h): ranks on several hosts: shared memory inside each host,
 //     gloo among the hosts' leaders, gloo over all ranks only where no hierarchy applies;
-//   - an NCCL engine for CUDA tensors (csrc/comm/nccl/, later).
+//   - NcclEngine (nccl/nccl_engine.h) for CUDA tensors, or HostStagedEngine (nccl/host_staged_engine.h) where
+//     NCCL cannot serve; CudaRoute (nccl/cuda_route.h) chooses and sets their streams up.
 // No op decides topology by itself. What an engine promises:
-//   - tensors are contiguous, on the CPU, of one dtype, already checked against the op's shape rules;
+//   - tensors are contiguous, of one dtype and on one device (the CPU; CUDA for the CUDA engines), already
+//     checked against the op's shape rules;
 //     counts are in elements;
 //   - everything a single op needs (its deadline, its name and number for messages) travels in OpContext;
 //   - any failure (peer died, disagreement, timeout, an inner backend's error) aborts the engine for good,
@@ -34,7 +36,6 @@ struct OpContext {
   uint64_t seq = 0;     // its number in the group (1, 2, ...), in the order collectives run (the same on every rank)
   std::chrono::milliseconds timeout{0};
   int rank = 0;  // this rank in the group
-  bool cuda = false;  // the op's tensors are CUDA tensors (the routing point sends it through host staging)
 
   // The same op, as told to a shared-memory group that runs all of it or one step of it.
   core::CallInfo call(bool step = false) const { return {timeout, op, seq, step}; }

@@ -125,15 +125,4 @@ void orthogonalize_(at::Tensor& matrices, double epsilon) {
                "cuda_orthogonalize_");
 }
 
-void wait_for_current_streams(const std::vector<at::Tensor>& tensors) {
-  std::vector<c10::DeviceIndex> done;
-  for (const at::Tensor& tensor : tensors) {
-    if (!tensor.defined() || !tensor.is_cuda()) continue;
-    const c10::DeviceIndex index = tensor.device().index();
-    if (std::find(done.begin(), done.end(), index) != done.end()) continue;
-    c10::cuda::getCurrentCUDAStream(index).synchronize();
-    done.push_back(index);
-  }
-}
-
 }  // namespace shardkit::cuda

@@ -20,10 +20,5 @@ void unpack_(const at::Tensor& flat, std::vector<at::Tensor>& tensors, const std
 void cast_scale_(at::Tensor& dst, const at::Tensor& src, double factor);
 // Batched Gram-Schmidt in place on b x n x r matrices (torch's PowerSGD _orthogonalize_gram_schmidt).
 void orthogonalize_(at::Tensor& matrices, double epsilon);
-// Blocks until the current stream of every CUDA device among `tensors` has finished what it queued (CPU and
-// undefined tensors are ignored). The host-staged route of the backend uses it on both sides of an op.
-void wait_for_current_streams(const std::vector<at::Tensor>& tensors);
-// The version of the NCCL library shardkit linked, as NCCL encodes it (e.g. 22805 for 2.28.5).
-int nccl_version();
 
 }  // namespace shardkit::cuda

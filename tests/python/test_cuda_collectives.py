@@ -1,7 +1,8 @@
 """Every collective of the shardkit backend on CUDA tensors (marked ``cuda``: run by ``make gpu-test``).
 
-Two ranks share the one GPU of the test machine, which NCCL refuses, so these run through the host-staged
-route (device -> host -> shared memory -> device; csrc/comm/host_staged_engine.h). Inputs are built on the CPU
+World 1 runs on NCCL (csrc/comm/nccl/nccl_engine.h). Two ranks share the one GPU of the test machine, which NCCL
+refuses, so world 2 runs through the host-staged route (device -> host -> shared memory -> device;
+csrc/comm/nccl/host_staged_engine.h), and says so once. Inputs are built on the CPU
 from the same seeds as tests/python/collective_cases.py and moved to the GPU; each result is compared with
 the CPU reference, exactly (float64/integer) or within the reduction's rounding. The errors CUDA adds are
 checked by their messages: tensors on two devices in one collective, point-to-point of CUDA tensors.
@@ -94,24 +95,22 @@ def test_every_collective_on_cuda_tensors_two_ranks_one_gpu(ranks):
     assert ranks.run(_every_collective, 2, timeout=300) == [True, True]
 
 
-def _cuda_errors(rank, world):
-    messages = []
-    for call in (lambda: dist.all_gather_into_tensor(torch.empty(2 * world, device="cuda"), torch.ones(2)),
-                 lambda: dist.all_gather([torch.empty(2), torch.empty(2, device="cuda")][:world],
-                                         torch.ones(2, device="cuda")),
-                 lambda: dist.send(torch.ones(2, device="cuda"), dst=(rank + 1) % world)):
-        try:
-            call()
-        except (RuntimeError, ValueError) as error:
-            messages.append(str(error).splitlines()[0])
-        else:
-            messages.append("no error")
-    return messages
+def test_every_collective_on_nccl_world_1(ranks):
+    assert ranks.run(_every_collective, 1, timeout=300) == [True]
 
 
-def test_cuda_specific_bad_input_is_named(ranks):
-    messages = ranks.run(_cuda_errors, 2, timeout=120)[0]
-    assert "tensors on different devices in one collective: cuda:0 and cpu" in messages[0]
-    # torch's dispatcher may refuse the mixed list before shardkit sees it; either way an error naming devices.
-    assert messages[1] != "no error" and "device" in messages[1], messages[1]
-    assert "point-to-point send of CUDA tensors is not supported yet" in messages[2]
+def _which_route(rank, world):
+    backend = dist.group.WORLD._get_backend(torch.device("cuda"))
+    before = backend.cuda_route()
+    t = torch.ones(4, device="cuda")
+    dist.all_reduce(t)
+    assert torch.equal(t.cpu(), torch.full((4,), float(world)))
+    return before, backend.cuda_route()
+
+
+def test_the_route_says_nccl_or_why_not(ranks):
+    before, shared = ranks.run(_which_route, 2, timeout=120)[0]
+    assert before == "undecided: no CUDA collective has run on this group yet"
+    assert shared.startswith("host shared memory: ranks 0 and 1 of the group share GPU-"), shared
+    assert shared.endswith("and NCCL needs one GPU per rank"), shared
+    assert ranks.run(_which_route, 1, timeout=120)[0][1] == "nccl"

@@ -155,3 +155,16 @@ def test_soak_thousands_of_random_collectives(ranks):
     for rank, (_, (warm, end)) in enumerate(results):
         assert end - warm < 48, f"rank {rank}: RSS grew from {warm:.0f} MB to {end:.0f} MB over the soak"
     print("soak RSS (MB, after warm-up -> end):", [(round(w), round(e)) for _, (w, e) in results])
+
+
+def _cuda_route_in_a_cpu_build(rank, world):
+    from shardkit import _C
+
+    return _C.with_cuda, dist.group.WORLD._get_backend(torch.device("cpu")).cuda_route()
+
+
+def test_cuda_route_of_a_cpu_build_says_so(ranks):
+    with_cuda, route = ranks.run(_cuda_route_in_a_cpu_build, 1)[0]
+    if with_cuda:
+        pytest.skip("a CUDA build: tests/python/test_cuda_collectives.py covers its routes")
+    assert route == "none: this shardkit build drives CPU tensors only"

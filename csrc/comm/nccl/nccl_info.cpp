@@ -1,11 +1,10 @@
-// NCCL facts for diagnostics (`shardkit._C.nccl_version()`); the NCCL collectives build on this folder.
 #include <nccl.h>
 
 #include <c10/util/Exception.h>
 
-#include "cuda/cuda_ops.h"
+#include "comm/nccl/nccl_info.h"
 
-namespace shardkit::cuda {
+namespace shardkit::comm {
 
 int nccl_version() {
   int version = 0;
@@ -14,4 +13,4 @@ int nccl_version() {
   return version;
 }
 
-}  // namespace shardkit::cuda
+}  // namespace shardkit::comm

@@ -1,4 +1,4 @@
-#include "comm/host_staged_engine.h"
+#include "comm/nccl/host_staged_engine.h"
 
 namespace shardkit::comm {
 

@@ -1,11 +1,11 @@
 // HostStagedEngine: CUDA tensors through a host engine (device -> host -> shared memory -> device).
 //
-// The route for CUDA tensors where no NCCL engine serves the group (today: always; with the NCCL engine: two
-// or more ranks on one GPU, which NCCL refuses). Slow and correct: each call copies its CUDA inputs to host
-// memory, runs the wrapped engine on the copies, and copies what the op wrote back to the device, waiting for
-// each copy. The backend has already made the caller's current stream finish before the op was queued
-// (ProcessGroupShardkit::launch), so the inputs are final when they are read here; when a call returns, its
-// outputs are on the device. CPU tensors pass straight through, so one engine serves a mixed group.
+// The route for CUDA tensors where NCCL cannot serve the group (two or more ranks on one GPU, which NCCL
+// refuses; or NCCL could not be set up), and for the reductions NCCL lacks (NcclEngine hands those over op by
+// op). Slow and correct: each call copies its CUDA inputs to host memory, runs the wrapped engine on the
+// copies, and copies what the op wrote back to the device, each copy on the current stream and waited for.
+// CudaRoute has made that stream wait for the caller's, so the inputs are final when they are read; when a
+// call returns, its outputs are on the device. CPU tensors pass straight through.
 #pragma once
 
 #include "comm/engine.h"

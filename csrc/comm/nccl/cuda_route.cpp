@@ -1,0 +1,53 @@
+#include "comm/nccl/cuda_route.h"
+
+#include <c10/cuda/CUDAGuard.h>
+
+namespace shardkit::comm {
+
+CudaReady::CudaReady(const at::Device& where, cudaStream_t caller) : device(where) {
+  const c10::cuda::CUDAGuard guard(device);
+  cudaError_t status = cudaEventCreateWithFlags(&event, cudaEventDisableTiming);
+  if (status == cudaSuccess) status = cudaEventRecord(event, caller);
+  TORCH_CHECK(status == cudaSuccess, "shardkit: recording the caller's stream for a CUDA collective failed: ",
+              cudaGetErrorString(status));
+}
+
+CudaReady::~CudaReady() {
+  if (event != nullptr) cudaEventDestroy(event);
+}
+
+CudaRoute::CudaRoute(int rank, int size, Engine& host) : staged_(host), nccl_(rank, size, host, staged_) {}
+
+std::shared_ptr<CudaReady> CudaRoute::ready_after(const std::vector<at::Tensor>& tensors) const {
+  for (const at::Tensor& tensor : tensors) {
+    if (tensor.defined() && tensor.is_cuda()) {
+      const at::Device device = tensor.device();
+      return std::make_shared<CudaReady>(device, c10::cuda::getCurrentCUDAStream(device.index()).stream());
+    }
+  }
+  TORCH_INTERNAL_ASSERT(false, "CudaRoute::ready_after: no CUDA tensor");
+}
+
+void CudaRoute::run(const OpContext& op, const CudaReady& ready, const std::function<void(Engine&)>& body) {
+  const c10::cuda::CUDAGuard device_guard(ready.device);
+  if (!stream_) stream_ = c10::cuda::getStreamFromPool(/*isHighPriority=*/true, ready.device.index());
+  TORCH_CHECK(stream_->device() == ready.device, op.where(), "tensors on ", ready.device, ", but this process's "
+              "earlier CUDA collectives ran on ", stream_->device(), ": shardkit drives one GPU per process");
+  const c10::cuda::CUDAStreamGuard stream_guard(*stream_);
+  const cudaError_t waited = cudaStreamWaitEvent(stream_->stream(), ready.event, 0);
+  TORCH_CHECK(waited == cudaSuccess, op.where(), "cudaStreamWaitEvent failed: ", cudaGetErrorString(waited));
+  const std::string& unusable = nccl_.unusable_reason(op, ready.device);
+  if (!unusable.empty()) {
+    TORCH_WARN_ONCE("shardkit: CUDA collectives of this group go through host shared memory (device -> host -> "
+                    "shm -> device; slow but correct) because ", unusable, ".");
+    body(staged_);
+    stream_->synchronize();  // the staged copies waited already; what the body queued besides them, too
+    return;
+  }
+  body(nccl_);
+  nccl_.await(op, stream_->stream());
+}
+
+void CudaRoute::shutdown() { nccl_.shutdown(); }
+
+}  // namespace shardkit::comm

@@ -1,0 +1,60 @@
+// CudaRoute: how the shardkit backend runs an op on CUDA tensors (CUDA builds only).
+//
+// On the calling thread, at issue, ready_after() records an event on the caller's current stream of the
+// tensors' device: the op must see what the caller queued before it, and the caller is not blocked. On the
+// worker thread, run() makes the group's communication stream (one per process, from torch's pool) current,
+// has it wait for that event, and runs the op's body on the engine that serves CUDA tensors:
+//   - NcclEngine (NCCL on the communication stream) when every rank of the group has its own GPU;
+//   - HostStagedEngine (device -> host -> shared memory -> device) otherwise, with a one-time warning naming
+//     the reason (two ranks on one GPU, which NCCL refuses, or NCCL could not be set up).
+// run() returns once the op is complete on the device (NcclEngine::await: the op's deadline, NCCL's error
+// state, abort on failure), so the op's Work completes with its outputs final, as the host engines' do, and
+// its tensors, referenced by the body until then, stay alive without recordStream.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
+
+#include <functional>
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "comm/engine.h"
+#include "comm/nccl/host_staged_engine.h"
+#include "comm/nccl/nccl_engine.h"
+
+namespace shardkit::comm {
+
+// What an op on CUDA tensors waits for before it runs: an event recorded on the caller's current stream at
+// issue. (A plain cudaEvent_t: ATen's CUDAEvent header pulls in cuSPARSE's, which a bare CUDA toolkit lacks.)
+struct CudaReady {
+  CudaReady(const at::Device& device, cudaStream_t caller);
+  ~CudaReady();
+  CudaReady(const CudaReady&) = delete;
+  CudaReady& operator=(const CudaReady&) = delete;
+
+  at::Device device;
+  cudaEvent_t event = nullptr;
+};
+
+class CudaRoute {
+ public:
+  // `host`: the group's shared-memory or hierarchical engine (it outlives this route).
+  CudaRoute(int rank, int size, Engine& host);
+
+  // Calling thread. All CUDA tensors of one op must be on one device (TensorArgs checked it).
+  std::shared_ptr<CudaReady> ready_after(const std::vector<at::Tensor>& tensors) const;
+  // Worker thread: body(engine) as described above; returns when the op is complete on the device.
+  void run(const OpContext& op, const CudaReady& ready, const std::function<void(Engine&)>& body);
+  void shutdown();
+  std::string describe() const { return nccl_.describe(); }
+
+ private:
+  HostStagedEngine staged_;
+  NcclEngine nccl_;
+  std::optional<c10::cuda::CUDAStream> stream_;  // the communication stream, made on the first CUDA op
+};
+
+}  // namespace shardkit::comm

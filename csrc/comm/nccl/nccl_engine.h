@@ -1,0 +1,86 @@
+// NcclEngine: the shardkit backend's collectives on CUDA tensors through NCCL (CUDA builds only).
+//
+// It is an Engine (comm/engine.h) like the host engines: each method issues its NCCL calls on the CUDA stream
+// current when it is called, which CudaRoute (cuda_route.h) has made the group's communication stream, and
+// returns without waiting; CudaRoute then waits for the op with NcclEngine::await(), against the op's deadline.
+//
+// The communicator is created by the first CUDA op of the group, on every rank at the same op (ops run in
+// issue order on every rank): the ranks exchange their GPUs' UUIDs and rank 0's ncclUniqueId through the host
+// engine (one allgather and one broadcast, steps of that op), then call ncclCommInitRankConfig with a
+// non-blocking config, so that a wait can give up and ncclCommAbort returns. If two ranks of the group share
+// a GPU (NCCL refuses that) or NCCL cannot be set up, the engine reports itself unusable and CudaRoute sends
+// the group's CUDA ops through host memory instead.
+//
+// Failures are errors, not hangs: every wait polls the op's completion event and ncclCommGetAsyncError until
+// the op's deadline; on an NCCL error or at the deadline the communicator is aborted and the op fails naming
+// the op, its number, this rank and the reason. Later ops fail at once with the first reason.
+//
+// What NCCL lacks goes through `staged` (host memory), op by op: bitwise reductions of integers, BXOR of bool.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <nccl.h>
+
+#include <chrono>
+#include <mutex>
+#include <optional>
+#include <string>
+
+#include "comm/engine.h"
+
+namespace shardkit::comm {
+
+class NcclEngine final : public Engine {
+ public:
+  // `host` runs the set-up exchange; `staged` serves what NCCL lacks. Both outlive this engine.
+  NcclEngine(int rank, int size, Engine& host, Engine& staged);
+  ~NcclEngine() override;
+
+  // Whether NCCL serves this group's CUDA ops on `device`. The first call (a collective: every rank makes it
+  // at the same op) sets the communicator up; an empty reason means usable, otherwise it says why not.
+  const std::string& unusable_reason(const OpContext& op, const at::Device& device);
+  // What carries this group's CUDA ops, for users asking why they are slow: "nccl", "host shared memory: <why>",
+  // or that no CUDA op has run yet.
+  std::string describe() const;
+  // Blocks until everything queued on `stream` so far has run, polling NCCL's error state, until op's deadline.
+  void await(const OpContext& op, cudaStream_t stream);
+
+  void barrier(const OpContext& op) override;
+  void broadcast(const OpContext& op, at::Tensor& data, int root) override;
+  void allreduce(const OpContext& op, at::Tensor& data, core::ReduceOp reduce) override;
+  void reduce(const OpContext& op, at::Tensor& data, core::ReduceOp reduce, int root) override;
+  void allgather(const OpContext& op, const at::Tensor& input, at::Tensor& output) override;
+  void gather(const OpContext& op, const at::Tensor& input, at::Tensor& output, int root) override;
+  void scatter(const OpContext& op, const at::Tensor& input, at::Tensor& output, int root) override;
+  void reduce_scatter(const OpContext& op, const at::Tensor& input, at::Tensor& output,
+                      core::ReduceOp reduce) override;
+  void alltoall(const OpContext& op, const at::Tensor& input, const std::vector<size_t>& send_counts,
+                at::Tensor& output, const std::vector<size_t>& recv_counts) override;
+  void shutdown() override;
+
+ private:
+  class GroupCalls;  // the calls of one ncclGroupStart/End (nccl_engine.cpp)
+
+  void set_up(const OpContext& op, const at::Device& device);
+  // Checks an NCCL call's result: waits out ncclInProgress (a non-blocking communicator), and on an error
+  // aborts the communicator and throws naming `what`.
+  void check(const OpContext& op, ncclResult_t result, const char* what);
+  // Polls the communicator until it leaves ncclInProgress; throws (after aborting) on an error or the deadline.
+  void settle(const OpContext& op, const char* what);
+  [[noreturn]] void fail(const OpContext& op, const std::string& reason);
+  void abort_locked();
+  void end_group(const OpContext& op, const GroupCalls& calls, const char* what);
+  cudaStream_t stream() const;
+
+  int rank_;
+  int size_;
+  Engine& host_;
+  Engine& staged_;
+  mutable std::mutex mutex_;  // guards comm_, failure_ and set_up_ against readers on other threads
+  ncclComm_t comm_ = nullptr;
+  bool set_up_ = false;
+  std::string unusable_;  // why NCCL does not serve this group ("" when it does)
+  std::string failure_;   // the first failure; later ops fail with it
+};
+
+}  // namespace shardkit::comm
