@@ -1,5 +1,8 @@
 #include "compress/hooks.h"
 #include "profile_span.h"
+#ifdef SHARDKIT_WITH_CUDA
+#include "cuda/cuda_ops.h"
+#endif
 
 namespace shardkit::compress {
 
@@ -11,10 +14,25 @@ FuturePtr cast_compress_hook(const c10::intrusive_ptr<c10d::ProcessGroup>& group
   TORCH_CHECK(at::isFloatingType(buffer.scalar_type()), "shardkit ", dtype, " compress hook (rank ",
               group->getRank(), "): bucket ", bucket.getIndex(), " holds ", buffer.scalar_type(),
               ", not floating-point gradients");
-  at::Tensor compressed = buffer.to(dtype).div_(group->getSize());
+  const bool fused = buffer.is_cuda() && buffer.is_contiguous();
+  at::Tensor compressed;
+#ifdef SHARDKIT_WITH_CUDA
+  if (fused) {  // cast and 1/N in one pass, rounded once (torch rounds after the cast and after the division)
+    compressed = at::empty(buffer.sizes(), buffer.options().dtype(dtype));
+    cuda::cast_scale_(compressed, buffer, 1.0 / group->getSize());
+  }
+#endif
+  if (!compressed.defined()) compressed = buffer.to(dtype).div_(group->getSize());
   FuturePtr result = tensor_future(buffer);
-  then_run(allreduce_sum(group, compressed), result, [result, buffer, compressed] {
+  then_run(allreduce_sum(group, compressed), result, [result, buffer, compressed, fused] {
     at::Tensor out = buffer;
+#ifdef SHARDKIT_WITH_CUDA
+    if (fused) {
+      cuda::cast_scale_(out, compressed, 1.0);
+      result->markCompleted(c10::IValue(out));
+      return;
+    }
+#endif
     out.copy_(compressed);  // decompress in place: no second full-precision buffer
     result->markCompleted(c10::IValue(out));
   });

@@ -8,6 +8,9 @@
 
 #include "core/bucket_assignment.h"
 #include "profile_span.h"
+#ifdef SHARDKIT_WITH_CUDA
+#include "cuda/cuda_ops.h"
+#endif
 
 namespace shardkit::ddp {
 
@@ -412,6 +415,26 @@ std::vector<int32_t> Reducer::agree_on_used(at::Tensor used) {
   return std::vector<int32_t>(used.data_ptr<int32_t>(), used.data_ptr<int32_t>() + used.numel());
 }
 
+#ifdef SHARDKIT_WITH_CUDA
+bool Reducer::unpack_to_grads(Bucket& bucket, const at::Tensor& result, double factor) {
+  std::vector<at::Tensor> grads;
+  std::vector<int64_t> offsets;
+  for (size_t position = 0; position < bucket.members.size(); ++position) {
+    const at::Tensor& param = params_[bucket.members[position]];
+    const at::Tensor& grad = param.grad();
+    if (grad.defined() && (!grad.is_contiguous() || grad.scalar_type() != result.scalar_type())) return false;
+    grads.push_back(grad);
+    offsets.push_back(static_cast<int64_t>(bucket.offsets[position]));
+  }
+  for (size_t position = 0; position < bucket.members.size(); ++position) {
+    at::Tensor& grad = params_[bucket.members[position]].mutable_grad();
+    if (!grad.defined()) grad = grads[position] = at::empty(params_[bucket.members[position]].sizes(), result.options());
+  }
+  cuda::unpack_(result.is_contiguous() ? result : result.contiguous(), grads, offsets, factor);
+  return true;
+}
+#endif
+
 void Reducer::finalize_bucket(Bucket& bucket, const at::Tensor& result, bool average,
                               const std::vector<int32_t>& globally_used) {
   SHARDKIT_PROFILE_SPAN("shardkit::ddp.copy_bucket_to_grad[" + std::to_string(&bucket - buckets_.data()) + "]");
@@ -421,6 +444,12 @@ void Reducer::finalize_bucket(Bucket& bucket, const at::Tensor& result, bool ave
     if (!result.is_same(bucket.buffer)) bucket.buffer.copy_(result);
     if (average) bucket.buffer.div_(ranks);
   }
+#ifdef SHARDKIT_WITH_CUDA
+  if (result.is_cuda() && !shards_ && !options_.gradient_as_bucket_view && globally_used.empty() &&
+      unpack_to_grads(bucket, result, average ? 1.0 / ranks : 1.0)) {
+    return;
+  }
+#endif
   for (size_t position = 0; position < bucket.members.size(); ++position) {
     const size_t index = bucket.members[position];
     if (!globally_used.empty() && globally_used[index] == 0) continue;  // unused everywhere: .grad untouched

@@ -123,6 +123,11 @@ class Reducer {
   at::Tensor bucket_view(size_t index);  // allocates the bucket's buffer if it was dropped (ZeRO-2)
   void finalize_bucket(Bucket& bucket, const at::Tensor& result, bool average,
                        const std::vector<int32_t>& globally_used);
+#ifdef SHARDKIT_WITH_CUDA
+  // CUDA buckets: every member's .grad = its slice of `result` * factor in one kernel launch (cuda::unpack_);
+  // false (nothing done) where a .grad is not a contiguous tensor of the bucket's dtype.
+  bool unpack_to_grads(Bucket& bucket, const at::Tensor& result, double factor);
+#endif
   std::string where() const;
 
   std::vector<at::Tensor> params_;
