@@ -118,15 +118,19 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::launch(c10d::OpType type, c
   const bool cuda = any_cuda(outputs) || any_cuda(inputs);
 #ifdef SHARDKIT_WITH_CUDA
   std::shared_ptr<CudaReady> ready;  // CUDA ops: what the caller's stream queued before the op
+  std::vector<c10::Device> devices;  // the CUDA future's devices: those of the outputs
   if (cuda) {
     std::vector<at::Tensor> tensors = outputs;
     tensors.insert(tensors.end(), inputs.begin(), inputs.end());
-    ready = cuda_->ready_after(tensors);
+    ready = cuda_->ready_after(tensors, op, getRank());
+    if (any_cuda(outputs)) devices.push_back(ready->device);
   }
 #else
   TORCH_INTERNAL_ASSERT(!cuda, "a CUDA tensor passed validation in a CPU build");
+  const std::vector<c10::Device> devices;
 #endif
-  auto work = c10::make_intrusive<ShardkitWork>(getRank(), type, profiling_title, std::move(outputs), issued);
+  auto work = c10::make_intrusive<ShardkitWork>(getRank(), type, profiling_title, std::move(outputs), issued,
+                                                devices);
   // Numbered again when it runs: collectives issued from future callbacks run at once (work_queue.h), so the
   // order in which ops run, not the order of the calls, is the one every rank shares. Messages and the shm
   // agreement check use that number.
@@ -373,6 +377,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::allgather_coalesced(
   int64_t bytes = 0;
   for (const auto& input : inputs) {
     args_.check(input, name);
+    args_.check_same_device(input, inputs[0], name);  // any dtypes, one device
     bytes += input.numel() * static_cast<int64_t>(input.element_size());
   }
   std::vector<at::Tensor> flat_outputs;  // rank r's list, then rank r+1's: the order of the gathered bytes
@@ -392,7 +397,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::allgather_coalesced(
                   std::vector<at::Tensor> parts;
                   for (const auto& input : inputs) parts.push_back(as_bytes(input.contiguous()));
                   const at::Tensor mine = parts.empty() ? at::empty({0}, at::kByte) : at::cat(parts);
-                  at::Tensor everyone = at::empty({bytes * world}, at::kByte);
+                  at::Tensor everyone = at::empty({bytes * world}, mine.options());  // on the inputs' device
                   engine.allgather(op, mine, everyone);
                   int64_t offset = 0;
                   for (auto& out : flat_outputs) {
@@ -461,6 +466,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::alltoall_base(at::Tensor& o
   args_.check_same(output, input, name);
   const std::vector<size_t> send_counts = args_.split_counts(input, input_split_sizes, name, "input");
   const std::vector<size_t> recv_counts = args_.split_counts(output, output_split_sizes, name, "output");
+  TORCH_CHECK(send_counts[getRank()] == recv_counts[getRank()], args_.where(name), "this rank sends ",
+              send_counts[getRank()], " elements to itself but expects to receive ", recv_counts[getRank()],
+              " from itself (input and output split sizes disagree at index ", getRank(), ")");
   return launch(c10d::OpType::ALLTOALL_BASE, "shardkit::all_to_all_single", name, {output}, opts,
                 [output, input, send_counts, recv_counts](Engine& engine, const OpContext& op) mutable {
                   const at::Tensor in = input.contiguous();
@@ -487,6 +495,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::alltoall(std::vector<at::Te
     send_counts.push_back(static_cast<size_t>(inputs[r].numel()));
     recv_counts.push_back(static_cast<size_t>(outputs[r].numel()));
   }
+  TORCH_CHECK(send_counts[getRank()] == recv_counts[getRank()], args_.where(name), "this rank sends ",
+              send_counts[getRank()], " elements to itself but expects to receive ", recv_counts[getRank()],
+              " from itself (input_tensor_list and output_tensor_list disagree at index ", getRank(), ")");
   return launch(c10d::OpType::ALLTOALL, "shardkit::all_to_all", name, outputs, opts,
                 [outputs, inputs, send_counts, recv_counts](Engine& engine, const OpContext& op) mutable {
                   const at::Tensor in = concat_flat(inputs);

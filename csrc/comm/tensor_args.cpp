@@ -89,6 +89,10 @@ void TensorArgs::check_per_rank(const std::vector<at::Tensor>& tensors, const at
 void TensorArgs::check_same(const at::Tensor& a, const at::Tensor& b, const char* op) const {
   TORCH_CHECK(a.scalar_type() == b.scalar_type(), where(op), "output dtype ", a.scalar_type(),
               " differs from input dtype ", b.scalar_type());
+  check_same_device(a, b, op);
+}
+
+void TensorArgs::check_same_device(const at::Tensor& a, const at::Tensor& b, const char* op) const {
   TORCH_CHECK(a.device() == b.device(), where(op), "tensors on different devices in one collective: ", a.device(),
               " and ", b.device());
 }

@@ -43,7 +43,8 @@ class TensorArgs {
   // `tensors` has one entry per rank, each of `like`'s dtype and numel.
   void check_per_rank(const std::vector<at::Tensor>& tensors, const at::Tensor& like, const char* op,
                       const char* what) const;
-  void check_same(const at::Tensor& a, const at::Tensor& b, const char* op) const;  // same dtype
+  void check_same(const at::Tensor& a, const at::Tensor& b, const char* op) const;  // same dtype and device
+  void check_same_device(const at::Tensor& a, const at::Tensor& b, const char* op) const;
   void check_numel(const at::Tensor& tensor, int64_t expected, const char* op, const char* what) const;
   void check_root(int64_t root, const char* op) const;
   // Elements per rank of an all-to-all tensor: `splits` count rows of dim 0 (one entry per rank); no

@@ -5,10 +5,11 @@
 namespace shardkit::comm {
 
 ShardkitWork::ShardkitWork(int rank, c10d::OpType type, const char* profiling_title, std::vector<at::Tensor> outputs,
-                           uint64_t seq)
+                           uint64_t seq, std::vector<c10::Device> devices)
     : c10d::Work(rank, type, profiling_title),
       outputs_(std::move(outputs)),
-      future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))),
+      future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()),
+                                                       std::move(devices))),
       seq_(seq) {}
 
 void ShardkitWork::complete() {

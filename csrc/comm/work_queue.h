@@ -26,8 +26,10 @@ namespace shardkit::comm {
 class ShardkitWork : public c10d::Work {
  public:
   // `seq`: the collective's number in its group (OpContext::seq).
+  // `devices`: the CUDA devices of the outputs (empty for host ops). The Future is then a CUDA future: it is
+  // completed after the op is on the device, and hands that order to consumers' streams (wait(), then()).
   ShardkitWork(int rank, c10d::OpType type, const char* profiling_title, std::vector<at::Tensor> outputs,
-               uint64_t seq);
+               uint64_t seq, std::vector<c10::Device> devices = {});
 
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
   std::vector<at::Tensor> result() override { return outputs_; }

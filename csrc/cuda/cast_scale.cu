@@ -1,5 +1,6 @@
 // dst = cast(src * factor): mixed precision's casts (fp32 <-> bf16/fp16) fused with the 1/N of an average, and
-// the fp16/bf16 compression hooks' casts. Arithmetic in f32 (f64 when either side is f64), rounded once.
+// the fp16/bf16 compression hooks' casts. Arithmetic in f32 (f64 when either side is f64), rounded once (f64 to
+// a 16-bit type: through f32, twice, as torch's own cast).
 #include <type_traits>
 
 #include "cuda/device_math.cuh"

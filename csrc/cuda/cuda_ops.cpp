@@ -1,5 +1,6 @@
 #include "cuda/cuda_ops.h"
 
+#include <ATen/MemoryOverlap.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
@@ -101,8 +102,12 @@ void cast_scale_(at::Tensor& dst, const at::Tensor& src, double factor) {
   params.dst = dst.data_ptr();
   params.src_dtype = kernel_dtype(src, "cuda_cast_scale_", "src");
   params.dst_dtype = kernel_dtype(dst, "cuda_cast_scale_", "dst");
-  TORCH_CHECK(params.src != params.dst || params.src_dtype == params.dst_dtype,
-              "shardkit cuda_cast_scale_: in place only between equal dtypes");
+  if (src.numel() == 0) return;
+  // In place is fine element by element when the dtypes are equal; any other overlap would read overwritten data.
+  const at::MemOverlapStatus overlap = at::get_overlap_status(dst, src);
+  TORCH_CHECK(overlap == at::MemOverlapStatus::No ||
+                  (overlap == at::MemOverlapStatus::Full && params.src_dtype == params.dst_dtype),
+              "shardkit cuda_cast_scale_: dst overlaps src; only an in-place scale between equal dtypes is allowed");
   params.count = src.numel();
   params.factor = factor;
   const c10::cuda::CUDAGuard guard(src.device());

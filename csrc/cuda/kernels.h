@@ -7,11 +7,12 @@
 //     accesses where a segment's source, destination and length allow it, byte accesses otherwise; unpack may
 //     scale on the way (the DDP copy-back fused with the 1/N average);
 //   - cast_scale: dst = cast(src * factor) between f32, f64, f16 and bf16, computed in f32 (f64 if either side
-//     is f64) and rounded once;
+//     is f64) and rounded once -- except f64 -> f16/bf16, which rounds to f32 first, as torch's casts do;
 //   - orthogonalize: batched Gram-Schmidt on b matrices of n x r (row-major, r small), one thread block per
 //     matrix, columns in order: column i divided by its norm (+ epsilon when epsilon != 0), then its projection
 //     removed from the columns after it -- torch's PowerSGD _orthogonalize_gram_schmidt, step by step.
-// 16-bit values are computed in f32 everywhere and rounded once per written element.
+// 16-bit values are computed in f32 everywhere. Scaling multiplies by `factor`: an average passes 1/N, which can
+// differ from torch's division by N in the last bit where N is not a power of two.
 #pragma once
 
 #include <cuda_runtime_api.h>

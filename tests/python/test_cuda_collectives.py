@@ -2,7 +2,9 @@
 
 World 1 runs on NCCL (csrc/comm/nccl/nccl_engine.h). Two ranks share the one GPU of the test machine, which NCCL
 refuses, so world 2 runs through the host-staged route (device -> host -> shared memory -> device;
-csrc/comm/nccl/host_staged_engine.h), and says so once. Inputs are built on the CPU
+csrc/comm/nccl/host_staged_engine.h), and says so once. Not covered on a one-GPU machine: NCCL between ranks
+(the ncclSend/ncclRecv groups of gather, scatter and all-to-all run only their self-copies at world 1); that needs
+a machine with two GPUs, one rank on each. Inputs are built on the CPU
 from the same seeds as tests/python/collective_cases.py and moved to the GPU; each result is compared with
 the CPU reference, exactly (float64/integer) or within the reduction's rounding. The errors CUDA adds are
 checked by their messages: tensors on two devices in one collective, point-to-point of CUDA tensors.
@@ -46,8 +48,8 @@ def _every_collective(rank, world):
                 dist.all_reduce(t, op=dist.ReduceOp.AVG)
                 assert_close(t.cpu(), reference_reduce(inputs, dist.ReduceOp.AVG), world, f"all_reduce avg {dtype}")
             t = mine.clone()
-            dist.broadcast(t, src=1)
-            assert torch.equal(t.cpu(), inputs[1]), f"broadcast {dtype} n={n}"
+            dist.broadcast(t, src=world - 1)
+            assert torch.equal(t.cpu(), inputs[world - 1]), f"broadcast {dtype} n={n}"
             t = mine.clone()
             dist.reduce(t, dst=0, op=dist.ReduceOp.SUM)
             assert_close(t.cpu(), reference_reduce(inputs, dist.ReduceOp.SUM) if rank == 0 else inputs[rank], world,
@@ -80,6 +82,32 @@ def _every_collective(rank, world):
             got = torch.empty(sum(e.numel() for e in expect), dtype=dtype, device="cuda")
             dist.all_to_all_single(got, _cuda(torch.cat(send)), [e.numel() for e in expect], [s.numel() for s in send])
             assert torch.equal(got.cpu(), torch.cat(expect)), f"all_to_all_single {dtype}"
+            outs = [torch.empty(e.numel(), dtype=dtype, device="cuda") for e in expect]
+            dist.all_to_all(outs, [_cuda(s) for s in send])
+            assert all(torch.equal(o.cpu(), e) for o, e in zip(outs, expect)), f"all_to_all {dtype}"
+            if not dtype.is_floating_point:  # a bitwise reduction: NCCL has none, the op goes through host memory
+                t = mine.clone()
+                dist.all_reduce(t, op=dist.ReduceOp.BOR)
+                assert_close(t.cpu(), reference_reduce(inputs, dist.ReduceOp.BOR), world, f"all_reduce BOR n={n}")
+    # bool (OR and AND are NCCL's MAX and MIN), coalesced forms (one flat op; mixed dtypes as bytes)
+    flags = [make_input(r, 33, torch.bool, salt=4) for r in range(world)]
+    for op in (dist.ReduceOp.SUM, dist.ReduceOp.PRODUCT):
+        t = _cuda(flags[rank])
+        dist.all_reduce(t, op=op)
+        assert torch.equal(t.cpu(), reference_reduce(flags, op)), f"all_reduce bool {op}"
+    parts = [make_input(rank, 5, torch.float32, salt=6), make_input(rank, 9, torch.float32, salt=7)]
+    tensors = [_cuda(p) for p in parts]
+    dist.all_reduce_coalesced(tensors)
+    for i, t in enumerate(tensors):
+        want = reference_reduce([make_input(r, len(parts[i]), torch.float32, salt=6 + i) for r in range(world)],
+                                dist.ReduceOp.SUM)
+        assert_close(t.cpu(), want, world, f"all_reduce_coalesced tensor {i}")
+    mixed = [_cuda(make_input(rank, 4, torch.int64, salt=8)), _cuda(make_input(rank, 6, torch.bfloat16, salt=8))]
+    out_lists = [[torch.empty_like(m) for m in mixed] for _ in range(world)]
+    dist.all_gather_coalesced(out_lists, mixed)
+    for r in range(world):
+        assert torch.equal(out_lists[r][0].cpu(), make_input(r, 4, torch.int64, salt=8)), f"all_gather_coalesced {r}"
+        assert torch.equal(out_lists[r][1].cpu(), make_input(r, 6, torch.bfloat16, salt=8)), f"all_gather_coalesced {r}"
     dist.barrier()
     # An async op: wait() then use, on a side stream the op must also wait for.
     stream = torch.cuda.Stream()

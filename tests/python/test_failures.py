@@ -168,3 +168,20 @@ def test_cuda_route_of_a_cpu_build_says_so(ranks):
     if with_cuda:
         pytest.skip("a CUDA build: tests/python/test_cuda_collectives.py covers its routes")
     assert route == "none: this shardkit build drives CPU tensors only"
+
+
+def _alltoall_self_block_disagrees(rank, world):
+    out_splits = [2] * world
+    out_splits[rank] = 3  # every rank: receives 3 from itself but sends it 2
+    try:
+        dist.all_to_all_single(torch.empty(sum(out_splits)), torch.ones(2 * world), out_splits, [2] * world)
+    except RuntimeError as error:
+        return str(error).splitlines()[0]
+    return "no error"
+
+
+def test_alltoall_split_sizes_that_disagree_on_the_own_block_are_refused(ranks):
+    messages = ranks.run(_alltoall_self_block_disagrees, 2)
+    for rank, message in enumerate(messages):
+        assert (f"shardkit all_to_all_single (rank {rank}): this rank sends 2 elements to itself but expects to "
+                f"receive 3 from itself (input and output split sizes disagree at index {rank})") in message

@@ -18,10 +18,13 @@ CudaReady::~CudaReady() {
 
 CudaRoute::CudaRoute(int rank, int size, Engine& host) : staged_(host), nccl_(rank, size, host, staged_) {}
 
-std::shared_ptr<CudaReady> CudaRoute::ready_after(const std::vector<at::Tensor>& tensors) const {
+std::shared_ptr<CudaReady> CudaRoute::ready_after(const std::vector<at::Tensor>& tensors, const char* op, int rank) {
   for (const at::Tensor& tensor : tensors) {
     if (tensor.defined() && tensor.is_cuda()) {
       const at::Device device = tensor.device();
+      if (!device_) device_ = device;
+      TORCH_CHECK(*device_ == device, "shardkit ", op, " (rank ", rank, "): tensors on ", device, ", but this "
+                  "process's earlier CUDA collectives ran on ", *device_, ": shardkit drives one GPU per process");
       return std::make_shared<CudaReady>(device, c10::cuda::getCurrentCUDAStream(device.index()).stream());
     }
   }
@@ -31,8 +34,6 @@ std::shared_ptr<CudaReady> CudaRoute::ready_after(const std::vector<at::Tensor>&
 void CudaRoute::run(const OpContext& op, const CudaReady& ready, const std::function<void(Engine&)>& body) {
   const c10::cuda::CUDAGuard device_guard(ready.device);
   if (!stream_) stream_ = c10::cuda::getStreamFromPool(/*isHighPriority=*/true, ready.device.index());
-  TORCH_CHECK(stream_->device() == ready.device, op.where(), "tensors on ", ready.device, ", but this process's "
-              "earlier CUDA collectives ran on ", stream_->device(), ": shardkit drives one GPU per process");
   const c10::cuda::CUDAStreamGuard stream_guard(*stream_);
   const cudaError_t waited = cudaStreamWaitEvent(stream_->stream(), ready.event, 0);
   TORCH_CHECK(waited == cudaSuccess, op.where(), "cudaStreamWaitEvent failed: ", cudaGetErrorString(waited));
@@ -41,7 +42,7 @@ void CudaRoute::run(const OpContext& op, const CudaReady& ready, const std::func
     TORCH_WARN_ONCE("shardkit: CUDA collectives of this group go through host shared memory (device -> host -> "
                     "shm -> device; slow but correct) because ", unusable, ".");
     body(staged_);
-    stream_->synchronize();  // the staged copies waited already; what the body queued besides them, too
+    nccl_.await(op, stream_->stream());  // the staged copies waited already; what the body queued besides them
     return;
   }
   body(nccl_);

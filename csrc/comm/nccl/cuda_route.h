@@ -44,8 +44,10 @@ class CudaRoute {
   // `host`: the group's shared-memory or hierarchical engine (it outlives this route).
   CudaRoute(int rank, int size, Engine& host);
 
-  // Calling thread. All CUDA tensors of one op must be on one device (TensorArgs checked it).
-  std::shared_ptr<CudaReady> ready_after(const std::vector<at::Tensor>& tensors) const;
+  // Calling thread, before the op is queued. All CUDA tensors of one op are on one device (TensorArgs checked
+  // it); that device must be the one this process's earlier CUDA ops used, or this raises now, naming both:
+  // failing here, not on the worker, keeps the other ranks from waiting for an op this rank never runs.
+  std::shared_ptr<CudaReady> ready_after(const std::vector<at::Tensor>& tensors, const char* op, int rank);
   // Worker thread: body(engine) as described above; returns when the op is complete on the device.
   void run(const OpContext& op, const CudaReady& ready, const std::function<void(Engine&)>& body);
   void shutdown();
@@ -55,6 +57,7 @@ class CudaRoute {
   HostStagedEngine staged_;
   NcclEngine nccl_;
   std::optional<c10::cuda::CUDAStream> stream_;  // the communication stream, made on the first CUDA op
+  std::optional<at::Device> device_;             // the GPU of this process's CUDA ops (set at the first issue)
 };
 
 }  // namespace shardkit::comm

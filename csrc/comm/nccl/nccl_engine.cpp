@@ -63,7 +63,19 @@ std::string uuid_text(const unsigned char* bytes) {
 // ncclGroupEnd, whose result is checked on its own) and the device copies of a rank's own block.
 class NcclEngine::GroupCalls {
  public:
-  explicit GroupCalls(cudaStream_t stream) : stream_(stream) {}
+  // Opens the group (ncclGroupStart's result: started()); a group still open when this is destroyed (something
+  // threw between the calls) is closed, so later NCCL calls on this thread are not silently deferred.
+  explicit GroupCalls(cudaStream_t stream) : stream_(stream), started_(ncclGroupStart()) {}
+  ~GroupCalls() {
+    if (open()) ncclGroupEnd();
+  }
+  GroupCalls(const GroupCalls&) = delete;
+  GroupCalls& operator=(const GroupCalls&) = delete;
+  ncclResult_t started() const { return started_; }
+  ncclResult_t end() {
+    ended_ = true;
+    return ncclGroupEnd();
+  }
   void add(ncclResult_t result) {
     if (first_ == ncclSuccess && result != ncclSuccess && result != ncclInProgress) first_ = result;
   }
@@ -75,7 +87,11 @@ class NcclEngine::GroupCalls {
   cudaError_t copy_error() const { return copy_error_; }
 
  private:
+  bool open() const { return !ended_ && (started_ == ncclSuccess || started_ == ncclInProgress); }
+
   cudaStream_t stream_;
+  ncclResult_t started_;
+  bool ended_ = false;
   ncclResult_t first_ = ncclSuccess;
   cudaError_t copy_error_ = cudaSuccess;
 };
@@ -88,13 +104,13 @@ NcclEngine::~NcclEngine() { shutdown(); }
 cudaStream_t NcclEngine::stream() const { return c10::cuda::getCurrentCUDAStream().stream(); }
 
 const std::string& NcclEngine::unusable_reason(const OpContext& op, const at::Device& device) {
-  if (!set_up_) {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      set_up_ = true;  // one attempt: a failure below fails this op, and later ones say why
-    }
+  if (!attempted_) {
+    attempted_ = true;  // one attempt (worker thread only): a failure below fails this op, later ones say why
     try {
-      set_up(op, device);
+      std::string reason = set_up(op, device);
+      std::lock_guard<std::mutex> lock(mutex_);
+      unusable_ = std::move(reason);
+      set_up_ = true;
     } catch (const std::exception& error) {
       std::lock_guard<std::mutex> lock(mutex_);
       if (failure_.empty()) failure_ = std::string("setting up NCCL failed: ") + error.what();
@@ -113,7 +129,7 @@ std::string NcclEngine::describe() const {
   return unusable_.empty() ? "nccl" : "host shared memory: " + unusable_;
 }
 
-void NcclEngine::set_up(const OpContext& op, const at::Device& device) {
+std::string NcclEngine::set_up(const OpContext& op, const at::Device& device) {
   // 1. Which GPU each rank drives: NCCL refuses two ranks on one GPU.
   cudaDeviceProp properties{};
   const cudaError_t status = cudaGetDeviceProperties(&properties, device.index());
@@ -124,16 +140,14 @@ void NcclEngine::set_up(const OpContext& op, const at::Device& device) {
   at::Tensor everyone = at::empty({16 * size_}, at::kByte);
   host_.allgather(op, mine, everyone);
   const auto* uuids = everyone.data_ptr<unsigned char>();
-  for (int a = 0; a < size_ && unusable_.empty(); ++a) {
+  for (int a = 0; a < size_; ++a) {
     for (int b = a + 1; b < size_; ++b) {
-      if (std::memcmp(uuids + 16 * a, uuids + 16 * b, 16) == 0) {
-        unusable_ = "ranks " + std::to_string(a) + " and " + std::to_string(b) + " of the group share " +
-                    uuid_text(uuids + 16 * a) + ", and NCCL needs one GPU per rank";
-        break;
+      if (std::memcmp(uuids + 16 * a, uuids + 16 * b, 16) == 0) {  // every rank saw the same: decides the same
+        return "ranks " + std::to_string(a) + " and " + std::to_string(b) + " of the group share " +
+               uuid_text(uuids + 16 * a) + ", and NCCL needs one GPU per rank";
       }
     }
   }
-  if (!unusable_.empty()) return;  // every rank saw the same UUIDs: every rank decides the same
   // 2. Rank 0's unique id, with a flag saying whether it could make one.
   at::Tensor payload = at::zeros({1 + static_cast<int64_t>(sizeof(ncclUniqueId))}, at::kByte);
   if (rank_ == 0) {
@@ -144,10 +158,7 @@ void NcclEngine::set_up(const OpContext& op, const at::Device& device) {
     }
   }
   host_.broadcast(op, payload, 0);
-  if (payload.data_ptr<uint8_t>()[0] == 0) {
-    unusable_ = "rank 0 could not create an NCCL unique id (ncclGetUniqueId failed)";
-    return;
-  }
+  if (payload.data_ptr<uint8_t>()[0] == 0) return "rank 0 could not create an NCCL unique id (ncclGetUniqueId failed)";
   ncclUniqueId id;
   std::memcpy(&id, payload.data_ptr<uint8_t>() + 1, sizeof(id));
   // 3. The communicator, non-blocking: its creation and every op can be waited for with a deadline, and
@@ -162,6 +173,7 @@ void NcclEngine::set_up(const OpContext& op, const at::Device& device) {
     comm_ = comm;
   }
   check(op, result, "ncclCommInitRankConfig");
+  return "";
 }
 
 void NcclEngine::check(const OpContext& op, ncclResult_t result, const char* what) {
@@ -288,8 +300,8 @@ void NcclEngine::reduce_scatter(const OpContext& op, const at::Tensor& input, at
 }
 
 // gather, scatter and all-to-all: point-to-point calls in one NCCL group; a rank's own block is a device copy.
-void NcclEngine::end_group(const OpContext& op, const GroupCalls& calls, const char* what) {
-  const ncclResult_t ended = ncclGroupEnd();  // always closes the group, even after a failed call inside it
+void NcclEngine::end_group(const OpContext& op, GroupCalls& calls, const char* what) {
+  const ncclResult_t ended = calls.end();  // closes the group, even after a failed call inside it
   check(op, calls.first_error(), what);
   check(op, ended, what);
   if (calls.copy_error() != cudaSuccess) {
@@ -304,7 +316,7 @@ void NcclEngine::gather(const OpContext& op, const at::Tensor& input, at::Tensor
   const ncclDataType_t dtype = nccl_dtype(input);
   const size_t bytes = n * input.element_size();
   GroupCalls calls(stream());
-  check(op, ncclGroupStart(), "ncclGroupStart");
+  check(op, calls.started(), "ncclGroupStart");
   if (rank_ == root) {
     for (int r = 0; r < size_; ++r) {
       if (r == rank_) {
@@ -324,7 +336,7 @@ void NcclEngine::scatter(const OpContext& op, const at::Tensor& input, at::Tenso
   if (n == 0) return;
   const ncclDataType_t dtype = nccl_dtype(output);
   GroupCalls calls(stream());
-  check(op, ncclGroupStart(), "ncclGroupStart");
+  check(op, calls.started(), "ncclGroupStart");
   if (rank_ == root) {
     for (int r = 0; r < size_; ++r) {
       if (r == rank_) {
@@ -344,7 +356,7 @@ void NcclEngine::alltoall(const OpContext& op, const at::Tensor& input, const st
   const ncclDataType_t dtype = nccl_dtype(input);
   size_t send_offset = 0, recv_offset = 0;
   GroupCalls calls(stream());
-  check(op, ncclGroupStart(), "ncclGroupStart");
+  check(op, calls.started(), "ncclGroupStart");
   for (int r = 0; r < size_; ++r) {
     const size_t out = send_counts[r], in = recv_counts[r];
     if (r == rank_) {

@@ -61,7 +61,8 @@ class NcclEngine final : public Engine {
  private:
   class GroupCalls;  // the calls of one ncclGroupStart/End (nccl_engine.cpp)
 
-  void set_up(const OpContext& op, const at::Device& device);
+  // The exchange and the communicator; returns why NCCL cannot serve ("" when it can).
+  std::string set_up(const OpContext& op, const at::Device& device);
   // Checks an NCCL call's result: waits out ncclInProgress (a non-blocking communicator), and on an error
   // aborts the communicator and throws naming `what`.
   void check(const OpContext& op, ncclResult_t result, const char* what);
@@ -69,7 +70,7 @@ class NcclEngine final : public Engine {
   void settle(const OpContext& op, const char* what);
   [[noreturn]] void fail(const OpContext& op, const std::string& reason);
   void abort_locked();
-  void end_group(const OpContext& op, const GroupCalls& calls, const char* what);
+  void end_group(const OpContext& op, GroupCalls& calls, const char* what);
   cudaStream_t stream() const;
 
   int rank_;
@@ -78,7 +79,8 @@ class NcclEngine final : public Engine {
   Engine& staged_;
   mutable std::mutex mutex_;  // guards comm_, failure_ and set_up_ against readers on other threads
   ncclComm_t comm_ = nullptr;
-  bool set_up_ = false;
+  bool attempted_ = false;  // the worker thread began the set-up (only it reads this)
+  bool set_up_ = false;    // the set-up finished and unusable_ holds its verdict
   std::string unusable_;  // why NCCL does not serve this group ("" when it does)
   std::string failure_;   // the first failure; later ops fail with it
 };
