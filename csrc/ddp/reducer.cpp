@@ -439,17 +439,17 @@ void Reducer::finalize_bucket(Bucket& bucket, const at::Tensor& result, bool ave
                               const std::vector<int32_t>& globally_used) {
   SHARDKIT_PROFILE_SPAN("shardkit::ddp.copy_bucket_to_grad[" + std::to_string(&bucket - buckets_.data()) + "]");
   const double ranks = divisor_ > 0 ? divisor_ : static_cast<double>(process_group_->getSize());
-  const at::Tensor divisor = average ? at::scalar_tensor(ranks, result.options()) : at::Tensor();
-  if (options_.gradient_as_bucket_view) {
-    if (!result.is_same(bucket.buffer)) bucket.buffer.copy_(result);
-    if (average) bucket.buffer.div_(ranks);
-  }
 #ifdef SHARDKIT_WITH_CUDA
   if (result.is_cuda() && !shards_ && !options_.gradient_as_bucket_view && globally_used.empty() &&
       unpack_to_grads(bucket, result, average ? 1.0 / ranks : 1.0)) {
     return;
   }
 #endif
+  const at::Tensor divisor = average ? at::scalar_tensor(ranks, result.options()) : at::Tensor();
+  if (options_.gradient_as_bucket_view) {
+    if (!result.is_same(bucket.buffer)) bucket.buffer.copy_(result);
+    if (average) bucket.buffer.div_(ranks);
+  }
   for (size_t position = 0; position < bucket.members.size(); ++position) {
     const size_t index = bucket.members[position];
     if (!globally_used.empty() && globally_used[index] == 0) continue;  // unused everywhere: .grad untouched

@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import copy
 import inspect
+import os
 import pickle
+import signal
+import time
 
 import pytest
 import torch
@@ -24,6 +27,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
+from collective_cases import topology_env
 from ddp_cases import (Pair, assert_modules_match, batch, bn_net, error_of, gloo_world, loss_fn, mlp, sgd,
                        shardkit_ddp, two_heads)
 
@@ -100,6 +104,51 @@ def test_join_uneven_inputs_matches_torch(ranks, divide, case):
     forward_kwargs = {"use_b": False} if case == "find_unused" else {}
     flats = ranks.run(_join, 3, divide, ddp_kwargs, forward_kwargs, case == "comm_hook", timeout=120)
     assert flats[1] == flats[0] and flats[2] == flats[0], "join() must end with one model on every rank"
+
+
+@pytest.mark.parametrize("hosts", [[0, 0, 1], [0, 1, 1]], ids=["2+1hosts", "1+2hosts"])
+def test_join_on_simulated_hosts_matches_torch(ranks, hosts):
+    flats = ranks.run(_join, 3, False, {"bucket_cap_mb": TINY_BUCKET_MB}, {}, True, timeout=120,
+                      env=topology_env(hosts))
+    assert flats[1] == flats[0] and flats[2] == flats[0]
+
+
+def _join_until_a_rank_dies(rank, world):
+    victim = world - 1  # the rank with the most batches: the others have joined and shadow its backward
+    model = shardkit_ddp()(mlp(), bucket_cap_mb=TINY_BUCKET_MB)
+    opt = sgd(model.parameters())
+    steps = {"n": 0}
+    if rank == victim:
+        def die(module, grad_output):
+            if steps["n"] == 3:  # mid-backward: after the last layer's bucket launched, before the rest
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        model.module[2].register_full_backward_pre_hook(die)
+    start = time.monotonic()
+    try:
+        with model.join():
+            for step in range(_batches_of(rank)):
+                opt.zero_grad()
+                x, y = batch(rank, step)
+                loss_fn(model(x), y).backward()
+                opt.step()
+                steps["n"] += 1
+    except RuntimeError as error:
+        return time.monotonic() - start, str(error)
+    return "join() ended normally although a rank died"
+
+
+# The victim (rank 2) shares its simulated host with rank 1, which sees the death in shared memory and names it.
+@pytest.mark.parametrize("hosts", [None, [0, 1, 1]], ids=["1host", "1+2hosts"])
+def test_rank_killed_while_others_have_joined(ranks, hosts):
+    outcomes = ranks.launch(_join_until_a_rank_dies, 3, timeout=90, pg_timeout=60, env=topology_env(hosts))
+    assert outcomes[2].exitcode == -signal.SIGKILL, outcomes[2].error
+    for outcome in outcomes[:2]:
+        assert outcome.ok, outcome.error
+        assert not isinstance(outcome.value, str), f"rank {outcome.rank}: {outcome.value}"
+        elapsed, message = outcome.value
+        assert elapsed < 20.0, f"rank {outcome.rank} took {elapsed:.1f} s (the group timeout is 60 s): {message}"
+        assert "rank(s) 2 (pid" in message and "exited" in message, message
 
 
 def _join_refused_with_zero(rank, world):
