@@ -134,20 +134,24 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::launch(c10d::OpType type, c
   // Numbered again when it runs: collectives issued from future callbacks run at once (work_queue.h), so the
   // order in which ops run, not the order of the calls, is the one every rank shares. Messages and the shm
   // agreement check use that number.
-  auto run = [this, op, timeout = op_timeout(opts.timeout), body = std::move(body)
 #ifdef SHARDKIT_WITH_CUDA
-               , ready
-#endif
-  ]() mutable {
+  // A CUDA op's body (and the tensors it holds) lives until the op ends on the device: the watchdog keeps it.
+  auto shared_body = std::make_shared<Body>(std::move(body));
+  auto run = [this, op, timeout = op_timeout(opts.timeout), shared_body, ready, work]() {
     const OpContext context{op, ++executed_, timeout, getRank()};
-#ifdef SHARDKIT_WITH_CUDA
     if (ready) {  // CUDA tensors: NCCL, or host staging where NCCL cannot serve (comm/nccl/cuda_route.h)
-      cuda_->run(context, *ready, [&](Engine& engine) { body(engine, context); });
+      cuda_->run(context, *ready, [&](Engine& engine) { (*shared_body)(engine, context); },
+                 work, shared_body);
       return;
     }
-#endif
+    (*shared_body)(route(context), context);
+  };
+#else
+  auto run = [this, op, timeout = op_timeout(opts.timeout), body = std::move(body)]() mutable {
+    const OpContext context{op, ++executed_, timeout, getRank()};
     body(route(context), context);
   };
+#endif
   if (compat::is_async_op(opts)) {
     queue_.enqueue(work, std::move(run));
   } else {

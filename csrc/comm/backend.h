@@ -122,7 +122,8 @@ class ProcessGroupShardkit : public c10d::Backend {
   // Future yields `outputs`. A synchronous caller (`async_op=False`, opts.asyncOp) may run it inline when
   // nothing is pending. `inputs`: tensors the op reads besides `outputs` where outputs alone may not show the
   // device (gather's input on a non-root rank). An op on CUDA tensors runs after what the caller's current
-  // stream queued before it, and its Work completes once its results are on the device (CudaRoute).
+  // stream queued before it; its Work completes once the op is queued on the device, and its wait() makes the
+  // caller's stream (not the host) wait for it; the CUDA watchdog follows it to its end (comm/nccl/cuda_route.h).
   template <typename OpOptions, typename Body>
   c10::intrusive_ptr<c10d::Work> launch(c10d::OpType type, const char* profiling_title, const char* op,
                                         std::vector<at::Tensor> outputs, const OpOptions& opts, Body body,

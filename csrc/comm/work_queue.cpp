@@ -1,5 +1,8 @@
 #include "comm/work_queue.h"
 
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+
 #include <stdexcept>
 
 namespace shardkit::comm {
@@ -13,8 +16,68 @@ ShardkitWork::ShardkitWork(int rank, c10d::OpType type, const char* profiling_ti
       seq_(seq) {}
 
 void ShardkitWork::complete() {
-  future_->markCompleted(c10::IValue(outputs_));
+  {
+    // A device op's Future records its events on the current stream of each device: the communication
+    // stream, so consumers are ordered after the op, not after whatever else the device's default stream holds.
+    std::optional<c10::StreamGuard> on_stream;
+    if (stream_) on_stream.emplace(*stream_);
+    future_->markCompleted(c10::IValue(outputs_));
+  }
   finish();
+}
+
+void ShardkitWork::issued_on(const c10::Stream& stream) {
+  TORCH_INTERNAL_ASSERT(!done_, "ShardkitWork::issued_on called twice");
+  c10::Event done(stream.device_type());
+  done.record(stream);
+  stream_ = stream;
+  done_.emplace(std::move(done));
+}
+
+bool ShardkitWork::device_done() const { return !done_ || done_->query(); }
+
+void ShardkitWork::device_finished() {
+  std::lock_guard<std::mutex> lock(device_mutex_);
+  device_finished_ = true;
+}
+
+void ShardkitWork::device_failed(std::exception_ptr error) {
+  std::lock_guard<std::mutex> lock(device_mutex_);
+  device_finished_ = true;
+  device_error_ = std::move(error);
+}
+
+std::exception_ptr ShardkitWork::device_error() const {
+  std::lock_guard<std::mutex> lock(device_mutex_);
+  return device_error_;
+}
+
+bool ShardkitWork::isCompleted() {
+  if (!c10d::Work::isCompleted()) return false;
+  if (!done_) return true;
+  std::lock_guard<std::mutex> lock(device_mutex_);
+  return device_finished_;
+}
+
+bool ShardkitWork::isSuccess() const { return c10d::Work::isSuccess() && device_error() == nullptr; }
+
+std::exception_ptr ShardkitWork::exception() const {
+  std::exception_ptr host = c10d::Work::exception();
+  return host ? host : device_error();
+}
+
+void ShardkitWork::synchronize() {
+  if (!done_) return;
+  if (std::exception_ptr error = device_error()) std::rethrow_exception(error);
+  const c10::Device device = done_->device();
+  const c10::impl::VirtualGuardImpl guard(device.type());
+  done_->block(guard.getStream(device));
+}
+
+bool ShardkitWork::wait(std::chrono::milliseconds timeout) {
+  c10d::Work::wait(timeout);  // raises the op's failure; returns once the op completed (host) or was issued
+  synchronize();
+  return true;
 }
 
 void ShardkitWork::fail(std::exception_ptr error) {

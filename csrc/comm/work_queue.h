@@ -5,6 +5,12 @@
 // thread, say — goes on while the shared-memory protocol runs. A Work completes its Future with the output
 // tensors (what DDP's comm hooks expect) or with the exception the collective threw.
 //
+// Ops on CUDA tensors complete in two steps (comm/nccl/cuda_route.h): the worker queues them on the group's
+// communication stream and the Work completes at once ("issued"), its CUDA Future carrying an event that
+// orders consumers' streams after the op; wait() makes the caller's current stream wait for the op, not the
+// host. The CUDA watchdog then tracks the op until it is done on the device (device_finished()), or fails
+// it (device_failed(): later wait() calls raise the reason).
+//
 // Future callbacks (`fut.then(...)`) run on the worker thread as it completes the future, and may issue
 // and wait on another collective (torch's PowerSGD hook does). Such a collective runs at once, inline on
 // the worker: queueing it behind the worker would deadlock, and running it right after the op whose
@@ -12,12 +18,15 @@
 #pragma once
 
 #include <ATen/core/ivalue.h>
+#include <c10/core/Event.h>
+#include <c10/core/Stream.h>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <condition_variable>
 #include <deque>
 #include <functional>
 #include <mutex>
+#include <optional>
 #include <thread>
 #include <vector>
 
@@ -35,14 +44,45 @@ class ShardkitWork : public c10d::Work {
   std::vector<at::Tensor> result() override { return outputs_; }
   uint64_t getSequencenumber() const override { return seq_; }
 
-  // Called by the worker thread exactly once.
+  // Called by the worker thread exactly once. For a device op, issued_on() came first: the Future completes
+  // with that stream current, so its events order consumers after the op.
   void complete();
   void fail(std::exception_ptr error);
 
+  // --- device ops (CUDA) ---
+  // The worker, once the op is queued on `stream`: records the op's completion event there.
+  void issued_on(const c10::Stream& stream);
+  bool on_device() const { return done_.has_value(); }
+  // Whether the op is done on the device (a non-blocking query of its event).
+  bool device_done() const;
+  // The watchdog, exactly once per device op: the op is done on the device, or failed there (timeout, NCCL
+  // error) and the communicator was aborted.
+  void device_finished();
+  void device_failed(std::exception_ptr error);
+
+  // Host ops: done when complete()/fail() ran. Device ops: also done on the device (or failed there).
+  bool isCompleted() override;
+  bool isSuccess() const override;
+  std::exception_ptr exception() const override;
+  // Device ops: the current stream of the op's device waits for the op (the host does not); raises the
+  // device failure if the watchdog reported one already. Host ops: nothing.
+  void synchronize() override;
+  // Blocks the host until the op is complete (host ops) or issued (device ops), then synchronize().
+  bool wait(std::chrono::milliseconds timeout = kNoTimeout) override;
+
  private:
+  std::exception_ptr device_error() const;
+
   std::vector<at::Tensor> outputs_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
   uint64_t seq_;
+  // Device ops: the communication stream and the op's completion event on it (set once, by issued_on(),
+  // before the Work completes; read-only afterwards), and what the watchdog reported.
+  std::optional<c10::Stream> stream_;
+  std::optional<c10::Event> done_;
+  mutable std::mutex device_mutex_;
+  bool device_finished_ = false;
+  std::exception_ptr device_error_;
 };
 
 class WorkQueue {

@@ -12,6 +12,9 @@ checked by their messages: tensors on two devices in one collective, point-to-po
 
 from __future__ import annotations
 
+import re
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -142,3 +145,70 @@ def test_the_route_says_nccl_or_why_not(ranks):
     assert shared.startswith("host shared memory: ranks 0 and 1 of the group share GPU-"), shared
     assert shared.endswith("and NCCL needs one GPU per rank"), shared
     assert ranks.run(_which_route, 1, timeout=120)[0][1] == "nccl"
+
+
+# Cycles of torch.cuda._sleep that keep an H100 (1.98 GHz boost) busy for about a second or more: long enough to
+# tell "the host did not wait" from "the op was already done", whatever the clock.
+_A_SECOND_OF_CYCLES = 2_000_000_000
+
+
+def _wait_orders_the_stream_not_the_host(rank, world):
+    t = torch.ones(1 << 16, device="cuda")
+    dist.all_reduce(t)  # sets the communicator up: not what is looked at here
+    torch.cuda.synchronize()
+    torch.cuda._sleep(_A_SECOND_OF_CYCLES)  # the caller's stream is busy; the op must wait for it on the device
+    t.fill_(2.0)
+    work = dist.all_reduce(t, async_op=True)
+    work.wait()  # orders the current stream after the op and returns: the op cannot have run yet
+    still_running = not work.is_completed()
+    doubled = t * 1.0  # queued on the current stream after the op
+    assert torch.equal(doubled.cpu(), torch.full_like(doubled.cpu(), 2.0 * world))
+    deadline = 100
+    while not work.is_completed() and deadline > 0:  # the watchdog marks it done once the device is
+        torch.cuda.synchronize()
+        deadline -= 1
+        time.sleep(0.05)
+    return still_running, work.is_completed(), work.is_success()
+
+
+def test_wait_orders_the_callers_stream_not_the_host(ranks):
+    still_running, completed, success = ranks.run(_wait_orders_the_stream_not_the_host, 1, timeout=120)[0]
+    assert still_running, "Work.wait() blocked the host until the op was done on the device"
+    assert completed and success
+
+
+def _a_stalled_collective(rank, world):
+    from datetime import timedelta
+
+    group = dist.new_group(backend="shardkit", timeout=timedelta(seconds=2))
+    t = torch.ones(8, device="cuda")
+    dist.all_reduce(t, group=group)  # the communicator is set up
+    torch.cuda.synchronize()
+    torch.cuda._sleep(6 * _A_SECOND_OF_CYCLES)  # the op cannot start within the group's 2 s timeout
+    work = dist.all_reduce(t, group=group, async_op=True)
+    for _ in range(600):  # the watchdog fails it at the deadline; give up after 30 s (a hang)
+        if work.is_completed():
+            break
+        time.sleep(0.05)
+    completed = work.is_completed()
+    try:
+        work.wait()
+        first = ""
+    except RuntimeError as error:
+        first = str(error)
+    try:
+        dist.all_reduce(torch.ones(8, device="cuda"), group=group)
+        later = ""
+    except RuntimeError as error:
+        later = str(error)
+    torch.cuda.synchronize()
+    return completed, first, later
+
+
+def test_the_watchdog_fails_a_collective_that_misses_its_deadline(ranks):
+    completed, first, later = ranks.run(_a_stalled_collective, 1, timeout=180)[0]
+    assert completed, "the stalled op was never failed: a hang"
+    assert re.search(r"shardkit allreduce #(\d+) \(rank 0\): the collective did not complete on the device within "
+                     r"2000 ms \(a rank did not join it, or a GPU stalled\); the NCCL communicator was aborted", first), first
+    seq = re.search(r"allreduce #(\d+)", first).group(1)
+    assert f"the NCCL communicator failed earlier: allreduce #{seq}: the collective did not complete" in later, later

@@ -16,7 +16,10 @@ CudaReady::~CudaReady() {
   if (event != nullptr) cudaEventDestroy(event);
 }
 
-CudaRoute::CudaRoute(int rank, int size, Engine& host) : staged_(host), nccl_(rank, size, host, staged_) {}
+CudaRoute::CudaRoute(int rank, int size, Engine& host)
+    : staged_(host),
+      nccl_(rank, size, host, staged_),
+      watchdog_([this] { return nccl_.health(); }, [this](const std::string& reason) { nccl_.abort(reason); }) {}
 
 std::shared_ptr<CudaReady> CudaRoute::ready_after(const std::vector<at::Tensor>& tensors, const char* op, int rank) {
   for (const at::Tensor& tensor : tensors) {
@@ -31,7 +34,8 @@ std::shared_ptr<CudaReady> CudaRoute::ready_after(const std::vector<at::Tensor>&
   TORCH_INTERNAL_ASSERT(false, "CudaRoute::ready_after: no CUDA tensor");
 }
 
-void CudaRoute::run(const OpContext& op, const CudaReady& ready, const std::function<void(Engine&)>& body) {
+void CudaRoute::run(const OpContext& op, const CudaReady& ready, const std::function<void(Engine&)>& body,
+                    const c10::intrusive_ptr<ShardkitWork>& work, std::shared_ptr<void> keep_alive) {
   const c10::cuda::CUDAGuard device_guard(ready.device);
   if (!stream_) stream_ = c10::cuda::getStreamFromPool(/*isHighPriority=*/true, ready.device.index());
   const c10::cuda::CUDAStreamGuard stream_guard(*stream_);
@@ -41,14 +45,17 @@ void CudaRoute::run(const OpContext& op, const CudaReady& ready, const std::func
   if (!unusable.empty()) {
     TORCH_WARN_ONCE("shardkit: CUDA collectives of this group go through host shared memory (device -> host -> "
                     "shm -> device; slow but correct) because ", unusable, ".");
-    body(staged_);
-    nccl_.await(op, stream_->stream());  // the staged copies waited already; what the body queued besides them
-    return;
+    body(staged_);  // its host steps waited for their copies; the copies back are queued on the stream
+  } else {
+    body(nccl_);
   }
-  body(nccl_);
-  nccl_.await(op, stream_->stream());
+  work->issued_on(*stream_);
+  watchdog_.watch(op, work, std::move(keep_alive));
 }
 
-void CudaRoute::shutdown() { nccl_.shutdown(); }
+void CudaRoute::shutdown() {
+  watchdog_.stop();
+  nccl_.shutdown();
+}
 
 }  // namespace shardkit::comm

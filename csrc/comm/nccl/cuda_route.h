@@ -7,9 +7,10 @@
 //   - NcclEngine (NCCL on the communication stream) when every rank of the group has its own GPU;
 //   - HostStagedEngine (device -> host -> shared memory -> device) otherwise, with a one-time warning naming
 //     the reason (two ranks on one GPU, which NCCL refuses, or NCCL could not be set up).
-// run() returns once the op is complete on the device (NcclEngine::await: the op's deadline, NCCL's error
-// state, abort on failure), so the op's Work completes with its outputs final, as the host engines' do, and
-// its tensors, referenced by the body until then, stay alive without recordStream.
+// run() returns once the op is queued: the Work is marked issued on the communication stream (its Future's
+// events and wait() order the caller's streams after the op; the host does not wait), and the watchdog
+// (cuda_watchdog.h) follows the op to its end on the device, holding its tensors until then (no
+// recordStream), aborting the communicator and failing the op past its deadline or on an NCCL error.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -23,7 +24,9 @@
 
 #include "comm/engine.h"
 #include "comm/nccl/host_staged_engine.h"
+#include "comm/nccl/cuda_watchdog.h"
 #include "comm/nccl/nccl_engine.h"
+#include "comm/work_queue.h"
 
 namespace shardkit::comm {
 
@@ -48,8 +51,11 @@ class CudaRoute {
   // it); that device must be the one this process's earlier CUDA ops used, or this raises now, naming both:
   // failing here, not on the worker, keeps the other ranks from waiting for an op this rank never runs.
   std::shared_ptr<CudaReady> ready_after(const std::vector<at::Tensor>& tensors, const char* op, int rank);
-  // Worker thread: body(engine) as described above; returns when the op is complete on the device.
-  void run(const OpContext& op, const CudaReady& ready, const std::function<void(Engine&)>& body);
+  // Worker thread: body(engine) as described above; returns once the op is queued on the device, `work`
+  // issued and handed to the watchdog with `keep_alive` (what holds the op's tensors).
+  void run(const OpContext& op, const CudaReady& ready, const std::function<void(Engine&)>& body,
+           const c10::intrusive_ptr<ShardkitWork>& work, std::shared_ptr<void> keep_alive);
+  // After the worker has stopped: waits for the ops in flight (each until its deadline), then frees NCCL.
   void shutdown();
   std::string describe() const { return nccl_.describe(); }
 
@@ -58,6 +64,7 @@ class CudaRoute {
   NcclEngine nccl_;
   std::optional<c10::cuda::CUDAStream> stream_;  // the communication stream, made on the first CUDA op
   std::optional<at::Device> device_;             // the GPU of this process's CUDA ops (set at the first issue)
+  CudaWatchdog watchdog_;                        // last: stopped before the engines it reports to go
 };
 
 }  // namespace shardkit::comm

@@ -118,8 +118,9 @@ const std::string& NcclEngine::unusable_reason(const OpContext& op, const at::De
       throw;
     }
   }
-  if (!failure_.empty()) TORCH_CHECK(false, op.where(), "the NCCL communicator failed earlier: ", failure_);
-  return unusable_;
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(failure_.empty(), op.where(), "the NCCL communicator failed earlier: ", failure_);
+  return unusable_;  // written once, by this thread, before any reader could see set_up_
 }
 
 std::string NcclEngine::describe() const {
@@ -182,15 +183,27 @@ void NcclEngine::check(const OpContext& op, ncclResult_t result, const char* wha
     settle(op, what);
     return;
   }
-  fail(op, std::string(what) + " failed: " + ncclGetErrorString(result) +
-               (comm_ ? std::string(" (") + ncclGetLastError(comm_) + ")" : std::string()));
+  std::string detail;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (comm_ != nullptr) detail = std::string(" (") + ncclGetLastError(comm_) + ")";
+  }
+  fail(op, std::string(what) + " failed: " + ncclGetErrorString(result) + detail);
+}
+
+template <typename Call>
+ncclResult_t NcclEngine::with_comm(const OpContext& op, Call call) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(failure_.empty() && comm_ != nullptr, op.where(), "the NCCL communicator was aborted: ",
+              failure_.empty() ? std::string("(no reason recorded)") : failure_);
+  return call(comm_);
 }
 
 void NcclEngine::settle(const OpContext& op, const char* what) {
   const auto deadline = std::chrono::steady_clock::now() + op.timeout;
   for (int polls = 0;; ++polls) {
     ncclResult_t state = ncclSuccess;
-    const ncclResult_t queried = ncclCommGetAsyncError(comm_, &state);
+    const ncclResult_t queried = with_comm(op, [&](ncclComm_t comm) { return ncclCommGetAsyncError(comm, &state); });
     if (queried != ncclSuccess) state = queried;
     if (state == ncclSuccess) return;
     if (state != ncclInProgress) fail(op, std::string(what) + " failed: " + ncclGetErrorString(state));
@@ -201,37 +214,22 @@ void NcclEngine::settle(const OpContext& op, const char* what) {
   }
 }
 
-void NcclEngine::await(const OpContext& op, cudaStream_t stream) {
-  cudaEvent_t done = nullptr;
-  cudaError_t status = cudaEventCreateWithFlags(&done, cudaEventDisableTiming);
-  TORCH_CHECK(status == cudaSuccess, op.where(), "cudaEventCreate failed: ", cudaGetErrorString(status));
-  status = cudaEventRecord(done, stream);
-  const auto deadline = std::chrono::steady_clock::now() + op.timeout;
-  std::string problem;
-  for (int polls = 0; status == cudaSuccess; ++polls) {
-    status = cudaEventQuery(done);
-    if (status == cudaSuccess) break;
-    if (status != cudaErrorNotReady) break;
-    status = cudaSuccess;
-    if (comm_ != nullptr) {
-      ncclResult_t state = ncclSuccess;
-      ncclCommGetAsyncError(comm_, &state);
-      if (state != ncclSuccess && state != ncclInProgress) {
-        problem = std::string("NCCL reported an error while the collective ran: ") + ncclGetErrorString(state) +
-                  " (" + ncclGetLastError(comm_) + ")";
-        break;
-      }
-    }
-    if (std::chrono::steady_clock::now() > deadline) {
-      problem = "the collective did not complete within " + std::to_string(op.timeout.count()) +
-                " ms (a rank did not join it, or the GPU stalled)";
-      break;
-    }
-    if (polls > 200) std::this_thread::sleep_for(std::chrono::microseconds(polls > 2000 ? 1000 : 50));
-  }
-  cudaEventDestroy(done);
-  if (problem.empty() && status != cudaSuccess) problem = std::string("CUDA error: ") + cudaGetErrorString(status);
-  if (!problem.empty()) fail(op, problem);
+std::string NcclEngine::health() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!failure_.empty()) return "the NCCL communicator failed: " + failure_;
+  if (comm_ == nullptr) return "";
+  ncclResult_t state = ncclSuccess;
+  const ncclResult_t queried = ncclCommGetAsyncError(comm_, &state);
+  if (queried != ncclSuccess) state = queried;
+  if (state == ncclSuccess || state == ncclInProgress) return "";
+  return std::string("NCCL reported an error while the collective ran: ") + ncclGetErrorString(state) + " (" +
+         ncclGetLastError(comm_) + ")";
+}
+
+void NcclEngine::abort(const std::string& reason) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (failure_.empty()) failure_ = reason;
+  abort_locked();
 }
 
 void NcclEngine::fail(const OpContext& op, const std::string& reason) {
@@ -261,16 +259,18 @@ void NcclEngine::barrier(const OpContext& op) { host_.barrier(op); }
 
 void NcclEngine::broadcast(const OpContext& op, at::Tensor& data, int root) {
   if (data.numel() == 0) return;
-  check(op, ncclBroadcast(data.data_ptr(), data.data_ptr(), count_of(data), nccl_dtype(data), root, comm_, stream()),
-        "ncclBroadcast");
+  check(op, with_comm(op, [&](ncclComm_t comm) {
+          return ncclBroadcast(data.data_ptr(), data.data_ptr(), count_of(data), nccl_dtype(data), root, comm, stream());
+        }), "ncclBroadcast");
 }
 
 void NcclEngine::allreduce(const OpContext& op, at::Tensor& data, core::ReduceOp reduce) {
   const auto nop = nccl_op(reduce, data);
   if (!nop) return staged_.allreduce(op, data, reduce);
   if (data.numel() == 0) return;
-  check(op, ncclAllReduce(data.data_ptr(), data.data_ptr(), count_of(data), nccl_dtype(data), *nop, comm_, stream()),
-        "ncclAllReduce");
+  check(op, with_comm(op, [&](ncclComm_t comm) {
+          return ncclAllReduce(data.data_ptr(), data.data_ptr(), count_of(data), nccl_dtype(data), *nop, comm, stream());
+        }), "ncclAllReduce");
 }
 
 void NcclEngine::reduce(const OpContext& op, at::Tensor& data, core::ReduceOp reduce, int root) {
@@ -278,15 +278,17 @@ void NcclEngine::reduce(const OpContext& op, at::Tensor& data, core::ReduceOp re
   if (!nop) return staged_.reduce(op, data, reduce, root);
   if (data.numel() == 0) return;
   // NCCL writes the receive buffer on the root only: the others' tensors stay as they were (the Engine rule).
-  check(op, ncclReduce(data.data_ptr(), data.data_ptr(), count_of(data), nccl_dtype(data), *nop, root, comm_,
-                       stream()),
-        "ncclReduce");
+  check(op, with_comm(op, [&](ncclComm_t comm) {
+          return ncclReduce(data.data_ptr(), data.data_ptr(), count_of(data), nccl_dtype(data), *nop, root, comm,
+                            stream());
+        }), "ncclReduce");
 }
 
 void NcclEngine::allgather(const OpContext& op, const at::Tensor& input, at::Tensor& output) {
   if (input.numel() == 0) return;
-  check(op, ncclAllGather(input.data_ptr(), output.data_ptr(), count_of(input), nccl_dtype(input), comm_, stream()),
-        "ncclAllGather");
+  check(op, with_comm(op, [&](ncclComm_t comm) {
+          return ncclAllGather(input.data_ptr(), output.data_ptr(), count_of(input), nccl_dtype(input), comm, stream());
+        }), "ncclAllGather");
 }
 
 void NcclEngine::reduce_scatter(const OpContext& op, const at::Tensor& input, at::Tensor& output,
@@ -294,9 +296,10 @@ void NcclEngine::reduce_scatter(const OpContext& op, const at::Tensor& input, at
   const auto nop = nccl_op(reduce, output);
   if (!nop) return staged_.reduce_scatter(op, input, output, reduce);
   if (output.numel() == 0) return;
-  check(op, ncclReduceScatter(input.data_ptr(), output.data_ptr(), count_of(output), nccl_dtype(output), *nop, comm_,
-                              stream()),
-        "ncclReduceScatter");
+  check(op, with_comm(op, [&](ncclComm_t comm) {
+          return ncclReduceScatter(input.data_ptr(), output.data_ptr(), count_of(output), nccl_dtype(output), *nop,
+                                   comm, stream());
+        }), "ncclReduceScatter");
 }
 
 // gather, scatter and all-to-all: point-to-point calls in one NCCL group; a rank's own block is a device copy.
@@ -322,11 +325,11 @@ void NcclEngine::gather(const OpContext& op, const at::Tensor& input, at::Tensor
       if (r == rank_) {
         calls.copy(bytes_at(output, n * r), input.data_ptr(), bytes);
       } else {
-        calls.add(ncclRecv(bytes_at(output, n * r), n, dtype, r, comm_, stream()));
+        calls.add(with_comm(op, [&](ncclComm_t comm) { return ncclRecv(bytes_at(output, n * r), n, dtype, r, comm, stream()); }));
       }
     }
   } else {
-    calls.add(ncclSend(input.data_ptr(), n, dtype, root, comm_, stream()));
+    calls.add(with_comm(op, [&](ncclComm_t comm) { return ncclSend(input.data_ptr(), n, dtype, root, comm, stream()); }));
   }
   end_group(op, calls, "gather (ncclSend/ncclRecv group)");
 }
@@ -342,11 +345,11 @@ void NcclEngine::scatter(const OpContext& op, const at::Tensor& input, at::Tenso
       if (r == rank_) {
         calls.copy(output.data_ptr(), bytes_at(input, n * r), n * output.element_size());
       } else {
-        calls.add(ncclSend(bytes_at(input, n * r), n, dtype, r, comm_, stream()));
+        calls.add(with_comm(op, [&](ncclComm_t comm) { return ncclSend(bytes_at(input, n * r), n, dtype, r, comm, stream()); }));
       }
     }
   } else {
-    calls.add(ncclRecv(output.data_ptr(), n, dtype, root, comm_, stream()));
+    calls.add(with_comm(op, [&](ncclComm_t comm) { return ncclRecv(output.data_ptr(), n, dtype, root, comm, stream()); }));
   }
   end_group(op, calls, "scatter (ncclSend/ncclRecv group)");
 }
@@ -362,8 +365,16 @@ void NcclEngine::alltoall(const OpContext& op, const at::Tensor& input, const st
     if (r == rank_) {
       if (out > 0) calls.copy(bytes_at(output, recv_offset), bytes_at(input, send_offset), out * input.element_size());
     } else {
-      if (out > 0) calls.add(ncclSend(bytes_at(input, send_offset), out, dtype, r, comm_, stream()));
-      if (in > 0) calls.add(ncclRecv(bytes_at(output, recv_offset), in, dtype, r, comm_, stream()));
+      if (out > 0) {
+        calls.add(with_comm(op, [&](ncclComm_t comm) {
+          return ncclSend(bytes_at(input, send_offset), out, dtype, r, comm, stream());
+        }));
+      }
+      if (in > 0) {
+        calls.add(with_comm(op, [&](ncclComm_t comm) {
+          return ncclRecv(bytes_at(output, recv_offset), in, dtype, r, comm, stream());
+        }));
+      }
     }
     send_offset += out;
     recv_offset += in;

@@ -1,8 +1,8 @@
 // NcclEngine: the shardkit backend's collectives on CUDA tensors through NCCL (CUDA builds only).
 //
-// It is an Engine (comm/engine.h) like the host engines: each method issues its NCCL calls on the CUDA stream
+// It is an Engine (comm/engine.h) like the host engines: each method queues its NCCL calls on the CUDA stream
 // current when it is called, which CudaRoute (cuda_route.h) has made the group's communication stream, and
-// returns without waiting; CudaRoute then waits for the op with NcclEngine::await(), against the op's deadline.
+// returns without waiting; CudaWatchdog (cuda_watchdog.h) then follows the op to its end on the device.
 //
 // The communicator is created by the first CUDA op of the group, on every rank at the same op (ops run in
 // issue order on every rank): the ranks exchange their GPUs' UUIDs and rank 0's ncclUniqueId through the host
@@ -11,9 +11,10 @@
 // a GPU (NCCL refuses that) or NCCL cannot be set up, the engine reports itself unusable and CudaRoute sends
 // the group's CUDA ops through host memory instead.
 //
-// Failures are errors, not hangs: every wait polls the op's completion event and ncclCommGetAsyncError until
-// the op's deadline; on an NCCL error or at the deadline the communicator is aborted and the op fails naming
-// the op, its number, this rank and the reason. Later ops fail at once with the first reason.
+// Failures are errors, not hangs: a call that stays ncclInProgress is polled until the op's deadline; on an
+// NCCL error, at the deadline, or when the watchdog calls abort(), the communicator is aborted and the first
+// reason kept: later ops fail at once with it. Every use of the communicator holds `mutex_`, so the
+// watchdog's abort never frees it under a call of the worker thread.
 //
 // What NCCL lacks goes through `staged` (host memory), op by op: bitwise reductions of integers, BXOR of bool.
 #pragma once
@@ -42,8 +43,11 @@ class NcclEngine final : public Engine {
   // What carries this group's CUDA ops, for users asking why they are slow: "nccl", "host shared memory: <why>",
   // or that no CUDA op has run yet.
   std::string describe() const;
-  // Blocks until everything queued on `stream` so far has run, polling NCCL's error state, until op's deadline.
-  void await(const OpContext& op, cudaStream_t stream);
+  // The watchdog's view: "" while the communicator is well, else why not (an asynchronous NCCL error, or the
+  // group's first failure).
+  std::string health() const;
+  // Aborts the communicator (any thread), keeping `reason` as the group's failure if it is the first.
+  void abort(const std::string& reason);
 
   void barrier(const OpContext& op) override;
   void broadcast(const OpContext& op, at::Tensor& data, int root) override;
@@ -63,6 +67,9 @@ class NcclEngine final : public Engine {
 
   // The exchange and the communicator; returns why NCCL cannot serve ("" when it can).
   std::string set_up(const OpContext& op, const at::Device& device);
+  // Runs `call(comm)` holding the lock; raises the group's failure instead if the communicator was aborted.
+  template <typename Call>
+  ncclResult_t with_comm(const OpContext& op, Call call);
   // Checks an NCCL call's result: waits out ncclInProgress (a non-blocking communicator), and on an error
   // aborts the communicator and throws naming `what`.
   void check(const OpContext& op, ncclResult_t result, const char* what);
@@ -77,7 +84,7 @@ class NcclEngine final : public Engine {
   int size_;
   Engine& host_;
   Engine& staged_;
-  mutable std::mutex mutex_;  // guards comm_, failure_ and set_up_ against readers on other threads
+  mutable std::mutex mutex_;  // guards comm_, failure_, set_up_ and unusable_ (the watchdog and describe() read them)
   ncclComm_t comm_ = nullptr;
   bool attempted_ = false;  // the worker thread began the set-up (only it reads this)
   bool set_up_ = false;    // the set-up finished and unusable_ holds its verdict
