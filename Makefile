@@ -3,7 +3,7 @@
 #   make test        apt deps + .venv (torch 2.13.0 CPU) + build, then GoogleTest (ctest) and pytest
 #   make demo        same set-up, then the estimator, a GPT trained under shardkit.auto and under DDP, collectives
 #   make cuda-check  .venv-cuda (torch 2.14.1, CUDA 13) + the CUDA extension compiled, linked and imported
-#   make gpu-test    on a GPU machine, with its own torch: the CUDA build, the tests marked cuda, the kernel benchmark
+#   make gpu-test    on a GPU machine, with its own torch: the CUDA build, the tests marked cuda, the GPU benchmark
 #   make bench       the benchmarks under benchmarks/ (results in benchmarks/results/)
 #   make peer-test   torch's own distributed_test.py on gloo and on shardkit side by side (tests/peer/)
 #   make clean-venv-check  the wheel installed into a venv holding only torch (no numpy), examples run there
@@ -129,7 +129,7 @@ cuda-check: apt-deps $(VENV_CUDA)/.deps
 	cd build/cuda-check && ../../$(VENV_CUDA)/bin/python ../../tests/cuda_check.py
 
 # On a GPU machine: its own Python and torch (a CUDA build, e.g. 2.11+cu130), the CUDA extension built in place,
-# then the tests marked `cuda` (tests/python/test_cuda_kernels.py, ...) and the kernel benchmark.
+# then the tests marked `cuda` (tests/python/test_cuda_kernels.py, ...) and the GPU benchmark (kernels, PowerSGD, FSDP).
 gpu-test:
 	SHARDKIT_CUDA=1 $(PYTHON) -m pip install $(PIP_FLAGS) --no-build-isolation --no-deps -e .
 	$(PYTHON) -m pytest tests/python -m cuda -rs

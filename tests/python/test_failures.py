@@ -185,3 +185,18 @@ def test_alltoall_split_sizes_that_disagree_on_the_own_block_are_refused(ranks):
     for rank, message in enumerate(messages):
         assert (f"shardkit all_to_all_single (rank {rank}): this rank sends 2 elements to itself but expects to "
                 f"receive 3 from itself (input and output split sizes disagree at index {rank})") in message
+
+
+def _cpu_tensor_on_a_cuda_only_group(rank, world):
+    try:
+        dist.all_reduce(torch.ones(3))
+    except RuntimeError as error:
+        return str(error).splitlines()[0]
+    return "no error"
+
+
+def test_a_cpu_tensor_on_a_cuda_only_group_is_refused(ranks):
+    # backend="cuda:shardkit": no backend serves CPU tensors; torch's dispatcher says so before shardkit is asked
+    # (the group is made without a GPU: the backend's CUDA side is set up lazily, at the first CUDA op).
+    messages = ranks.run(_cpu_tensor_on_a_cuda_only_group, 2, backend="cuda:shardkit")
+    assert messages == ["No backend type associated with device type cpu"] * 2
