@@ -67,6 +67,7 @@ std::exception_ptr ShardkitWork::exception() const {
 }
 
 void ShardkitWork::synchronize() {
+  c10d::Work::synchronize();  // torch's bookkeeping of waited collectives
   if (!done_) return;
   if (std::exception_ptr error = device_error()) std::rethrow_exception(error);
   const c10::Device device = done_->device();
@@ -75,7 +76,19 @@ void ShardkitWork::synchronize() {
 }
 
 bool ShardkitWork::wait(std::chrono::milliseconds timeout) {
-  c10d::Work::wait(timeout);  // raises the op's failure; returns once the op completed (host) or was issued
+  {
+    // As c10d::Work::wait, but synchronize() runs after the lock is released (it reads the device state,
+    // whose accessors must not be called under Work's mutex).
+    std::unique_lock<std::mutex> lock(mutex_);
+    const auto done = [this] { return completed_; };
+    if (timeout == kNoTimeout) {
+      cv_.wait(lock, done);
+    } else if (!cv_.wait_for(lock, timeout, done)) {
+      TORCH_CHECK(false, "shardkit: Work.wait(timeout=", timeout.count(), " ms) timed out: the collective #", seq_,
+                  " has not ", done_ ? "been issued" : "completed", " yet");
+    }
+    if (exception_) std::rethrow_exception(exception_);
+  }
   synchronize();
   return true;
 }

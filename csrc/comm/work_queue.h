@@ -52,7 +52,6 @@ class ShardkitWork : public c10d::Work {
   // --- device ops (CUDA) ---
   // The worker, once the op is queued on `stream`: records the op's completion event there.
   void issued_on(const c10::Stream& stream);
-  bool on_device() const { return done_.has_value(); }
   // Whether the op is done on the device (a non-blocking query of its event).
   bool device_done() const;
   // The watchdog, exactly once per device op: the op is done on the device, or failed there (timeout, NCCL
@@ -65,7 +64,8 @@ class ShardkitWork : public c10d::Work {
   bool isSuccess() const override;
   std::exception_ptr exception() const override;
   // Device ops: the current stream of the op's device waits for the op (the host does not); raises the
-  // device failure if the watchdog reported one already. Host ops: nothing.
+  // device failure if the watchdog reported one already. Host ops: only torch's bookkeeping. As torch says,
+  // for use after wait() or once isCompleted() is true.
   void synchronize() override;
   // Blocks the host until the op is complete (host ops) or issued (device ops), then synchronize().
   bool wait(std::chrono::milliseconds timeout = kNoTimeout) override;

@@ -180,16 +180,17 @@ def test_wait_orders_the_callers_stream_not_the_host(ranks):
 def _a_stalled_collective(rank, world):
     from datetime import timedelta
 
-    group = dist.new_group(backend="shardkit", timeout=timedelta(seconds=2))
+    dist.all_reduce(torch.ones(1, device="cuda"))  # NCCL's first set-up in this process, outside the short timeout
+    group = dist.new_group(backend="shardkit", timeout=timedelta(seconds=5))
     t = torch.ones(8, device="cuda")
-    dist.all_reduce(t, group=group)  # the communicator is set up
+    dist.all_reduce(t, group=group)  # this group's communicator is set up
     torch.cuda.synchronize()
-    torch.cuda._sleep(6 * _A_SECOND_OF_CYCLES)  # the op cannot start within the group's 2 s timeout
+    torch.cuda._sleep(15 * _A_SECOND_OF_CYCLES)  # the op cannot run within the group's 5 s timeout
+    issued = time.monotonic()
     work = dist.all_reduce(t, group=group, async_op=True)
-    for _ in range(600):  # the watchdog fails it at the deadline; give up after 30 s (a hang)
-        if work.is_completed():
-            break
+    while not work.is_completed() and time.monotonic() - issued < 60:  # past 60 s: a hang
         time.sleep(0.05)
+    failed_after = time.monotonic() - issued
     completed = work.is_completed()
     try:
         work.wait()
@@ -202,13 +203,15 @@ def _a_stalled_collective(rank, world):
     except RuntimeError as error:
         later = str(error)
     torch.cuda.synchronize()
-    return completed, first, later
+    return completed, failed_after, first, later
 
 
 def test_the_watchdog_fails_a_collective_that_misses_its_deadline(ranks):
-    completed, first, later = ranks.run(_a_stalled_collective, 1, timeout=180)[0]
+    completed, failed_after, first, later = ranks.run(_a_stalled_collective, 1, timeout=180)[0]
     assert completed, "the stalled op was never failed: a hang"
+    # Failed at its deadline (5 s), not when the device freed up (15 s): the watchdog reports before it aborts.
+    assert failed_after < 12, f"failed after {failed_after:.1f} s"
     assert re.search(r"shardkit allreduce #(\d+) \(rank 0\): the collective did not complete on the device within "
-                     r"2000 ms \(a rank did not join it, or a GPU stalled\); the NCCL communicator was aborted", first), first
+                     r"5000 ms \(a rank did not join it, or a GPU stalled\); the NCCL communicator was aborted", first), first
     seq = re.search(r"allreduce #(\d+)", first).group(1)
     assert f"the NCCL communicator failed earlier: allreduce #{seq}: the collective did not complete" in later, later

@@ -41,16 +41,23 @@ void CudaRoute::run(const OpContext& op, const CudaReady& ready, const std::func
   const c10::cuda::CUDAStreamGuard stream_guard(*stream_);
   const cudaError_t waited = cudaStreamWaitEvent(stream_->stream(), ready.event, 0);
   TORCH_CHECK(waited == cudaSuccess, op.where(), "cudaStreamWaitEvent failed: ", cudaGetErrorString(waited));
-  const std::string& unusable = nccl_.unusable_reason(op, ready.device);
-  if (!unusable.empty()) {
-    TORCH_WARN_ONCE("shardkit: CUDA collectives of this group go through host shared memory (device -> host -> "
-                    "shm -> device; slow but correct) because ", unusable, ".");
-    body(staged_);  // its host steps waited for their copies; the copies back are queued on the stream
-  } else {
-    body(nccl_);
+  try {
+    const std::string& unusable = nccl_.unusable_reason(op, ready.device);
+    if (!unusable.empty()) {
+      TORCH_WARN_ONCE("shardkit: CUDA collectives of this group go through host shared memory (device -> host -> "
+                      "shm -> device; slow but correct) because ", unusable, ".");
+      body(staged_);  // its host steps waited for their copies; the copies back are queued on the stream
+    } else {
+      body(nccl_);
+    }
+    work->issued_on(*stream_);
+  } catch (...) {
+    // The op fails, but some of its device work may be queued already (a copy, an NCCL call before the one
+    // that failed): its tensors stay referenced until that has run.
+    watchdog_.hold(op, *stream_, std::move(keep_alive));
+    throw;
   }
-  work->issued_on(*stream_);
-  watchdog_.watch(op, work, std::move(keep_alive));
+  watchdog_.watch(op, ready.device, work, std::move(keep_alive));
 }
 
 void CudaRoute::shutdown() {

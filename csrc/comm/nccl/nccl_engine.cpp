@@ -112,9 +112,7 @@ const std::string& NcclEngine::unusable_reason(const OpContext& op, const at::De
       unusable_ = std::move(reason);
       set_up_ = true;
     } catch (const std::exception& error) {
-      std::lock_guard<std::mutex> lock(mutex_);
-      if (failure_.empty()) failure_ = std::string("setting up NCCL failed: ") + error.what();
-      abort_locked();
+      abort(std::string("setting up NCCL failed: ") + error.what());
       throw;
     }
   }
@@ -227,30 +225,26 @@ std::string NcclEngine::health() const {
 }
 
 void NcclEngine::abort(const std::string& reason) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  if (failure_.empty()) failure_ = reason;
-  abort_locked();
+  ncclComm_t comm = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (failure_.empty()) failure_ = reason;
+    std::swap(comm, comm_);
+  }
+  // Outside the lock: ncclCommAbort waits for NCCL's own streams (behind the communication stream, which may
+  // wait on a busy caller stream) and frees device memory; nobody else should wait on that. No NCCL call can be
+  // in progress on `comm`: each one holds the lock, and the next finds comm_ null.
+  if (comm != nullptr) ncclCommAbort(comm);
 }
 
 void NcclEngine::fail(const OpContext& op, const std::string& reason) {
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (failure_.empty()) failure_ = std::string(op.op) + " #" + std::to_string(op.seq) + ": " + reason;
-    abort_locked();
-  }
+  abort(std::string(op.op) + " #" + std::to_string(op.seq) + ": " + reason);
   TORCH_CHECK(false, op.where(), reason, "; the NCCL communicator was aborted");
 }
 
-void NcclEngine::abort_locked() {
-  if (comm_ != nullptr) {
-    ncclCommAbort(comm_);
-    comm_ = nullptr;
-  }
-}
-
 void NcclEngine::shutdown() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  abort_locked();  // frees the communicator's resources; every op has completed by now (the queue is drained)
+  // Every op has ended by now (the worker stopped, the watchdog drained): this only frees the communicator.
+  abort("the process group was shut down (destroy_process_group)");
 }
 
 // --- collectives ------------------------------------------------------------------------------------------
@@ -303,13 +297,31 @@ void NcclEngine::reduce_scatter(const OpContext& op, const at::Tensor& input, at
 }
 
 // gather, scatter and all-to-all: point-to-point calls in one NCCL group; a rank's own block is a device copy.
-void NcclEngine::end_group(const OpContext& op, GroupCalls& calls, const char* what) {
-  const ncclResult_t ended = calls.end();  // closes the group, even after a failed call inside it
-  check(op, calls.first_error(), what);
+// The lock is held for the whole group (NCCL wants one thread to issue all calls of a group, and an abort must
+// not free the communicator between them); the results are checked after it is released, since waiting out
+// ncclInProgress takes the lock again.
+template <typename AddCalls>
+void NcclEngine::grouped(const OpContext& op, const char* what, AddCalls add_calls) {
+  ncclResult_t started = ncclSuccess, first = ncclSuccess, ended = ncclSuccess;
+  cudaError_t copy_error = cudaSuccess;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    TORCH_CHECK(failure_.empty() && comm_ != nullptr, op.where(), "the NCCL communicator was aborted: ",
+                failure_.empty() ? std::string("(no reason recorded)") : failure_);
+    GroupCalls calls(stream());
+    started = calls.started();
+    if (started == ncclSuccess || started == ncclInProgress) {
+      add_calls(calls, comm_);
+      ended = calls.end();  // closes the group, even after a failed call inside it
+    }
+    first = calls.first_error();
+    copy_error = calls.copy_error();
+  }
+  check(op, started, "ncclGroupStart");
+  check(op, first, what);
   check(op, ended, what);
-  if (calls.copy_error() != cudaSuccess) {
-    fail(op, std::string(what) + ": the device copy of this rank's own block failed: " +
-                 cudaGetErrorString(calls.copy_error()));
+  if (copy_error != cudaSuccess) {
+    fail(op, std::string(what) + ": the device copy of this rank's own block failed: " + cudaGetErrorString(copy_error));
   }
 }
 
@@ -318,68 +330,57 @@ void NcclEngine::gather(const OpContext& op, const at::Tensor& input, at::Tensor
   if (n == 0) return;
   const ncclDataType_t dtype = nccl_dtype(input);
   const size_t bytes = n * input.element_size();
-  GroupCalls calls(stream());
-  check(op, calls.started(), "ncclGroupStart");
-  if (rank_ == root) {
+  grouped(op, "gather (ncclSend/ncclRecv group)", [&](GroupCalls& calls, ncclComm_t comm) {
+    if (rank_ != root) {
+      calls.add(ncclSend(input.data_ptr(), n, dtype, root, comm, stream()));
+      return;
+    }
     for (int r = 0; r < size_; ++r) {
       if (r == rank_) {
         calls.copy(bytes_at(output, n * r), input.data_ptr(), bytes);
       } else {
-        calls.add(with_comm(op, [&](ncclComm_t comm) { return ncclRecv(bytes_at(output, n * r), n, dtype, r, comm, stream()); }));
+        calls.add(ncclRecv(bytes_at(output, n * r), n, dtype, r, comm, stream()));
       }
     }
-  } else {
-    calls.add(with_comm(op, [&](ncclComm_t comm) { return ncclSend(input.data_ptr(), n, dtype, root, comm, stream()); }));
-  }
-  end_group(op, calls, "gather (ncclSend/ncclRecv group)");
+  });
 }
 
 void NcclEngine::scatter(const OpContext& op, const at::Tensor& input, at::Tensor& output, int root) {
   const size_t n = count_of(output);
   if (n == 0) return;
   const ncclDataType_t dtype = nccl_dtype(output);
-  GroupCalls calls(stream());
-  check(op, calls.started(), "ncclGroupStart");
-  if (rank_ == root) {
+  grouped(op, "scatter (ncclSend/ncclRecv group)", [&](GroupCalls& calls, ncclComm_t comm) {
+    if (rank_ != root) {
+      calls.add(ncclRecv(output.data_ptr(), n, dtype, root, comm, stream()));
+      return;
+    }
     for (int r = 0; r < size_; ++r) {
       if (r == rank_) {
         calls.copy(output.data_ptr(), bytes_at(input, n * r), n * output.element_size());
       } else {
-        calls.add(with_comm(op, [&](ncclComm_t comm) { return ncclSend(bytes_at(input, n * r), n, dtype, r, comm, stream()); }));
+        calls.add(ncclSend(bytes_at(input, n * r), n, dtype, r, comm, stream()));
       }
     }
-  } else {
-    calls.add(with_comm(op, [&](ncclComm_t comm) { return ncclRecv(output.data_ptr(), n, dtype, root, comm, stream()); }));
-  }
-  end_group(op, calls, "scatter (ncclSend/ncclRecv group)");
+  });
 }
 
 void NcclEngine::alltoall(const OpContext& op, const at::Tensor& input, const std::vector<size_t>& send_counts,
                           at::Tensor& output, const std::vector<size_t>& recv_counts) {
   const ncclDataType_t dtype = nccl_dtype(input);
-  size_t send_offset = 0, recv_offset = 0;
-  GroupCalls calls(stream());
-  check(op, calls.started(), "ncclGroupStart");
-  for (int r = 0; r < size_; ++r) {
-    const size_t out = send_counts[r], in = recv_counts[r];
-    if (r == rank_) {
-      if (out > 0) calls.copy(bytes_at(output, recv_offset), bytes_at(input, send_offset), out * input.element_size());
-    } else {
-      if (out > 0) {
-        calls.add(with_comm(op, [&](ncclComm_t comm) {
-          return ncclSend(bytes_at(input, send_offset), out, dtype, r, comm, stream());
-        }));
+  grouped(op, "all-to-all (ncclSend/ncclRecv group)", [&](GroupCalls& calls, ncclComm_t comm) {
+    size_t send_offset = 0, recv_offset = 0;
+    for (int r = 0; r < size_; ++r) {
+      const size_t out = send_counts[r], in = recv_counts[r];
+      if (r == rank_) {
+        if (out > 0) calls.copy(bytes_at(output, recv_offset), bytes_at(input, send_offset), out * input.element_size());
+      } else {
+        if (out > 0) calls.add(ncclSend(bytes_at(input, send_offset), out, dtype, r, comm, stream()));
+        if (in > 0) calls.add(ncclRecv(bytes_at(output, recv_offset), in, dtype, r, comm, stream()));
       }
-      if (in > 0) {
-        calls.add(with_comm(op, [&](ncclComm_t comm) {
-          return ncclRecv(bytes_at(output, recv_offset), in, dtype, r, comm, stream());
-        }));
-      }
+      send_offset += out;
+      recv_offset += in;
     }
-    send_offset += out;
-    recv_offset += in;
-  }
-  end_group(op, calls, "all-to-all (ncclSend/ncclRecv group)");
+  });
 }
 
 }  // namespace shardkit::comm

@@ -46,7 +46,8 @@ class NcclEngine final : public Engine {
   // The watchdog's view: "" while the communicator is well, else why not (an asynchronous NCCL error, or the
   // group's first failure).
   std::string health() const;
-  // Aborts the communicator (any thread), keeping `reason` as the group's failure if it is the first.
+  // Aborts the communicator (any thread), keeping `reason` as the group's failure if it is the first. The
+  // failure is recorded before NCCL is told, so an op that NCCL cuts short is seen failed, never done.
   void abort(const std::string& reason);
 
   void barrier(const OpContext& op) override;
@@ -76,8 +77,9 @@ class NcclEngine final : public Engine {
   // Polls the communicator until it leaves ncclInProgress; throws (after aborting) on an error or the deadline.
   void settle(const OpContext& op, const char* what);
   [[noreturn]] void fail(const OpContext& op, const std::string& reason);
-  void abort_locked();
-  void end_group(const OpContext& op, GroupCalls& calls, const char* what);
+  // One NCCL group: add_calls(calls, comm) with the lock held throughout, then the results checked.
+  template <typename AddCalls>
+  void grouped(const OpContext& op, const char* what, AddCalls add_calls);
   cudaStream_t stream() const;
 
   int rank_;
