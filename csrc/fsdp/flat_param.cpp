@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "compat.h"
+#include "fsdp/cast.h"
 
 namespace shardkit::fsdp {
 
@@ -104,7 +105,8 @@ void FlatParamHandle::unshard_start() {
   at::Tensor mine = full_.narrow(0, rank_ * S, S);
   {
     at::NoGradGuard no_grad;
-    mine.copy_(shard_);  // the copy-in: straight into this rank's slice of the output, cast on the way
+    // The copy-in: straight into this rank's slice of the output, cast on the way.
+    cast_into(mine, shard_, 1, where("copy-in"));
   }
   if (shard_world() == 1) {
     state_ = State::kUnsharded;
@@ -173,8 +175,8 @@ void FlatParamHandle::reduce_start(at::Tensor flat_grad) {
   PendingReduce pending;
   at::Tensor input;
   if (flat_grad.scalar_type() != reduce_dtype_) {
-    input = at::empty_like(flat_grad, flat_grad.options().dtype(reduce_dtype_));
-    at::div_out(input, flat_grad, at::scalar_tensor(contributors, flat_grad.options()));  // the cast, fused
+    input = at::empty({flat_grad.numel()}, flat_grad.options().dtype(reduce_dtype_));
+    cast_into(input, flat_grad, contributors, where("reduce-scatter"));  // the cast and 1/N in one pass
   } else if (c10::elementSize(reduce_dtype_) < 4) {
     input = flat_grad.div_(contributors);
   } else {
@@ -209,9 +211,9 @@ void FlatParamHandle::reduce_finish(const std::vector<at::Tensor>& params) {
   if (pending.scatter) wait_or_explain(pending.scatter, where("reduce-scatter"));
   if (pending.replicate) wait_or_explain(pending.replicate, where("replica all-reduce"));
   at::NoGradGuard no_grad;
-  if (pending.post_divisor > 1) pending.output.div_(pending.post_divisor);
-  at::Tensor result = pending.output.scalar_type() == shard_.scalar_type() ? pending.output
-                                                                             : pending.output.to(shard_.scalar_type());
+  // The reduced shard in the parameters' dtype, with the 1/N a full-precision sum still owes: divided in place
+  // when no cast is needed (torch's division, bit for bit), else fused with the cast (fsdp/cast.h).
+  at::Tensor result = divide_as(pending.output, pending.post_divisor, shard_.scalar_type(), where("reduce"));
   for (size_t i = 0; i < params.size(); ++i) {
     at::Tensor piece;
     if (shard_world() == 1) {

@@ -25,6 +25,16 @@
 // otherwise (what .grad accumulation across backwards does). No work on gradient elements happens for
 // frozen parameters: they live in a handle of their own that never reduces.
 //
+// Precision casts (fsdp/cast.h, one helper for all three): the copy-in (shard -> full buffer in param_dtype),
+// the flat gradient into the reduce dtype fused with 1/N, and the reduced shard back to the parameters' dtype
+// fused with the 1/N a full-precision sum still owes. On CUDA tensors they run shardkit's cast_scale kernel,
+// which multiplies by 1/N in f32 (f64 for f64) and rounds once; on the CPU, ATen's copy_ / div_out, which
+// divide by N. Bitwise: a plain cast (N = 1) is torch's rounding on both; with N not a power of two the CUDA
+// multiply can differ from torch's divide in the last bit, and a 16-bit gradient cast up into a wider reduce
+// dtype is rounded once on CUDA where torch rounds the quotient to 16 bits first. The in-place divides that
+// involve no cast (a half-precision flat gradient before its sum, a full-precision reduced shard of the
+// parameters' dtype after it) stay ATen's div_ on every device: bit for bit torch's.
+//
 // Errors name the unit (`label`), the rank and the offending value. Collectives are issued on the calling
 // thread in call order; the caller (the autograd thread, in hook order) keeps that order the same on
 // every rank.
