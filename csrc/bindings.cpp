@@ -164,11 +164,13 @@ PYBIND11_MODULE(_C, m) {
   using shardkit::fsdp::FlatParamHandle;
   py::class_<FlatParamHandle, std::shared_ptr<FlatParamHandle>>(m, "FlatParamHandle")
       .def(py::init([](std::vector<at::Tensor> params, py::object shard_group, py::object replicate_group, std::string label,
-                       std::optional<at::ScalarType> param_dtype, std::optional<at::ScalarType> reduce_dtype) {
+                       std::optional<at::ScalarType> param_dtype, std::optional<at::ScalarType> reduce_dtype,
+                       std::optional<at::Device> compute_device) {
              FlatParamHandle::Options options;
              options.label = std::move(label);
              options.param_dtype = param_dtype;
              options.reduce_dtype = reduce_dtype;
+             options.compute_device = compute_device;
              auto group = [](const py::object& g) {  // None: no group
                return g.is_none() ? c10::intrusive_ptr<c10d::ProcessGroup>()
                                   : g.cast<c10::intrusive_ptr<c10d::ProcessGroup>>();
@@ -177,10 +179,12 @@ PYBIND11_MODULE(_C, m) {
                                                       std::move(options));
            }),
            py::arg("params"), py::arg("shard_group"), py::arg("replicate_group"), py::arg("label"),
-           py::arg("param_dtype") = std::nullopt, py::arg("reduce_dtype") = std::nullopt)
+           py::arg("param_dtype") = std::nullopt, py::arg("reduce_dtype") = std::nullopt,
+           py::arg("compute_device") = std::nullopt)
       .def_property_readonly("layout", &FlatParamHandle::layout, py::return_value_policy::reference_internal)
       .def_property_readonly("shard", &FlatParamHandle::shard)
       .def_property_readonly("compute_dtype", &FlatParamHandle::compute_dtype)
+      .def_property_readonly("offloaded", &FlatParamHandle::offloaded)
       .def_property_readonly("full_bytes", &FlatParamHandle::full_bytes)
       .def_property_readonly("unsharded", &FlatParamHandle::unsharded)
       .def_property_readonly("in_flight", &FlatParamHandle::in_flight)

@@ -1,11 +1,13 @@
 #include "fsdp/flat_param.h"
 
+#include <c10/core/DeviceGuard.h>
 #include <c10/core/StorageImpl.h>
 
 #include <algorithm>
 #include <utility>
 
 #include "compat.h"
+#include "fsdp/cast.h"
 
 namespace shardkit::fsdp {
 
@@ -19,10 +21,13 @@ void release_storage(const at::Tensor& tensor) {
   storage->set_nbytes(0);
 }
 
+// Allocates on the tensor's device (the CUDA caching allocator serves the current device, and ties the block to
+// that device's current stream: the caller's compute stream).
 void restore_storage(const at::Tensor& tensor, size_t nbytes) {
   c10::StorageImpl* storage = tensor.storage().unsafeGetStorageImpl();
   if (storage->nbytes() == nbytes) return;
   TORCH_INTERNAL_ASSERT(storage->allocator() != nullptr, "FSDP full buffer without an allocator");
+  const c10::DeviceGuard device_guard(tensor.device());
   storage->set_data_ptr_noswap(storage->allocator()->allocate(nbytes));
   storage->set_nbytes(nbytes);
 }
@@ -57,7 +62,17 @@ FlatParamHandle::FlatParamHandle(const std::vector<at::Tensor>& params,
   const int64_t element = static_cast<int64_t>(c10::elementSize(compute_dtype_));
   layout_ = core::FlatLayout(std::move(numels), shard_world(), std::max<int64_t>(1, options_.alignment_bytes / element));
 
-  shard_ = at::zeros({layout_.shard_numel()}, first.options().requires_grad(false));
+  if (options_.compute_device) {
+    offload_ = std::make_unique<HostOffload>(*options_.compute_device, where("cpu_offload"));
+    TORCH_CHECK(first.is_cpu() || first.device() == offload_->device(), where("cpu_offload"), "the parameters are on ",
+                first.device(), ", neither on the CPU nor on the compute device ", offload_->device());
+    // Pinned: the copy-in and copy-out are DMA transfers that need not wait for the host.
+    shard_ = at::empty({layout_.shard_numel()},
+                       first.options().device(at::kCPU).requires_grad(false).pinned_memory(true));
+    shard_.zero_();  // the padding and alignment gaps
+  } else {
+    shard_ = at::zeros({layout_.shard_numel()}, first.options().requires_grad(false));
+  }
   {
     at::NoGradGuard no_grad;
     for (const core::FlatPiece& piece : layout_.pieces_of_rank(rank_)) {
@@ -65,15 +80,17 @@ FlatParamHandle::FlatParamHandle(const std::vector<at::Tensor>& params,
           .copy_(params[piece.param].detach().reshape(-1).narrow(0, piece.param_begin, piece.numel));
     }
   }
-  full_is_shard_ = shard_world() == 1 && compute_dtype_ == first.scalar_type();
+  full_is_shard_ = !offload_ && shard_world() == 1 && compute_dtype_ == first.scalar_type();
   if (full_is_shard_) {
     full_ = shard_;
     state_ = State::kUnsharded;
   } else {
-    full_ = at::empty({layout_.padded_numel()}, shard_.options().dtype(compute_dtype_));
+    full_ = at::empty({layout_.padded_numel()}, shard_.options().dtype(compute_dtype_).device(full_device()));
     release_storage(full_);
   }
 }
+
+at::Device FlatParamHandle::full_device() const { return offload_ ? offload_->device() : shard_.device(); }
 
 std::string FlatParamHandle::where(const std::string& op) const {
   return "shardkit FSDP (rank " + std::to_string(rank_) + ", unit '" + options_.label + "') " + op + ": ";
@@ -102,9 +119,18 @@ void FlatParamHandle::unshard_start() {
   restore_storage(full_, static_cast<size_t>(full_bytes()));
   const int64_t S = layout_.shard_numel();
   at::Tensor mine = full_.narrow(0, rank_ * S, S);
+  if (offload_) {
+    // Gathering until unshard_wait even with one rank: the copy-in itself is in flight on a side stream.
+    state_ = State::kGathering;
+    offload_->copy_in(mine, shard_, [&] {
+      if (shard_world() > 1) gather_ = compat::all_gather_single(*shard_group_, full_, mine);
+    });
+    return;
+  }
   {
     at::NoGradGuard no_grad;
-    mine.copy_(shard_);  // the copy-in: straight into this rank's slice of the output, cast on the way
+    // The copy-in: straight into this rank's slice of the output, cast on the way.
+    cast_into(mine, shard_, 1, where("copy-in"));
   }
   if (shard_world() == 1) {
     state_ = State::kUnsharded;
@@ -117,15 +143,17 @@ void FlatParamHandle::unshard_start() {
 void FlatParamHandle::unshard_wait() {
   if (state_ == State::kSharded) unshard_start();
   if (state_ == State::kGathering) {
-    auto work = std::move(gather_);
+    auto work = std::move(gather_);  // null: an offloaded one-rank copy-in, no collective
     state_ = State::kUnsharded;  // the buffer is ours again whatever the outcome
-    wait_or_explain(work, where("all-gather"));
+    if (work) wait_or_explain(work, where("all-gather"));
+    if (offload_) offload_->order_after_copy_in();  // this rank's slice (the only one with one rank)
   }
 }
 
 void FlatParamHandle::reshard() {
   if (full_is_shard_ || state_ == State::kSharded) return;
   if (state_ == State::kGathering) unshard_wait();  // never free memory a collective still writes
+  if (offload_) offload_->settle_copy_in();  // nor while the copy-in may still read the shard or write the buffer
   release_storage(full_);
   state_ = State::kSharded;
 }
@@ -173,8 +201,8 @@ void FlatParamHandle::reduce_start(at::Tensor flat_grad) {
   PendingReduce pending;
   at::Tensor input;
   if (flat_grad.scalar_type() != reduce_dtype_) {
-    input = at::empty_like(flat_grad, flat_grad.options().dtype(reduce_dtype_));
-    at::div_out(input, flat_grad, at::scalar_tensor(contributors, flat_grad.options()));  // the cast, fused
+    input = at::empty({flat_grad.numel()}, flat_grad.options().dtype(reduce_dtype_));
+    cast_into(input, flat_grad, contributors, where("reduce-scatter"));  // the cast and 1/N in one pass
   } else if (c10::elementSize(reduce_dtype_) < 4) {
     input = flat_grad.div_(contributors);
   } else {
@@ -182,6 +210,7 @@ void FlatParamHandle::reduce_start(at::Tensor flat_grad) {
     pending.post_divisor = contributors;
   }
   flat_grad = at::Tensor();
+  if (offload_) offload_->gradient_ready();  // the copy-out waits for this much of the compute stream only
   if (shard_world() > 1) {
     pending.output = at::empty({layout_.shard_numel()}, input.options());
     c10d::ReduceScatterOptions opts;
@@ -206,12 +235,22 @@ void FlatParamHandle::reduce_finish(const std::vector<at::Tensor>& params) {
   pending_.reset();
   TORCH_CHECK(params.size() == shapes_.size(), where("reduce"), "expected ", shapes_.size(), " parameters, got ",
               params.size());
-  if (pending.scatter) wait_or_explain(pending.scatter, where("reduce-scatter"));
-  if (pending.replicate) wait_or_explain(pending.replicate, where("replica all-reduce"));
+  auto wait = [&] {
+    if (pending.scatter) wait_or_explain(pending.scatter, where("reduce-scatter"));
+    if (pending.replicate) wait_or_explain(pending.replicate, where("replica all-reduce"));
+  };
   at::NoGradGuard no_grad;
-  if (pending.post_divisor > 1) pending.output.div_(pending.post_divisor);
-  at::Tensor result = pending.output.scalar_type() == shard_.scalar_type() ? pending.output
-                                                                             : pending.output.to(shard_.scalar_type());
+  // The reduced shard in the parameters' dtype, with the 1/N a full-precision sum still owes: divided in place
+  // when no cast is needed (torch's division, bit for bit), else fused with the cast (fsdp/cast.h).
+  at::Tensor result;
+  if (offload_) {
+    // Waited, divided and cast on the copy-out stream, then copied into pinned host memory; returns once the
+    // host may read it. `pending.output` (the collectives' output) is held until then.
+    result = offload_->copy_out(pending.output, pending.post_divisor, shard_.scalar_type(), wait);
+  } else {
+    wait();
+    result = divide_as(pending.output, pending.post_divisor, shard_.scalar_type(), where("reduce"));
+  }
   for (size_t i = 0; i < params.size(); ++i) {
     at::Tensor piece;
     if (shard_world() == 1) {
@@ -244,7 +283,8 @@ void FlatParamHandle::accumulate_unsynced(const at::Tensor& flat_grad) {
 
 std::vector<at::Tensor> FlatParamHandle::gather_full_precision() {
   at::NoGradGuard no_grad;
-  at::Tensor buffer = at::empty({layout_.padded_numel()}, shard_.options());
+  // Offloaded: gathered on the compute device (this rank's slice copied there first, waited for).
+  at::Tensor buffer = at::empty({layout_.padded_numel()}, shard_.options().device(full_device()));
   const int64_t S = layout_.shard_numel();
   at::Tensor mine = buffer.narrow(0, rank_ * S, S);
   mine.copy_(shard_);
@@ -272,6 +312,7 @@ void FlatParamHandle::write_back(const std::vector<at::Tensor>& full_values) {
                 " has shape ", full_values[i].sizes(), ", the parameter's is ", at::IntArrayRef(shapes_[i]));
   }
   at::NoGradGuard no_grad;
+  if (offload_) offload_->settle_copy_in();  // no copy-in may still be reading the shard we write
   for (const core::FlatPiece& piece : layout_.pieces_of_rank(rank_)) {
     shard_.narrow(0, piece.shard_begin, piece.numel)
         .copy_(full_values[piece.param].detach().reshape(-1).narrow(0, piece.param_begin, piece.numel));

@@ -25,6 +25,37 @@
 // otherwise (what .grad accumulation across backwards does). No work on gradient elements happens for
 // frozen parameters: they live in a handle of their own that never reduces.
 //
+// Precision casts (fsdp/cast.h, one helper for all three): the copy-in (shard -> full buffer in param_dtype),
+// the flat gradient into the reduce dtype fused with 1/N, and the reduced shard back to the parameters' dtype
+// fused with the 1/N a full-precision sum still owes. On CUDA tensors they run shardkit's cast_scale kernel,
+// which multiplies by 1/N in f32 (f64 for f64) and rounds once; on the CPU, ATen's copy_ / div_out, which
+// divide by N. Bitwise: a plain cast (N = 1) is torch's rounding on both; with N not a power of two the CUDA
+// multiply can differ from torch's divide in the last bit, and a 16-bit gradient cast up into a wider reduce
+// dtype is rounded once on CUDA where torch rounds the quotient to 16 bits first. The in-place divides that
+// involve no cast (a half-precision flat gradient before its sum, a full-precision reduced shard of the
+// parameters' dtype after it) stay ATen's div_ on every device: bit for bit torch's.
+//
+// Parameter offload (Options::compute_device set: CPUOffload(offload_params=True)). The shard, and so the
+// parameters between steps and the optimizer stepping them, live in PINNED host memory; the full buffer, the
+// flat gradient, the collectives and the no_sync accumulation live on `compute_device` (a CUDA device). The
+// full buffer is never the shard there, whatever the world size. fsdp/offload.h holds the streams and events:
+//   unshard_start   the full buffer is allocated on the caller's (compute) stream; the copy-in stream waits
+//                   for it, copies this rank's shard host -> device (cast to param_dtype on the device) into its
+//                   slice, and the all-gather is issued while the copy-in stream is current (the backend orders
+//                   it after the copy). State: gathering, even with a one-rank shard group (the copy is in flight).
+//   unshard_wait    waits for the all-gather, then makes the caller's current stream wait for the copy-in.
+//   reshard         the host waits for the copy-in (so the optimizer, a load or a write-back may write the
+//                   shard), then the full buffer's memory goes back to the caching allocator.
+//   reduce          as above on the device; reduce_start marks on the compute stream where the flat gradient
+//                   is final. reduce_finish() makes the copy-out stream wait for that mark, waits for the
+//                   collectives with the copy-out stream current, divides / casts the reduced shard to the
+//                   parameters' dtype and copies it device -> host into a fresh pinned tensor on that stream; the
+//                   host waits for the copy before the pieces become .grad (on the CPU, pinned, in the
+//                   parameters' dtype), since the CPU optimizer reads them with no stream in between.
+//   full precision  gather_full_precision() copies the shard to the device and gathers there, returning device
+//                   tensors (torch FSDP1's summon_full_params and full state dicts give compute-device tensors
+//                   unless offload_to_cpu); write_back() copies device values into the pinned shard.
+//
 // Errors name the unit (`label`), the rank and the offending value. Collectives are issued on the calling
 // thread in call order; the caller (the autograd thread, in hook order) keeps that order the same on
 // every rank.
@@ -33,11 +64,13 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include "core/flat_layout.h"
+#include "fsdp/offload.h"
 
 namespace shardkit::fsdp {
 
@@ -47,12 +80,15 @@ class FlatParamHandle {
     std::string label;                          // the unit's module path, for messages
     std::optional<at::ScalarType> param_dtype;  // compute dtype of the full buffer (mixed precision)
     std::optional<at::ScalarType> reduce_dtype; // dtype of the gradient reduction
+    // Set: parameters offloaded (see the header comment): the shard and the gradients handed out in pinned
+    // host memory, the full buffer, flat gradient and collectives on this CUDA device.
+    std::optional<at::Device> compute_device;
     int64_t alignment_bytes = 16;
   };
 
   // `params`: the unit's parameters of one dtype and device, full-shaped (their current values become the
-  // shard). `shard_group` null: this rank alone holds the whole flat parameter (NO_SHARD); `replicate_group`
-  // null: no replication.
+  // shard; when offloaded they may be on the CPU or on the compute device). `shard_group` null: this rank
+  // alone holds the whole flat parameter (NO_SHARD); `replicate_group` null: no replication.
   FlatParamHandle(const std::vector<at::Tensor>& params, c10::intrusive_ptr<c10d::ProcessGroup> shard_group,
                   c10::intrusive_ptr<c10d::ProcessGroup> replicate_group, Options options);
 
@@ -61,6 +97,7 @@ class FlatParamHandle {
   // Per parameter: the user-visible sharded value (see the header comment).
   std::vector<at::Tensor> shard_views() const;
   at::ScalarType compute_dtype() const { return compute_dtype_; }
+  bool offloaded() const { return offload_ != nullptr; }
   int64_t full_bytes() const;
 
   // --- unshard / reshard ---
@@ -92,7 +129,8 @@ class FlatParamHandle {
   void accumulate_unsynced(const at::Tensor& flat_grad);
 
   // --- full precision gather (summon_full_params, state dicts) ---
-  // A blocking all-gather of the shard in its own dtype; returns per parameter a full-shaped tensor.
+  // A blocking all-gather of the shard in its own dtype; returns per parameter a full-shaped tensor (on the
+  // compute device when offloaded).
   std::vector<at::Tensor> gather_full_precision();
   // Copies this rank's piece of each given full-shaped value into the shard (summon writeback, loading).
   void write_back(const std::vector<at::Tensor>& full_values);
@@ -110,6 +148,7 @@ class FlatParamHandle {
   };
 
   std::string where(const std::string& op) const;
+  at::Device full_device() const;  // where the full buffer lives: the compute device when offloaded
   int shard_world() const { return shard_group_ ? shard_group_->getSize() : 1; }
   int replicate_world() const { return replicate_group_ ? replicate_group_->getSize() : 1; }
 
@@ -129,6 +168,9 @@ class FlatParamHandle {
   c10::intrusive_ptr<c10d::Work> gather_;
   std::optional<PendingReduce> pending_;
   at::Tensor unsynced_grad_;
+  // Offloaded only. Declared after the tensors it copies: destroyed first, it settles a copy-in in flight
+  // before the full buffer's memory goes back to the allocator.
+  std::unique_ptr<HostOffload> offload_;
 };
 
 // A tensor over the same memory as `view` whose storage is exactly `view`'s bytes and keeps `view`'s storage

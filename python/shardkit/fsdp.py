@@ -27,6 +27,15 @@ collectives they issue match on every backend — DESIGN.md, "Collective order")
 Prefetch orders are those of the first iteration. ``limit_all_gathers``: a prefetch is issued only while
 fewer than two non-root units hold full buffers, so at most the root and two units are gathered at once.
 At most one reduction is in flight besides the one just issued.
+
+``cpu_offload=CPUOffload(offload_params=True)`` (torch FSDP1's semantics; needs CUDA): the flat shards, and so the
+parameters between steps, their ``.grad`` and the state of an optimizer built from ``model.parameters()``, live
+in pinned host memory, and the optimizer steps on the CPU. Units compute on the compute device (``device_id``,
+else the parameters' CUDA device, else ``torch.cuda.current_device()``): the module's parameters are not moved
+there, its buffers and the root's forward inputs are. Each unshard copies this rank's shard host -> device on a
+side stream (the all-gather follows it there), each reduction's result is copied device -> host on another and
+waited for before it becomes ``.grad`` (csrc/fsdp/offload.h). ``summon_full_params`` and full state dicts give
+compute-device tensors unless ``offload_to_cpu``.
 """
 
 from __future__ import annotations
@@ -82,7 +91,8 @@ class MixedPrecision:
 
 @dataclasses.dataclass
 class CPUOffload:
-    """FSDP1's CPUOffload; ``offload_params=True`` is not supported yet (an error, not a silent no-op)."""
+    """FSDP1's CPUOffload. ``offload_params=True``: shards, gradients and optimizer state in (pinned) host memory,
+    compute on a CUDA device (see the module docstring); without CUDA it is an error, never a silent no-op."""
 
     offload_params: bool = False
 
@@ -133,8 +143,9 @@ class FullyShardedDataParallel(nn.Module):
     ) -> None:
         super().__init__()
         _refuse_wrapped(module)
-        if cpu_offload is not None and cpu_offload.offload_params:
-            raise NotImplementedError("shardkit FSDP: cpu_offload=CPUOffload(offload_params=True) is not supported yet")
+        self.cpu_offload = cpu_offload or CPUOffload()
+        if self.cpu_offload.offload_params:
+            _refuse_offload_without_cuda()  # before any collective: every rank fails alike
         if not use_orig_params:
             raise NotImplementedError("shardkit FSDP: use_orig_params=False is not supported: the original parameters "
                                       "are always what the model exposes (FSDP1's use_orig_params=True)")
@@ -150,7 +161,7 @@ class FullyShardedDataParallel(nn.Module):
         self.backward_prefetch = backward_prefetch
         self.forward_prefetch = forward_prefetch
         self.limit_all_gathers = limit_all_gathers
-        if device_id is not None:
+        if device_id is not None and not self.cpu_offload.offload_params:
             module.to(torch.device("cuda", device_id) if isinstance(device_id, int) else torch.device(device_id))
         self._shard_group, self._replicate_group, self.process_group = _groups(sharding_strategy, process_group)
         self.rank = dist.get_rank(self.process_group)
@@ -164,6 +175,10 @@ class FullyShardedDataParallel(nn.Module):
         if len(devices) > 1:
             raise ValueError(f"shardkit FSDP (rank {self.rank}): parameters on mixed devices {sorted(devices)}: "
                              + ", ".join(f"{n} on {p.device}" for n, p in managed[:8]))
+        # Offloaded: where the units compute (the parameters themselves stay where they are until the handles
+        # copy them into pinned shards).
+        self._offload_device = (_offload_device(device_id, managed, self.rank) if self.cpu_offload.offload_params
+                                else None)
         unit_modules = choose_units(module, as_policy(auto_wrap_policy), {id(m) for m in ignored_modules or []})
         owners = assign_parameters(module, unit_modules, ignored)
         self._verify_same_layout_everywhere(owners)  # the first collective: before any that depends on it
@@ -173,6 +188,11 @@ class FullyShardedDataParallel(nn.Module):
             for b in module.buffers():
                 if b.is_floating_point():
                     b.data = b.data.to(mixed_precision.buffer_dtype)
+        if self._offload_device is not None:  # FSDP1: buffers on the compute device, parameters on the CPU
+            ignored_buffers = {id(b) for m in (ignored_modules or []) for b in m.buffers()}
+            for b in module.buffers():
+                if id(b) not in ignored_buffers:
+                    b.data = b.data.to(self._offload_device)
         self._units = [self._make_unit(name, m, owners[name]) for name, m in unit_modules]
         self._root = self._units[0]
         for u in self._units:
@@ -211,7 +231,8 @@ class FullyShardedDataParallel(nn.Module):
             floating = dtype.is_floating_point
             handle = _C.FlatParamHandle([p.detach() for _, p in members], self._shard_group, self._replicate_group,
                                         label=name or "(root)", param_dtype=mp.param_dtype if floating else None,
-                                        reduce_dtype=(mp.reduce_dtype or mp.param_dtype) if floating else None)
+                                        reduce_dtype=(mp.reduce_dtype or mp.param_dtype) if floating else None,
+                                        compute_device=self._offload_device)
             ps = [p for _, p in members]
             shapes = [p.shape for p in ps]
             for p, view in zip(ps, handle.shard_views()):
@@ -223,7 +244,13 @@ class FullyShardedDataParallel(nn.Module):
     def _verify_same_layout_everywhere(self, owners: dict[str, list[tuple[str, nn.Parameter]]]) -> None:
         mine = [(unit, [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in params])
                 for unit, params in owners.items()]
-        everyone = _exchange.all_gather_object(mine, self.process_group)
+        everyone = _exchange.all_gather_object((self._offload_device is not None, mine), self.process_group)
+        offloading = [r for r, (offloaded, _) in enumerate(everyone) if offloaded]
+        if offloading and len(offloading) != len(everyone):
+            # Offloaded ranks gather CUDA tensors, the others host tensors: the collectives would not match.
+            raise RuntimeError(f"shardkit FSDP (rank {self.rank}): cpu_offload=CPUOffload(offload_params=True) on "
+                               f"rank(s) {offloading} only; pass the same cpu_offload on every rank")
+        everyone = [layout for _, layout in everyone]
         reference = everyone[0]
         differing = [r for r, theirs in enumerate(everyone) if theirs != reference]
         if not differing:
@@ -452,10 +479,13 @@ class FullyShardedDataParallel(nn.Module):
             if self.forward_prefetch and self._orders_frozen:
                 self._prefetch_after(unit, self._forward_order)
             self._use_full_views(unit, training)
+            inputs = None
+            if unit.is_root and self._offload_device is not None:  # FSDP1: the root's inputs to the compute device
+                inputs = _to_device((args, kwargs), self._offload_device)
             mp = self.mixed_precision
             if mp.param_dtype is not None and (mp.cast_forward_inputs or (unit.is_root and mp.cast_root_forward_inputs)):
-                return _cast_floating((args, kwargs), mp.param_dtype)
-            return None
+                inputs = _cast_floating(inputs if inputs is not None else (args, kwargs), mp.param_dtype)
+            return inputs
 
         return pre_forward
 
@@ -652,6 +682,47 @@ def _hybrid_groups(process_group):
     return shard, replicate, dist.distributed_c10d._get_default_group()
 
 
+def _global_rank() -> str:
+    return str(dist.get_rank()) if dist.is_available() and dist.is_initialized() else "?"
+
+
+def _refuse_offload_without_cuda() -> None:
+    """offload_params=True keeps the shards in pinned host memory and computes on a GPU: without one it would
+    silently be plain CPU training, so it is refused, naming why."""
+    reasons = []
+    if not torch.cuda.is_available():
+        reasons.append("torch.cuda.is_available() is False")
+    if not _C.with_cuda:
+        reasons.append("this shardkit was built without CUDA (build it with SHARDKIT_CUDA=1)")
+    if reasons:
+        raise RuntimeError(f"shardkit FSDP (rank {_global_rank()}): cpu_offload=CPUOffload(offload_params=True) needs "
+                           "a CUDA device (the shards live in pinned host memory, the units compute on the GPU), but "
+                           + " and ".join(reasons))
+
+
+def _offload_device(device_id: int | torch.device | None, managed: list[tuple[str, nn.Parameter]],
+                    rank: int) -> torch.device:
+    """The compute device of an offloaded model, as FSDP1 picks it: ``device_id``, else the parameters' CUDA
+    device, else the current CUDA device. Parameters must be on the CPU or on that device."""
+    if device_id is not None:
+        device = torch.device("cuda", device_id) if isinstance(device_id, int) else torch.device(device_id)
+        if device.type != "cuda":
+            raise ValueError(f"shardkit FSDP (rank {rank}): cpu_offload=CPUOffload(offload_params=True) computes on a "
+                             f"CUDA device, but device_id={device_id!r}")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = next((p.device for _, p in managed if p.device.type == "cuda"),
+                      torch.device("cuda", torch.cuda.current_device()))
+    elsewhere = [(n, p.device) for n, p in managed if p.device.type != "cpu" and p.device != device]
+    if elsewhere:
+        name, where = elsewhere[0]
+        raise ValueError(f"shardkit FSDP (rank {rank}): cpu_offload=CPUOffload(offload_params=True) computes on "
+                         f"{device} (device_id={device_id!r}), but parameter '{name}' is on {where}; keep the module "
+                         "on the CPU (or on the compute device)")
+    return device
+
+
 def _describe_unit(entry) -> str:
     if entry is None:
         return "no such unit"
@@ -670,6 +741,16 @@ def _tensors_in(obj: Any) -> list[torch.Tensor]:
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return [t for f in dataclasses.fields(obj) for t in _tensors_in(getattr(obj, f.name))]
     return []
+
+
+def _to_device(obj: Any, device: torch.device) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, dict):
+        return {k: _to_device(v, device) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_device(v, device) for v in obj)
+    return obj
 
 
 def _cast_floating(obj: Any, dtype: torch.dtype) -> Any:

@@ -348,10 +348,8 @@ def _errors(rank: int, world: int) -> dict[str, str]:
     messages["empty"] = error_of(lambda: shardkit.FullyShardedDataParallel(nn.ReLU()), ValueError, rank)
     mixed = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2, device="meta"))
     messages["devices"] = error_of(lambda: shardkit.FullyShardedDataParallel(mixed), ValueError, rank)
-    from shardkit.fsdp import CPUOffload, ShardingStrategy
+    from shardkit.fsdp import ShardingStrategy
 
-    messages["offload"] = error_of(lambda: shardkit.FullyShardedDataParallel(
-        net(), cpu_offload=CPUOffload(offload_params=True)), NotImplementedError, rank)
     messages["summon"] = error_of(lambda: shardkit.FullyShardedDataParallel.summon_full_params(
         model, recurse=False, with_grads=True).__enter__(), NotImplementedError, rank)
 
@@ -375,8 +373,6 @@ def test_errors_name_the_rank_unit_and_value(ranks):
         assert messages["layout"].startswith(f"shardkit FSDP (rank {rank}): unit 'blocks.2' differs between ranks: "
                                              "rank 0 has 5 parameters"), messages["layout"]
         assert "rank 1 has no such unit" in messages["layout"], messages["layout"]
-        assert messages["offload"] == ("shardkit FSDP: cpu_offload=CPUOffload(offload_params=True) is not "
-                                       "supported yet"), messages["offload"]
         assert messages["summon"] == ("shardkit FSDP: summon_full_params(recurse=False, with_grads=True) is not "
                                       "supported: every rank gathers every unit, without gradients"), messages["summon"]
         assert messages["hybrid_pair"].startswith("HYBRID_SHARD's process_group=(shard_group, replicate_group) "
