@@ -15,7 +15,17 @@ ShardkitWork::ShardkitWork(int rank, c10d::OpType type, const char* profiling_ti
                                                        std::move(devices))),
       seq_(seq) {}
 
+void ShardkitWork::end_profiler_span() {
+  std::function<void()> end;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    end.swap(recordFunctionEndCallback_);
+  }
+  if (end) end();
+}
+
 void ShardkitWork::complete() {
+  end_profiler_span();
   {
     // A device op's Future records its events on the current stream of each device: the communication
     // stream, so consumers are ordered after the op, not after whatever else the device's default stream holds.
@@ -94,6 +104,7 @@ bool ShardkitWork::wait(std::chrono::milliseconds timeout) {
 }
 
 void ShardkitWork::fail(std::exception_ptr error) {
+  end_profiler_span();
   future_->setError(error);
   finish(error);
 }

@@ -72,6 +72,10 @@ class ShardkitWork : public c10d::Work {
 
  private:
   std::exception_ptr device_error() const;
+  // Ends the op's profiler span (c10d::Work's RecordFunction) before anyone is woken: a waiter that stops the
+  // profiler and exports its trace must not race this thread's write of the span's end (c10d::Work::finish
+  // would end it only after the Future has woken its waiters).
+  void end_profiler_span();
 
   std::vector<at::Tensor> outputs_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;

@@ -161,10 +161,18 @@ class FullyShardedDataParallel(nn.Module):
         self.backward_prefetch = backward_prefetch
         self.forward_prefetch = forward_prefetch
         self.limit_all_gathers = limit_all_gathers
-        if device_id is not None and not self.cpu_offload.offload_params:
-            module.to(torch.device("cuda", device_id) if isinstance(device_id, int) else torch.device(device_id))
         self._shard_group, self._replicate_group, self.process_group = _groups(sharding_strategy, process_group)
         self.rank = dist.get_rank(self.process_group)
+        if device_id is not None and not self.cpu_offload.offload_params:
+            target = torch.device("cuda", device_id) if isinstance(device_id, int) else torch.device(device_id)
+            # FSDP1's rule: a CPU module moves to device_id; one already on another GPU is a mistake, not a move.
+            elsewhere = next(((n, p.device) for n, p in module.named_parameters()
+                              if p.device.type != "cpu" and p.device != target), None)
+            if elsewhere is not None:
+                raise ValueError(f"shardkit FSDP (rank {self.rank}): device_id={device_id!r} ({target}), but parameter "
+                                 f"'{elsewhere[0]}' is on {elsewhere[1]}; pass the module's own device as device_id, "
+                                 "or keep the module on the CPU and let FSDP move it")
+            module.to(target)
 
         ignored = {id(p) for m in (ignored_modules or []) for p in m.parameters()}
         managed = [(n, p) for n, p in module.named_parameters() if id(p) not in ignored]

@@ -16,8 +16,10 @@
      ddp    shardkit.DistributedDataParallel(model)            + optimizer_class(model.parameters(), ...)
      zero2  shardkit.DistributedDataParallel(model, zero_stage=2) + ZeroRedundancyOptimizer(..., optimizer_class)
      zero3  shardkit.FullyShardedDataParallel(model, auto_wrap_policy) + optimizer_class(model.parameters(), ...)
-   ZeRO-3 + CPU offload is not implemented yet: when only it fits, ``auto`` raises saying so (with the table);
-   when nothing fits, it raises with the table too. The decision is logged (logger ``shardkit.auto``, rank 0)
+     zero3_offload  as zero3, with cpu_offload=CPUOffload(offload_params=True): shards, gradients and the
+            optimizer's state in host memory, compute on the model's GPU (a CPU model has nothing to offload
+            from: ``auto`` raises saying so, with the table).
+   When nothing fits, it raises with the table too. The decision is logged (logger ``shardkit.auto``, rank 0)
    with the table behind it, and returned as ``model.shardkit_plan`` (an ``AutoPlan``). ``plan()`` is the
    decision alone, without torch.distributed.
 
@@ -66,16 +68,14 @@ class AutoPlan:
 
 def plan(num_params: int, world_size: int, budget_gb: float, precision: str = "fp32", optimizer: str = "adam",
          headroom_gb: float = 0.0, activation_gb: float = 0.0) -> AutoPlan:
-    """The decision alone (no torch.distributed): raises RuntimeError when no implemented strategy fits."""
+    """The decision alone (no torch.distributed): raises RuntimeError when no strategy fits."""
     states = estimate.model_states(num_params, world_size, precision, optimizer, master_weights=False,
                                    activation_gb=activation_gb)
     report = estimate.format_report(num_params, world_size, budget_gb, precision, optimizer, master_weights=False,
                                     activation_gb=activation_gb, headroom_gb=headroom_gb)
     choice = estimate.recommend(states, budget_gb, headroom_gb)
-    if choice is None or choice == "zero3_offload":
-        what = ("only ZeRO-3 + CPU offload fits, and shardkit has no CPU offload yet" if choice
-                else "no strategy fits")
-        raise RuntimeError(f"shardkit.auto: {what} in {budget_gb:g} GB per rank ({num_params} parameters, "
+    if choice is None:
+        raise RuntimeError(f"shardkit.auto: no strategy fits in {budget_gb:g} GB per rank ({num_params} parameters, "
                            f"{world_size} ranks, {precision}, {optimizer}):\n{report}")
     return AutoPlan(choice, num_params, world_size, precision, optimizer, budget_gb, headroom_gb, activation_gb,
                     report)
@@ -88,7 +88,7 @@ def auto(model: nn.Module, optimizer_class: type[torch.optim.Optimizer], memory_
     """(wrapped model, optimizer) with the strategy the memory math picks; see the module docstring. A
     collective: call it on every rank of ``process_group`` (default: the default group) with the same model."""
     from .ddp import DistributedDataParallel
-    from .fsdp import FullyShardedDataParallel
+    from .fsdp import CPUOffload, FullyShardedDataParallel
     from .zero import ZeroRedundancyOptimizer
 
     group = process_group if process_group is not None else dist.distributed_c10d._get_default_group()
@@ -102,6 +102,10 @@ def auto(model: nn.Module, optimizer_class: type[torch.optim.Optimizer], memory_
     budget = min(_exchange.all_gather_object(float(mine), group))
     decided = plan(sum(p.numel() for p in trainable), world, budget, _precision(trainable),
                    _optimizer_kind(optimizer_class), headroom_gb, activation_gb)
+    if decided.strategy == "zero3_offload" and trainable[0].device.type != "cuda":
+        raise RuntimeError(f"shardkit.auto (rank {rank}): only ZeRO-3 + CPU offload fits in {budget:g} GB per rank, "
+                           f"and offloading needs a model on a CUDA device (its parameters are on "
+                           f"{trainable[0].device}):\n{decided.report}")
     if rank == 0:
         log.info("shardkit.auto chose %s (%s GB per rank):\n%s", estimate.STRATEGIES[decided.strategy],
                  f"{budget:g}", decided.report)
@@ -114,7 +118,8 @@ def auto(model: nn.Module, optimizer_class: type[torch.optim.Optimizer], memory_
                                             **optimizer_kwargs)
     else:
         policy = auto_wrap_policy if auto_wrap_policy is not None else default_wrap_policy(model)
-        wrapped = FullyShardedDataParallel(model, process_group=group, auto_wrap_policy=policy)
+        offload = CPUOffload(offload_params=decided.strategy == "zero3_offload")
+        wrapped = FullyShardedDataParallel(model, process_group=group, auto_wrap_policy=policy, cpu_offload=offload)
         optimizer = optimizer_class(wrapped.parameters(), **optimizer_kwargs)
     wrapped.shardkit_plan = decided
     return wrapped, optimizer

@@ -35,9 +35,11 @@ def test_plan_at_and_around_every_threshold():
     assert plan(PSI, 4, totals["zero2"]).strategy == "zero2"
     assert plan(PSI, 4, totals["zero2"] * below).strategy == "zero3"
     assert plan(PSI, 4, totals["zero3"]).strategy == "zero3"
-    with pytest.raises(RuntimeError, match=r"^shardkit.auto: only ZeRO-3 \+ CPU offload fits, and shardkit has no "
-                                           r"CPU offload yet in 0.0004 GB per rank \(100000 parameters, 4 ranks"):
-        plan(PSI, 4, totals["zero3"] * below)
+    assert plan(PSI, 4, totals["zero3"] * below).strategy == "zero3_offload"
+    assert plan(PSI, 4, totals["zero3_offload"]).strategy == "zero3_offload"
+    with pytest.raises(RuntimeError, match=r"^shardkit.auto: no strategy fits in 0.0002 GB per rank \(100000 "
+                                           r"parameters, 4 ranks"):
+        plan(PSI, 4, totals["zero3_offload"] * below)
     with pytest.raises(RuntimeError, match=r"^shardkit.auto: no strategy fits in 1e-05 GB per rank"):
         plan(PSI, 4, 1e-5)
     # headroom counts against the budget; activations are added to every row
@@ -94,10 +96,11 @@ def _auto_refuses(rank: int, world: int, budget: float) -> str:
 
 @pytest.mark.timeout(120)
 def test_auto_refuses_on_every_rank_when_only_offload_or_nothing_fits(ranks):
-    for budget, head in ((6e-4, "shardkit.auto: only ZeRO-3 + CPU offload fits"),
+    for budget, head in ((6e-4, "shardkit.auto (rank {rank}): only ZeRO-3 + CPU offload fits in 0.0006 GB per rank, "
+                                "and offloading needs a model on a CUDA device (its parameters are on cpu)"),
                          (1e-5, "shardkit.auto: no strategy fits")):
-        for message in ranks.run(_auto_refuses, 2, budget, timeout=100):
-            assert message.startswith(head), message
+        for rank, message in enumerate(ranks.run(_auto_refuses, 2, budget, timeout=100)):
+            assert message.startswith(head.format(rank=rank)), message
             assert "ZeRO-3 / FULL_SHARD" in message  # the table behind the decision
 
 

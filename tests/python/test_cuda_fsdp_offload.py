@@ -198,6 +198,51 @@ def test_offloaded_summon_and_state_dict_round_trips(ranks, world):
 
 # --- without CUDA: refused by name (these run on any machine) ------------------------------------------------
 
+def _auto_picks_offload(rank: int, world: int) -> tuple[str, bool, bool]:
+    import shardkit
+    from shardkit.estimate import model_states
+
+    torch.cuda.set_device(0)
+    module = net(depth=3).cuda()
+    psi = sum(p.numel() for p in module.parameters())
+    states = model_states(psi, world, "fp32", "adam", master_weights=False)
+    budget = (states["zero3"].total_gb + states["zero3_offload"].total_gb) / 2  # only offload fits
+    model, optimizer = shardkit.auto(module, torch.optim.AdamW, memory_budget_gb=budget, lr=1e-3)
+    x, y = batch(rank, step=0)
+    F.mse_loss(model(x.cuda()), y.cuda()).backward()
+    optimizer.step()
+    on_host = all(p.device.type == "cpu" and p.is_pinned() for p in model.parameters())
+    finite = all(torch.isfinite(p).all() for p in model.parameters())
+    return model.shardkit_plan.strategy, on_host, finite
+
+
+@cuda
+@pytest.mark.cuda
+def test_auto_wraps_with_offload_when_only_offload_fits(ranks):
+    for strategy, on_host, finite in ranks.run(_auto_picks_offload, 2, timeout=240):
+        assert strategy == "zero3_offload"
+        assert on_host, "shardkit.auto chose offload but the parameters are not in pinned host memory"
+        assert finite
+
+
+def _model_on_another_gpu(rank: int, world: int) -> str:
+    import shardkit
+
+    module = net(depth=1).to("cuda:0")
+    return error_of(lambda: shardkit.FullyShardedDataParallel(module, device_id=torch.device("cuda", 1)),
+                    ValueError, rank)
+
+
+@cuda
+@pytest.mark.cuda
+def test_a_model_on_another_gpu_than_device_id_is_refused(ranks):
+    # Needs one GPU only: cuda:1 is named, never touched.
+    message = ranks.run(_model_on_another_gpu, 1, timeout=120)[0]
+    assert message.startswith("shardkit FSDP (rank 0): device_id=device(type='cuda', index=1) (cuda:1), but "
+                              "parameter '"), message
+    assert "' is on cuda:0; pass the module's own device as device_id" in message, message
+
+
 def _expected_refusal(rank: int) -> str:
     reasons = ["torch.cuda.is_available() is False"]
     if not _C.with_cuda:
