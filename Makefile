@@ -5,12 +5,16 @@
 #   make cuda-check  .venv-cuda (torch 2.14.1, CUDA 13) + the CUDA extension compiled, linked and imported
 #   make gpu-test    on a GPU machine, with its own torch: the CUDA build, the tests marked cuda, the GPU benchmark
 #   make bench       the benchmarks under benchmarks/ (results in benchmarks/results/)
+#   make bench-peers .venv-peers (torch 2.13.0 CPU + DeepSpeed from PyPI, no shardkit), then shardkit's allreduce
+#                    against DeepSpeed's CPU shm allreduce (benchmarks/collectives.py --peer deepspeed)
 #   make peer-test   torch's own distributed_test.py on gloo and on shardkit side by side (tests/peer/)
 #   make clean-venv-check  the wheel installed into a venv holding only torch (no numpy), examples run there
 
 PYTHON       ?= python3
 VENV         := .venv
 VENV_CUDA    := .venv-cuda
+VENV_PEERS   := .venv-peers
+DEEPSPEED    := deepspeed==0.19.8
 TORCH_CPU    := torch==2.13.0
 TORCH_CUDA   := torch==2.14.1
 PIP_FLAGS    := --disable-pip-version-check -q
@@ -24,7 +28,7 @@ CUDA_HOME    ?= $(if $(wildcard /usr/local/cuda/include/cuda_runtime.h),/usr/loc
 export MAX_JOBS ?= 2
 CSRC := $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' 2>/dev/null) setup.py pyproject.toml
 
-.PHONY: test demo cuda-check gpu-test bench peer-test apt-deps venv build cpp-test py-test clean-venv clean-venv-check clean
+.PHONY: test demo cuda-check gpu-test bench bench-peers peer-test apt-deps venv build cpp-test py-test clean-venv clean-venv-check clean
 
 # --- set-up -------------------------------------------------------------------------------------------
 apt-deps:
@@ -146,6 +150,18 @@ bench: build $(VENV)/.bench-deps
 	$(VENV)/bin/python benchmarks/powersgd.py
 	$(VENV)/bin/python benchmarks/fsdp_step.py
 	$(VENV)/bin/python benchmarks/checkpoint.py
+
+# DeepSpeed in a venv of its own (torch pinned as in .venv; DS_BUILD_OPS=0: its CPU shm op is built at first use
+# with ninja), so it never touches the test venv; the comparison runs shardkit's ranks from .venv and
+# DeepSpeed's from this venv in interleaved rounds.
+$(VENV_PEERS)/.deps: Makefile
+	$(PYTHON) -m venv $(VENV_PEERS)
+	$(VENV_PEERS)/bin/pip install $(PIP_FLAGS) $(TORCH_CPU)
+	DS_BUILD_OPS=0 $(VENV_PEERS)/bin/pip install $(PIP_FLAGS) $(DEEPSPEED) ninja py-cpuinfo
+	touch $@
+
+bench-peers: build $(VENV_PEERS)/.deps
+	$(VENV)/bin/python benchmarks/collectives.py --peer deepspeed --world 2 4 --sizes 4K 64K 1M 16M 64M
 
 clean:
 	rm -rf build *.egg-info python/*.egg-info python/shardkit/*.so $(VENV)/.built

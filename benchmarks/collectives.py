@@ -4,6 +4,7 @@
     python benchmarks/collectives.py --quick          # fewer sizes, shorter timing (seconds)
     python benchmarks/collectives.py --world 2 --sizes 4K 1M --iters 200
     python benchmarks/collectives.py --hosts 2x2      # 2 simulated hosts × 2 ranks: hierarchical vs flat gloo
+    python benchmarks/collectives.py --peer deepspeed # allreduce against DeepSpeed's CPU shm op (make bench-peers)
 
 Each world size is one job of spawned ranks (file:// rendezvous in a temp dir, no ports) whose default
 group is shardkit and which also holds a gloo group over the same ranks, so both backends see the same
@@ -449,6 +450,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hosts", default=None, metavar="HxR",
                    help="instead of --world: H simulated hosts of R ranks (SHARDKIT_HOST_ID = rank // R), "
                         "f32 allreduce, shardkit's hierarchical path against flat gloo over all H·R ranks")
+    p.add_argument("--peer", choices=["deepspeed"], default=None,
+                   help="instead of the table: f32 allreduce against DeepSpeed's CPU shm allreduce, run from the "
+                        "venv `make bench-peers` makes, in interleaved rounds (see _peer_compare.py)")
+    p.add_argument("--rounds", type=int, default=3, help="--peer: interleaved rounds (default 3)")
     p.add_argument("--out", type=Path, default=RESULTS_DIR, help="directory for collectives.json/png")
     return p.parse_args(argv)
 
@@ -534,6 +539,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             if size % (world * 4):
                 raise SystemExit(f"--sizes: {size} bytes is not a multiple of 4·world = {4 * world}")
     quick = args.quick
+    if args.peer:
+        import _peer_compare
+
+        timing = TimingConfig(max_iters=args.iters or 1000, reps=args.reps or 5, point_s=args.point_seconds or 0.5)
+        return _peer_compare.run(args.world, list(sizes), timing, args.rounds, args.out)
     cfg = BenchConfig(
         sizes=sizes,
         ops=tuple(op for op in OPS if op in args.ops),
