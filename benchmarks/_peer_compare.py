@@ -8,6 +8,7 @@ series keeps its best round (the least disturbed by foreign load, which is print
 a drift between jobs shows. f32, SUM, per-rank sizes as in the main table.
 
   shardkit    torch.distributed.all_reduce on the shardkit backend (what users call)
+  sk_direct   shardkit.all_reduce_: the same collective without torch's Python wrapper, dispatcher and Work
   ds_raw      torch.ops.deepspeed.inference_all_reduce_: DeepSpeed's shm kernel, no Python wrapper
   ds_comm     deepspeed.comm.inference_all_reduce: DeepSpeed's Python entry to it
   gloo        torch.distributed.all_reduce on gloo (in both jobs)
@@ -32,7 +33,7 @@ PEER_PYTHON = ROOT / ".venv-peers" / "bin" / "python"
 
 
 def _shardkit_rank(rank: int, world: int, store: str, sizes: list[int], cfg: TimingConfig) -> list[dict]:
-    import shardkit  # noqa: F401  (registers the backend)
+    import shardkit
 
     dist.init_process_group("shardkit", init_method=f"file://{store}", rank=rank, world_size=world)
     gloo = dist.new_group(backend="gloo")
@@ -40,6 +41,7 @@ def _shardkit_rank(rank: int, world: int, store: str, sizes: list[int], cfg: Tim
     for nbytes in sizes:
         t = torch.ones(nbytes // 4, dtype=torch.float32)
         for series, call, barrier in (("shardkit", lambda: dist.all_reduce(t), lambda: dist.barrier()),
+                                      ("sk_direct", lambda: shardkit.all_reduce_(t), lambda: dist.barrier()),
                                       ("gloo", lambda: dist.all_reduce(t, group=gloo), lambda: dist.barrier(gloo))):
             timing = time_collective(call, barrier, gloo, cfg)
             rows.append({"bytes": nbytes, "series": series, "seconds": timing.seconds, "samples": timing.samples})
@@ -86,21 +88,26 @@ def run(worlds: list[int], sizes: list[int], cfg: TimingConfig, rounds: int, out
         table = []
         for nbytes in sizes:
             get = lambda series: best.get((nbytes, series))  # noqa: E731
-            sk, raw, comm = get("shardkit"), get("ds_raw"), get("ds_comm")
-            table.append([format_size(nbytes), format_us(sk), format_us(raw), format_us(comm), format_us(get("gloo")),
-                          format_us(get("ds:gloo")), f"{sk / raw:.2f}", f"{sk / comm:.2f}"])
+            sk, direct, raw, comm = get("shardkit"), get("sk_direct"), get("ds_raw"), get("ds_comm")
+            table.append([format_size(nbytes), format_us(sk), format_us(direct), format_us(raw), format_us(comm),
+                          format_us(get("gloo")), format_us(get("ds:gloo")), f"{sk / raw:.2f}", f"{direct / raw:.2f}",
+                          f"{sk / comm:.2f}"])
             results.append({"world": world, "bytes": nbytes, **{series: best.get((nbytes, series))
-                                                                  for series in ("shardkit", "ds_raw", "ds_comm",
+                                                                  for series in ("shardkit", "sk_direct", "ds_raw",
+                                                                                 "ds_comm",
                                                                                  "gloo", "ds:gloo")}})
         print(f"\n=== world {world}, f32 allreduce latency (µs; best of {rounds} rounds) ===")
-        print(format_table(["size", "shardkit", "DS raw op", "DS comm", "gloo", "gloo (DS job)", "sk/raw",
-                            "sk/comm"], table))
+        print(format_table(["size", "shardkit", "sk direct", "DS raw op", "DS comm", "gloo", "gloo (DS job)",
+                            "sk/raw", "direct/raw", "sk/comm"], table))
         print()
         small, large = min(sizes), max(sizes)
         if (small, "shardkit") in best and (small, "ds_raw") in best:
             limit = 0.8 if world == 2 else 1.0
             add_target(checks, f"world {world}, {format_size(small)} dist.all_reduce on shardkit ≤ {limit}× DeepSpeed's "
                                "raw shm op", best[(small, "shardkit")] / best[(small, "ds_raw")], limit,
+                       higher_is_better=False, unit="×")
+            add_target(checks, f"world {world}, {format_size(small)} shardkit.all_reduce_ ≤ {limit}× DeepSpeed's raw "
+                               "shm op", best[(small, "sk_direct")] / best[(small, "ds_raw")], limit,
                        higher_is_better=False, unit="×")
         if large >= 64 << 20 and (large, "ds_raw") in best:
             add_target(checks, f"world {world}, {format_size(large)}: DeepSpeed's raw op time ≥ 2× shardkit's",

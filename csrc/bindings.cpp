@@ -69,6 +69,13 @@ PYBIND11_MODULE(_C, m) {
            py::call_guard<py::gil_scoped_release>())
       // torch's ProcessGroup answers sequence numbers for its built-in backends only; this asks ours.
       .def("_get_sequence_number_for_group", &ProcessGroupShardkit::getSequenceNumberForGroup)
+      .def("allreduce_now",
+           [](ProcessGroupShardkit& self, at::Tensor tensor, const c10d::ReduceOp& op, double timeout_s) {
+             self.allreduce_now(tensor, op, timeout_s > 0 ? std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1e3))
+                                                         : c10d::kUnsetTimeout);
+           },
+           py::arg("tensor"), py::arg("op"), py::arg("timeout_s") = 0.0, py::call_guard<py::gil_scoped_release>(),
+           "A synchronous allreduce on the calling thread, without a Work (shardkit.all_reduce_).")
       .def("cuda_route", &ProcessGroupShardkit::cuda_route,
            "What carries this group's CUDA collectives: 'nccl', 'host shared memory: <why>', or why none does.");
 

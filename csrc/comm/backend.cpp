@@ -7,6 +7,7 @@
 #include "comm/shm_engine.h"
 #include "compat.h"
 #include "core/reduce.h"
+#include "profile_span.h"
 #ifdef SHARDKIT_WITH_CUDA
 #include "comm/nccl/cuda_route.h"
 #endif
@@ -177,6 +178,26 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::allreduce(std::vector<at::T
                     reduce_with(spec, t, world, true, [&](at::Tensor& d) { engine.allreduce(op, d, spec.op); });
                   });
                 });
+}
+
+void ProcessGroupShardkit::allreduce_now(at::Tensor& tensor, const c10d::ReduceOp& reduce_op,
+                                         std::chrono::milliseconds timeout) {
+  SHARDKIT_PROFILE_SPAN("shardkit::allreduce_now");
+  TORCH_CHECK(tensor.defined() && !tensor.is_sparse() && tensor.device().is_cpu(), args_.where("allreduce"),
+              "shardkit.all_reduce_ takes a dense CPU tensor, got ",
+              tensor.defined() ? std::string(tensor.is_sparse() ? "a sparse tensor on " : "a tensor on ") +
+                                     tensor.device().str()
+                               : std::string("an undefined tensor"),
+              "; use torch.distributed.all_reduce for it");
+  args_.check(tensor, "allreduce");
+  const ReduceSpec spec = args_.reduce_spec(reduce_op, tensor.scalar_type(), "allreduce");
+  ++seq_;
+  queue_.run_now([&] {
+    const OpContext context{"allreduce", ++executed_, op_timeout(timeout), getRank()};
+    with_contiguous(tensor, [&](at::Tensor& t) {
+      reduce_with(spec, t, getSize(), true, [&](at::Tensor& d) { route(context).allreduce(context, d, spec.op); });
+    });
+  });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::allreduce_sparse(std::vector<at::Tensor>& tensors,

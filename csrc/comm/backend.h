@@ -110,6 +110,10 @@ class ProcessGroupShardkit : public c10d::Backend {
   // collectives. torch's DETAIL debug mode compares it across ranks.
   void setSequenceNumberForGroup() override { seq_ = 0; }  // at creation, before any op
   uint64_t getSequenceNumberForGroup() override { return seq_; }
+  // A synchronous allreduce of one CPU tensor on the calling thread, without a Work or a Future: the fast path
+  // behind shardkit.all_reduce_() (python/shardkit/backend.py) for latency-bound callers. Same validation,
+  // numbering, order and errors as allreduce(); it waits for ops queued before it.
+  void allreduce_now(at::Tensor& tensor, const c10d::ReduceOp& reduce_op, std::chrono::milliseconds timeout);
   // What carries this group's CUDA collectives: "nccl", "host shared memory: <why>", "undecided: ..." before
   // the first one, or why there is no CUDA support in this build.
   std::string cuda_route() const;

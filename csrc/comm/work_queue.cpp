@@ -3,6 +3,8 @@
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 
+#include <c10/util/Exception.h>
+
 #include <stdexcept>
 
 namespace shardkit::comm {
@@ -174,6 +176,7 @@ void WorkQueue::submit(c10::intrusive_ptr<ShardkitWork> work, std::function<void
     queued_meanwhile = !items_.empty();
   }
   if (queued_meanwhile) ready_.notify_one();  // waking an idle worker for nothing costs small ops dearly
+  idle_.notify_all();  // cheap without waiters
 }
 
 void WorkQueue::execute(ShardkitWork& work, const std::function<void()>& body) {
@@ -201,7 +204,36 @@ void WorkQueue::run() {
       std::lock_guard<std::mutex> lock(mutex_);
       busy_ = false;
     }
+    idle_.notify_all();
   }
+}
+
+void WorkQueue::run_now(const std::function<void()>& body) {
+  if (on_worker()) {
+    body();
+    return;
+  }
+  {
+    std::unique_lock<std::mutex> lock(mutex_);
+    idle_.wait(lock, [this] { return stopping_ || (items_.empty() && !busy_); });
+    TORCH_CHECK(!stopping_, "shardkit: the process group was shut down (destroy_process_group); no collective can run");
+    busy_ = true;
+  }
+  // Whatever body() does, the queue is released and a worker woken for what was queued meanwhile.
+  struct Release {
+    WorkQueue& queue;
+    ~Release() {
+      bool queued_meanwhile = false;
+      {
+        std::lock_guard<std::mutex> lock(queue.mutex_);
+        queue.busy_ = false;
+        queued_meanwhile = !queue.items_.empty();
+      }
+      if (queued_meanwhile) queue.ready_.notify_one();
+      queue.idle_.notify_all();
+    }
+  } release{*this};
+  body();
 }
 
 }  // namespace shardkit::comm

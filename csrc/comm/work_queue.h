@@ -106,6 +106,10 @@ class WorkQueue {
   // thread (saving two thread hand-offs, most of a small collective's latency); otherwise queues it
   // behind the pending work. Either way `work` is completed or failed as by enqueue().
   void run_or_enqueue(c10::intrusive_ptr<ShardkitWork> work, std::function<void()> body);
+  // For direct calls that return no Work (ProcessGroupShardkit::allreduce_now): runs `body` on the calling
+  // thread once everything queued before it has run (so it keeps its place in the issue order), rethrowing
+  // what it throws; from a future callback on the worker, at once.
+  void run_now(const std::function<void()>& body);
 
  private:
   struct Item {
@@ -119,6 +123,7 @@ class WorkQueue {
 
   std::mutex mutex_;
   std::condition_variable ready_;
+  std::condition_variable idle_;  // run_now() callers waiting for the queue to drain
   std::deque<Item> items_;
   bool stopping_ = false;
   bool stopped_ = false;  // joined: nothing runs any more

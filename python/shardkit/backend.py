@@ -21,6 +21,7 @@ import os
 import secrets
 import socket
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -190,3 +191,27 @@ def register_backend() -> None:
     # torch.distributed.checkpoint) would otherwise call torch.cuda.current_device() and fail.
     devices = ["cpu", "cuda"] if torch.version.cuda is not None else ["cpu"]
     dist.Backend.register_backend(BACKEND_NAME, _create_backend, extended_api=True, devices=devices)
+
+
+# --- the direct allreduce -----------------------------------------------------------------------------------
+_DIRECT: dict[int, tuple[dist.ProcessGroup, Any]] = {}  # id(group) -> (group, its shardkit CPU backend)
+
+
+def all_reduce_(tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM,
+                group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """``torch.distributed.all_reduce(tensor, op, group)`` for a dense CPU tensor on a shardkit group, synchronous,
+    in place, returning ``tensor``: the same collective (validation, numbering, order with every other
+    collective of the group, results and errors), reached without torch's Python wrapper, its dispatcher, a
+    Work or a Future. For latency-bound loops of small allreduces, where those cost more than the reduction
+    (README, "Speed"); everything else should call ``torch.distributed.all_reduce``. A collective: every rank
+    of ``group`` calls it in the same order as its other collectives."""
+    group = group if group is not None else dist.distributed_c10d._get_default_group()
+    entry = _DIRECT.get(id(group))
+    if entry is None or entry[0] is not group:
+        backend = group._get_backend(torch.device("cpu"))
+        if not isinstance(backend, _C.ProcessGroupShardkit):
+            raise TypeError(f"shardkit.all_reduce_: the group's CPU backend is {type(backend).__name__}, not "
+                            "shardkit's; use torch.distributed.all_reduce")
+        entry = _DIRECT[id(group)] = (group, backend)
+    entry[1].allreduce_now(tensor, op)
+    return tensor

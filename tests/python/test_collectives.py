@@ -309,3 +309,48 @@ def _all_gather_into_own_slice(rank, world):
 @EVERY_TOPOLOGY
 def test_all_gather_input_may_be_its_own_slice_of_the_output(ranks, topology):
     run_on(ranks, topology, _all_gather_into_own_slice)
+
+
+def _direct_allreduce(rank, world):
+    import shardkit
+
+    for dtype in (torch.float32, torch.bfloat16, torch.int64):
+        for n in (1, 1024, 100_003):
+            for op in (dist.ReduceOp.SUM, dist.ReduceOp.MAX) + ((dist.ReduceOp.AVG,) if dtype.is_floating_point else ()):
+                mine = make_input(rank, n, dtype, salt=11)
+                direct, via_dist = mine.clone(), mine.clone()
+                assert shardkit.all_reduce_(direct, op) is direct
+                dist.all_reduce(via_dist, op)
+                assert torch.equal(direct, via_dist), f"{dtype} n={n} {op}: all_reduce_ differs from dist.all_reduce"
+    # In order with queued async collectives: the direct call runs after them, on every rank.
+    a = torch.full((4096,), float(rank + 1))
+    b = torch.full((7,), float(rank + 1))
+    work = dist.all_reduce(a, async_op=True)
+    shardkit.all_reduce_(b)
+    work.wait()
+    total = float(world * (world + 1) // 2)
+    assert torch.equal(a, torch.full_like(a, total)) and torch.equal(b, torch.full_like(b, total))
+    # A non-contiguous tensor, and errors as dist.all_reduce gives them.
+    grid = torch.arange(12.0).reshape(3, 4).t()
+    shardkit.all_reduce_(grid)
+    assert torch.equal(grid, torch.arange(12.0).reshape(3, 4).t() * world)
+    errors = []
+    for bad in (lambda: shardkit.all_reduce_(torch.ones(3, dtype=torch.complex64)),
+                lambda: shardkit.all_reduce_(torch.ones(3).to_sparse()),
+                lambda: shardkit.all_reduce_(torch.ones(3), group=dist.new_group(backend="gloo"))):
+        try:
+            bad()
+            errors.append("no error")
+        except (RuntimeError, TypeError, ValueError) as error:
+            errors.append(str(error).splitlines()[0])
+    return errors
+
+
+@EVERY_TOPOLOGY
+def test_direct_all_reduce_matches_dist_all_reduce_bitwise(ranks, topology):
+    for rank, errors in enumerate(run_on(ranks, topology, _direct_allreduce)):
+        assert errors[0].startswith(f"shardkit allreduce (rank {rank}): "), errors
+        assert errors[1] == (f"shardkit allreduce (rank {rank}): shardkit.all_reduce_ takes a dense CPU tensor, got a "
+                             "sparse tensor on cpu; use torch.distributed.all_reduce for it"), errors
+        assert errors[2] == ("shardkit.all_reduce_: the group's CPU backend is ProcessGroupGloo, not shardkit's; use "
+                             "torch.distributed.all_reduce"), errors
