@@ -8,7 +8,8 @@ builds its shm op (``torch.ops.deepspeed.inference_all_reduce_``) at init. Measu
   ds_comm    deepspeed.comm.inference_all_reduce(t): DeepSpeed's Python entry to the same kernel
   gloo       torch.distributed.all_reduce on gloo, the anchor both jobs share
 Prints one JSON object on stdout: {"deepspeed": version, "rows": [{"bytes", "series", "seconds", "samples"}]}.
-MASTER_ADDR/MASTER_PORT only name DeepSpeed's shm segment here (no socket is opened with them).
+MASTER_ADDR/MASTER_PORT only name DeepSpeed's shm segments here (no socket is opened with them); DeepSpeed never
+unlinks them, so this script does once its ranks have exited.
 """
 
 from __future__ import annotations
@@ -50,6 +51,14 @@ def _rank(rank: int, world: int, store: str, sizes: list[int], cfg: TimingConfig
     return rows
 
 
+def _unlink_deepspeed_segments(env: dict[str, str]) -> None:
+    """DeepSpeed never unlinks its shm segments (one per rank, named after uid, MASTER_ADDR and MASTER_PORT):
+    once the ranks have exited, remove this job's, so nothing is left in /dev/shm."""
+    prefix = f"deepspeed_allreduce_buffer_{os.getuid()}_{env['MASTER_ADDR']}_{env['MASTER_PORT']}_"
+    for segment in Path("/dev/shm").glob(prefix + "*"):
+        segment.unlink(missing_ok=True)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--world", type=int, required=True)
@@ -62,7 +71,10 @@ def main() -> int:
 
     cfg = TimingConfig(max_iters=args.iters, reps=args.reps, point_s=args.point_seconds)
     env = {"DS_ACCELERATOR": "cpu", "MASTER_ADDR": "shardkit-bench", "MASTER_PORT": str(os.getpid())}
-    rows = launch_ranks(_rank, args.world, [parse_size(s) for s in args.sizes], cfg, env=env, timeout=900)[0]
+    try:
+        rows = launch_ranks(_rank, args.world, [parse_size(s) for s in args.sizes], cfg, env=env, timeout=900)[0]
+    finally:
+        _unlink_deepspeed_segments(env)
     print(json.dumps({"deepspeed": deepspeed.__version__, "rows": rows}))
     return 0
 
