@@ -1,5 +1,6 @@
 #include "comm/work_queue.h"
 
+#include <ATen/record_function.h>
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 
@@ -9,12 +10,25 @@
 
 namespace shardkit::comm {
 
+namespace {
+// The type of every Work's Future value, made once (each make would allocate).
+const c10::TypePtr& tensor_list_type() {
+  static const c10::TypePtr type = c10::ListType::create(c10::TensorType::get());
+  return type;
+}
+
+// c10d::Work allocates a RecordFunction for every titled Work, to learn whether a profiler wants it; with
+// no RecordFunction callbacks registered (no profiler running) the title is dropped and nothing is made.
+const char* title_if_profiled(const char* profiling_title) {
+  return at::hasCallbacks() ? profiling_title : nullptr;
+}
+}  // namespace
+
 ShardkitWork::ShardkitWork(int rank, c10d::OpType type, const char* profiling_title, std::vector<at::Tensor> outputs,
                            uint64_t seq, std::vector<c10::Device> devices)
-    : c10d::Work(rank, type, profiling_title),
+    : c10d::Work(rank, type, title_if_profiled(profiling_title)),
       outputs_(std::move(outputs)),
-      future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()),
-                                                       std::move(devices))),
+      future_(c10::make_intrusive<c10::ivalue::Future>(tensor_list_type(), std::move(devices))),
       seq_(seq) {}
 
 void ShardkitWork::end_profiler_span() {
