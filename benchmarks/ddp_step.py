@@ -139,6 +139,7 @@ class Variant:
     zero_stage: int = 0      # shardkit DDP's zero_stage
     optimizer: str = "adamw"  # "adamw" | "shardkit_zero" | "shardkit_zero_or_adamw" | "torch_zero"
     reference: bool = False  # shown for context; no target, and (z) no parity
+    bucket_view: bool = False  # gradient_as_bucket_view=True (shardkit's DDP on shardkit: zero-copy buckets)
 
 
 VARIANTS: tuple[Variant, ...] = (
@@ -150,6 +151,7 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("f", "shardkit DDP zero_stage=2 / shardkit", "shardkit", "shardkit", 2, "shardkit_zero_or_adamw"),
     Variant("g", "shardkit DDP + shardkit ZeRO optim / shardkit", "shardkit", "shardkit", 0, "shardkit_zero"),
     Variant("h", "torch DDP + torch ZeRO optim / shardkit", "torch", "shardkit", 0, "torch_zero", reference=True),
+    Variant("i", "shardkit DDP zero-copy buckets / shardkit", "shardkit", "shardkit", bucket_view=True),
     Variant("z", "no DDP: local step only", "none", "-", reference=True),
 )
 LR = 1e-3
@@ -201,7 +203,10 @@ def build(variant: Variant, cfg: ModelConfig, groups: dict[str, Any]) -> Built:
     if variant.ddp == "torch":
         model: nn.Module = TorchDDP(module, process_group=group)
     elif variant.ddp == "shardkit":
-        model = shardkit.DistributedDataParallel(module, process_group=group, zero_stage=variant.zero_stage)
+        model = shardkit.DistributedDataParallel(module, process_group=group, zero_stage=variant.zero_stage,
+                                                 gradient_as_bucket_view=variant.bucket_view)
+        if variant.bucket_view and not model.reducer.zero_copy():
+            raise RuntimeError("gradient_as_bucket_view on a one-host shardkit group did not give zero-copy buckets")
     else:
         model = module
     optimizer = make_optimizer(variant, list(model.parameters()))
@@ -544,6 +549,14 @@ def check_targets(rows: dict[str, dict[str, Any]], world: int) -> list[dict[str,
         extra=describe_paired(paired_ratios(rows, "c", "b")))
     add("shardkit DDP on shardkit ≤ 0.7× torch DDP + gloo (c ÷ a)", ratio(rows, "c", "a"), 0.7,
         extra=describe_paired(paired_ratios(rows, "c", "a")))
+    for key in ("c", "i"):
+        excess = paired_excess(rows, key)
+        over_z = None if excess is None or rows["z"]["step_s"] <= 0 else 1 + excess / rows["z"]["step_s"]
+        print(f"[{'SKIP' if excess is None else 'PASS' if excess <= 0.015 else 'MISS'}] ({key}) DDP overhead "
+              f"(step − local step (z), median of paired rounds) ≤ 15 ms: "
+              + ("not measured" if excess is None else f"{excess * 1e3:+.1f} ms ({over_z:.3f}× of (z))"))
+        checks.append({"target": f"({key}) overhead over (z) <= 15 ms", "value": excess, "limit": 0.015,
+                       "status": "SKIP" if excess is None else "PASS" if excess <= 0.015 else "MISS"})
     floor = ratio(rows, "z", "a")
     if floor is not None:
         print(f"       floor: the local step alone (z, no communication at all) is {floor:.3f}× of (a), so no DDP "

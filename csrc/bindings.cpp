@@ -76,6 +76,12 @@ PYBIND11_MODULE(_C, m) {
            },
            py::arg("tensor"), py::arg("op"), py::arg("timeout_s") = 0.0, py::call_guard<py::gil_scoped_release>(),
            "A synchronous allreduce on the calling thread, without a Work (shardkit.all_reduce_).")
+      .def("shared_buffer", &ProcessGroupShardkit::shared_buffer, py::arg("nbytes"),
+           py::call_guard<py::gil_scoped_release>(),
+           "Collective: nbytes of host memory (a uint8 tensor) in which allreduce runs zero-copy, or None where "
+           "the group spans hosts.")
+      .def("shared_allreduces", &ProcessGroupShardkit::shared_allreduces,
+           "Allreduces that ran in place in a shared buffer.")
       .def("cuda_route", &ProcessGroupShardkit::cuda_route,
            "What carries this group's CUDA collectives: 'nccl', 'host shared memory: <why>', or why none does.");
 
@@ -84,8 +90,11 @@ PYBIND11_MODULE(_C, m) {
       .def(py::init([](std::vector<at::Tensor> params, std::vector<std::string> names,
                        c10::intrusive_ptr<c10d::ProcessGroup> process_group, size_t bucket_bytes_cap,
                        size_t first_bucket_bytes, bool find_unused_parameters, bool gradient_as_bucket_view,
-                       bool shard_gradients) {
+                       bool shard_gradients, c10::intrusive_ptr<ProcessGroupShardkit> zero_copy_backend) {
              Reducer::Options options;
+             if (zero_copy_backend) {
+               options.shared_buffer = [backend = zero_copy_backend](int64_t bytes) { return backend->shared_buffer(bytes); };
+             }
              options.bucket_bytes_cap = bucket_bytes_cap;
              options.first_bucket_bytes = first_bucket_bytes;
              options.find_unused_parameters = find_unused_parameters;
@@ -95,7 +104,7 @@ PYBIND11_MODULE(_C, m) {
            }),
            py::arg("params"), py::arg("names"), py::arg("process_group"), py::arg("bucket_bytes_cap"),
            py::arg("first_bucket_bytes"), py::arg("find_unused_parameters"), py::arg("gradient_as_bucket_view"),
-           py::arg("shard_gradients") = false)
+           py::arg("shard_gradients") = false, py::arg("zero_copy_backend") = nullptr)
       .def("prepare_for_backward", &Reducer::prepare_for_backward, py::call_guard<py::gil_scoped_release>())
       .def("set_divisor_for_this_backward", &Reducer::set_divisor_for_this_backward, py::arg("ranks"))
       // Released: a Python comm hook run on the zero buckets takes the GIL from the hook's thread.
@@ -113,6 +122,7 @@ PYBIND11_MODULE(_C, m) {
            py::arg("kind"), py::arg("state"), py::arg("group"))
       .def("bucket_indices", &Reducer::bucket_indices)
       .def("bucket_buffers", &Reducer::bucket_buffers)
+      .def("zero_copy", &Reducer::zero_copy)
       .def("load_bucket_indices", &Reducer::load_bucket_indices, py::arg("assignment"))
       .def("set_gradient_shards", &Reducer::set_gradient_shards, py::arg("layouts"), py::arg("shards"),
            py::arg("space"), py::arg("slot"))

@@ -200,6 +200,21 @@ void ProcessGroupShardkit::allreduce_now(at::Tensor& tensor, const c10d::ReduceO
   });
 }
 
+at::Tensor ProcessGroupShardkit::shared_buffer(int64_t bytes) {
+  TORCH_CHECK(bytes >= 0, args_.where("shared_buffer"), "the size must be at least 0 bytes, got ", bytes);
+  ++seq_;
+  at::Tensor out;
+  queue_.run_now([&] {
+    const OpContext context{"shared_buffer", ++executed_, op_timeout(c10d::kUnsetTimeout), getRank()};
+    std::shared_ptr<core::SharedBuffer> buffer = engine_->share_buffer(context, static_cast<size_t>(bytes));
+    if (!buffer) return;
+    // The tensor (and every view of it) keeps this rank's mapping alive.
+    out = at::from_blob(
+        buffer->mine(), {bytes}, [buffer](void*) mutable { buffer.reset(); }, at::TensorOptions().dtype(at::kByte));
+  });
+  return out;
+}
+
 c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::allreduce_sparse(std::vector<at::Tensor>& tensors,
                                                                       const c10d::AllreduceOptions& opts) {
   TORCH_CHECK(tensors.size() == 1 && tensors[0].defined() && tensors[0].is_sparse(), args_.where("allreduce_sparse"),

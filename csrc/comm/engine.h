@@ -22,6 +22,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -67,6 +68,18 @@ class Engine {
   // land in output, packed in rank order.
   virtual void alltoall(const OpContext& op, const at::Tensor& input, const std::vector<size_t>& send_counts,
                         at::Tensor& output, const std::vector<size_t>& recv_counts) = 0;
+
+  // Zero-copy buffers (core::SharedBuffer): collective; every rank gets a region of `bytes` that the engine
+  // reduces in place, from the peers' regions, when an allreduce's tensor lies in it. Null where the engine
+  // has no such memory (every rank of a group gets the same answer: it depends on the group's topology);
+  // tensors elsewhere take the ordinary path, with the same results.
+  virtual std::shared_ptr<core::SharedBuffer> share_buffer(const OpContext& op, size_t bytes) {
+    (void)op;
+    (void)bytes;
+    return nullptr;
+  }
+  // Allreduces that ran in place in such a buffer (for tests and benchmarks).
+  virtual uint64_t shared_allreduces() const { return 0; }
 
   // destroy_process_group(): release what the engine alone holds (idempotent; nothing runs afterwards). The
   // backend shuts the shared InnerBackends down itself.

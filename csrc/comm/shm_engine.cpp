@@ -52,4 +52,8 @@ void ShmEngine::alltoall(const OpContext& op, const at::Tensor& input, const std
                    packed_offsets(recv_counts), core_dtype(input), op.call());
 }
 
+std::shared_ptr<core::SharedBuffer> ShmEngine::share_buffer(const OpContext& op, size_t bytes) {
+  return group_->share_buffer(bytes, op.call());
+}
+
 }  // namespace shardkit::comm

@@ -56,7 +56,8 @@ void ShmGroup::reduce_round(const OpHeader& header, const uint8_t* in, uint8_t* 
   const uint64_t round = rounds_++;
   std::memcpy(slot(rank_, round), in, count * elem);
   sync(header);
-  std::vector<const void*> sources(size_);
+  std::vector<const void*>& sources = sources_;
+  sources.resize(size_);
   if (count * elem <= kSmallReduceBytes) {
     // Every rank reduces everything, in rank order: one sync, identical bits everywhere.
     if (copy_out) {
@@ -80,8 +81,15 @@ void ShmGroup::reduce_round(const OpHeader& header, const uint8_t* in, uint8_t* 
 }
 
 void ShmGroup::allreduce(const void* in, void* out, size_t count, DType dtype, ReduceOp op, const CallInfo& call) {
-  const OpHeader header = begin(OpKind::AllReduce, count, dtype, -1, op, call);
   const size_t elem = dtype_size(dtype);
+  if (in == out && count * elem > kSmallReduceBytes && !shared_.empty()) {
+    size_t offset = 0;
+    if (std::shared_ptr<SharedBuffer> buffer = find_shared(out, count * elem, &offset)) {
+      allreduce_shared(*buffer, offset, count, dtype, op, call);
+      return;
+    }
+  }
+  const OpHeader header = begin(OpKind::AllReduce, count, dtype, -1, op, call);
   const size_t chunk = slot_bytes_ / elem;
   size_t offset = 0;
   do {
@@ -90,6 +98,31 @@ void ShmGroup::allreduce(const void* in, void* out, size_t count, DType dtype, R
                  n, elem, true);
     offset += n;
   } while (offset < count);
+}
+
+void ShmGroup::allreduce_shared(SharedBuffer& buffer, size_t offset, size_t count, DType dtype, ReduceOp op,
+                                const CallInfo& call) {
+  OpHeader header = begin(OpKind::AllReduce, count, dtype, -1, op, call);
+  header.shared = 1;
+  header.shared_offset = offset;
+  const size_t elem = dtype_size(dtype);
+  auto at = [&](int r, size_t element) { return buffer.region(r) + offset + element * elem; };
+  sync(header);  // every rank's data is in its region
+  // Reduce-scatter: this rank's slice of every region, in rank order, into its own region (others read only
+  // their own slices of it, so the write is disjoint from every concurrent read).
+  const Slice mine = share(count, size_, rank_, elem);
+  std::vector<const void*>& sources = sources_;
+  sources.resize(size_);
+  for (int r = 0; r < size_; ++r) sources[r] = at(r, mine.begin);
+  reduce_into(at(rank_, mine.begin), sources.data(), size_, mine.end - mine.begin, dtype, op);
+  sync(header);  // every slice is reduced, in its owner's region
+  for (int r = 0; r < size_; ++r) {
+    if (r == rank_) continue;
+    const Slice theirs = share(count, size_, r, elem);
+    std::memcpy(at(rank_, theirs.begin), at(r, theirs.begin), (theirs.end - theirs.begin) * elem);
+  }
+  sync(header);  // every rank has its copies: this rank's slice may be written again
+  ++shared_allreduces_;
 }
 
 void ShmGroup::reduce(const void* in, void* out, size_t count, DType dtype, ReduceOp op, int root,
@@ -170,7 +203,8 @@ void ShmGroup::reduce_scatter(const void* in, void* out, size_t count, DType dty
   const OpHeader header = begin(OpKind::ReduceScatter, count, dtype, -1, op, call);
   const size_t elem = dtype_size(dtype);
   const size_t region = slot_bytes_ / size_ / elem;
-  std::vector<const void*> sources(size_);
+  std::vector<const void*>& sources = sources_;
+  sources.resize(size_);
   size_t offset = 0;
   do {
     const size_t n = std::min(region, count - offset);

@@ -107,6 +107,7 @@ const char* op_kind_name(OpKind kind) {
     case OpKind::Scatter: return "scatter";
     case OpKind::ReduceScatter: return "reduce_scatter";
     case OpKind::AllToAll: return "alltoall";
+    case OpKind::ShareBuffer: return "share_buffer";
   }
   return "unknown";
 }
@@ -156,6 +157,42 @@ ShmGroup::ShmGroup(const Options& options)
 }
 
 ShmGroup::~ShmGroup() = default;
+
+SharedBuffer::SharedBuffer(std::unique_ptr<ShmSegment> segment, size_t bytes, size_t stride, int rank)
+    : segment_(std::move(segment)), bytes_(bytes), stride_(stride), rank_(rank) {}
+
+SharedBuffer::~SharedBuffer() = default;
+
+// Layout of a shared buffer's segment: one page for the attach counter, then the regions, page aligned.
+uint8_t* SharedBuffer::region(int rank) const { return segment_->data() + kPage + static_cast<size_t>(rank) * stride_; }
+
+std::shared_ptr<SharedBuffer> ShmGroup::share_buffer(size_t bytes, const CallInfo& call) {
+  // The sync checks that every rank asks for the same size, in the same place among the group's ops; the
+  // segment's own attach protocol then makes, maps and unlinks it (names differ by the count of buffers).
+  sync(begin(OpKind::ShareBuffer, bytes, DType::U8, -1, ReduceOp::Sum, call));
+  const size_t stride = round_up(std::max<size_t>(bytes, 1), kPage);
+  auto segment = std::make_unique<ShmSegment>(segment_->name() + ".buf" + std::to_string(++shared_made_),
+                                              kPage + stride * size_, rank_, size_, 0, op_timeout_);
+  std::shared_ptr<SharedBuffer> buffer(new SharedBuffer(std::move(segment), bytes, stride, rank_));
+  shared_.erase(std::remove_if(shared_.begin(), shared_.end(), [](const auto& weak) { return weak.expired(); }),
+                shared_.end());
+  shared_.push_back(buffer);
+  return buffer;
+}
+
+std::shared_ptr<SharedBuffer> ShmGroup::find_shared(const void* data, size_t bytes, size_t* offset) {
+  const auto* begin = static_cast<const uint8_t*>(data);
+  for (const auto& weak : shared_) {
+    std::shared_ptr<SharedBuffer> buffer = weak.lock();
+    if (!buffer) continue;
+    const uint8_t* mine = buffer->mine();
+    if (begin >= mine && begin + bytes <= mine + buffer->bytes()) {
+      *offset = static_cast<size_t>(begin - mine);
+      return buffer;
+    }
+  }
+  return nullptr;
+}
 
 bool ShmGroup::aborted() const { return header_->abort_state.load(std::memory_order_acquire) != 0; }
 
@@ -228,6 +265,7 @@ std::string ShmGroup::describe(const OpHeader& h) const {
       out << ", " << reduce_op_name(h.reduce_op);
     }
     if (h.root >= 0) out << ", root " << rank_number(h.root);
+    if (h.shared) out << ", in a shared buffer at byte " << h.shared_offset;
   }
   out << ")";
   return out.str();
@@ -268,8 +306,8 @@ void ShmGroup::sync(const OpHeader& header) {
   }
   if (size_ == 1) return;
 
-  std::vector<int> pending;
-  pending.reserve(size_ - 1);
+  std::vector<int>& pending = pending_;
+  pending.clear();
   for (int peer = 0; peer < size_; ++peer) {
     if (peer != rank_) pending.push_back(peer);
   }

@@ -28,6 +28,14 @@
 //
 // Determinism: every reduction combines ranks in order 0..size-1, and each element is reduced exactly once
 // (by one rank, or identically by all ranks), so all ranks get bitwise identical results.
+//
+// Shared buffers (zero-copy). share_buffer() makes a second segment that holds one region per rank, each
+// mapped by every rank. An allreduce whose tensor lies in this rank's region (in == out, past the small-
+// message size) skips the slots: sync (every rank's data is in place), each rank reduces its slice of all
+// regions into its own region, sync, each rank copies the other slices from their owners' regions, sync
+// (nobody reads this rank's region any more, so the caller may write it again). Same slices' reduction in
+// the same rank order as the slot path, so the bits are the same; one copy of the data in and one out fewer.
+// The op header says the op is in a shared buffer and where, so ranks that disagree on it fail at once.
 #pragma once
 
 #include <chrono>
@@ -45,6 +53,30 @@ class ShmSegment;
 struct GroupHeader;
 struct RankControl;
 
+// Memory every rank of a group maps: one region of bytes() per rank (ShmGroup::share_buffer). A tensor in this
+// rank's region is reduced by ShmGroup::allreduce straight from the peers' regions (see "Shared buffers").
+// The memory lives while any rank maps it: this object (or, in the peers, their own) keeps the mapping,
+// and the segment's name is gone from /dev/shm as soon as every rank has mapped it.
+class SharedBuffer {
+ public:
+  ~SharedBuffer();
+  SharedBuffer(const SharedBuffer&) = delete;
+  SharedBuffer& operator=(const SharedBuffer&) = delete;
+
+  size_t bytes() const { return bytes_; }
+  uint8_t* mine() const { return region(rank_); }
+  uint8_t* region(int rank) const;
+
+ private:
+  friend class ShmGroup;
+  SharedBuffer(std::unique_ptr<ShmSegment> segment, size_t bytes, size_t stride, int rank);
+
+  std::unique_ptr<ShmSegment> segment_;
+  size_t bytes_;
+  size_t stride_;  // between regions (page aligned)
+  int rank_;
+};
+
 // What a collective is, as every rank must agree on it. Travels in shared memory.
 enum class OpKind : uint32_t {
   Barrier = 1,
@@ -56,6 +88,7 @@ enum class OpKind : uint32_t {
   Scatter,
   ReduceScatter,
   AllToAll,
+  ShareBuffer,
 };
 const char* op_kind_name(OpKind kind);
 
@@ -69,7 +102,9 @@ struct OpHeader {
   DType dtype = DType::U8;
   ReduceOp reduce_op = ReduceOp::Sum;
   uint8_t is_step = 0;  // one step of a larger collective (label names that collective)
-  uint8_t pad[5] = {};
+  uint8_t shared = 0;   // an allreduce in place in a shared buffer (at shared_offset in every rank's region)
+  uint8_t pad[4] = {};
+  uint64_t shared_offset = 0;
   uint64_t label_seq = 0;             // the caller's collective number (CallInfo::seq)
   char label[kOpLabelBytes] = {};     // the caller's collective name (CallInfo::op), NUL-padded
 };
@@ -112,6 +147,14 @@ class ShmGroup {
   // The default deadline of ops whose CallInfo sets none.
   void set_timeout(std::chrono::milliseconds timeout) { timeout_ = timeout; }
 
+  // Collective: a buffer of `bytes` per rank that every rank maps (see "Shared buffers" above). Every rank
+  // passes the same size. Throws as the ops below do, and std::runtime_error if the segment cannot be made.
+  std::shared_ptr<SharedBuffer> share_buffer(size_t bytes, const CallInfo& call = {});
+  // Allreduces that ran in place in a shared buffer, without the slots (for tests and benchmarks).
+  uint64_t shared_allreduces() const { return shared_allreduces_; }
+
+  // One op at a time: the ops below are called from one thread at a time (the backend's work queue
+  // serializes them), and share per-group scratch.
   // All pointers are to contiguous host memory; counts are in elements. `in` and `out` may be the same
   // buffer where the op's shapes allow it (allreduce, broadcast). All throw std::runtime_error on
   // disagreement, timeout, dead peer or a previous abort. Roots are ranks of this group.
@@ -162,6 +205,11 @@ class ShmGroup {
   std::string where(const OpHeader& header) const;  // "allreduce #3 (f32 x 16, sum) (rank 0)"
   void check_peer_header(int peer, const OpHeader& mine, uint64_t target);
   std::string describe(const OpHeader& header) const;
+  // The shared buffer holding [data, data + bytes) in this rank's region, and the offset there; null if none.
+  std::shared_ptr<SharedBuffer> find_shared(const void* data, size_t bytes, size_t* offset);
+  // The zero-copy allreduce of `count` elements at `offset` in every rank's region of `buffer`.
+  void allreduce_shared(SharedBuffer& buffer, size_t offset, size_t count, DType dtype, ReduceOp op,
+                        const CallInfo& call);
   // The large-message allreduce/reduce round: reduce-scatter through the slots, then gather the result.
   void reduce_round(const OpHeader& header, const uint8_t* in, uint8_t* out, size_t count, size_t elem,
                     bool copy_out);
@@ -180,6 +228,14 @@ class ShmGroup {
   uint64_t seq_ = 0;      // collectives started
   uint64_t arrivals_ = 0;  // sync points passed (this rank's arrival counter)
   uint64_t rounds_ = 0;   // data rounds started (selects the buffer)
+  // Scratch reused by every op, so that a small collective allocates nothing: the peers sync() still waits
+  // for, and the slot pointers a reduction reads.
+  std::vector<int> pending_;
+  std::vector<const void*> sources_;
+  // The shared buffers made on this group that may still be alive (their users own them).
+  std::vector<std::weak_ptr<SharedBuffer>> shared_;
+  uint64_t shared_made_ = 0;
+  uint64_t shared_allreduces_ = 0;
 };
 
 }  // namespace shardkit::core

@@ -101,8 +101,11 @@ void Reducer::build_buckets(const std::vector<std::vector<size_t>>& assignment) 
       slots_[index] = {b, position};
     }
     if (shards_) bucket.owners = shards_->owner_ranges(bucket.members, bucket.offsets, bucket.lengths);
+  }
+  zero_copy_ = place_in_shared_buffer(buckets);
+  for (Bucket& bucket : buckets) {
     // Under ZeRO-2 buffers exist only during a backward (bucket_view() allocates them).
-    if (!options_.shard_gradients) bucket.buffer = allocate_buffer(bucket);
+    if (!options_.shard_gradients && !bucket.buffer.defined()) bucket.buffer = allocate_buffer(bucket);
   }
   buckets_ = std::move(buckets);
   if (options_.gradient_as_bucket_view) {
@@ -114,6 +117,30 @@ void Reducer::build_buckets(const std::vector<std::vector<size_t>>& assignment) 
       grad = view;
     }
   }
+}
+
+bool Reducer::place_in_shared_buffer(std::vector<Bucket>& buckets) {
+  // Every rank decides alike (same options, same parameters' devices), so either all call the collective or none.
+  if (!options_.shared_buffer || !options_.gradient_as_bucket_view || options_.shard_gradients) return false;
+  if (std::any_of(params_.begin(), params_.end(), [](const at::Tensor& p) { return !p.device().is_cpu(); })) return false;
+  constexpr size_t kAlign = 64;  // each bucket on its own cache lines
+  std::vector<size_t> starts;
+  size_t bytes = 0;
+  for (const Bucket& bucket : buckets) {
+    const size_t elements = bucket.offsets.back() + bucket.lengths.back();
+    starts.push_back(bytes);
+    bytes += (elements * params_[bucket.members.front()].element_size() + kAlign - 1) / kAlign * kAlign;
+  }
+  const at::Tensor shared = options_.shared_buffer(static_cast<int64_t>(bytes));
+  if (!shared.defined()) return false;
+  // Fresh shared memory reads as zeros, as allocate_buffer's persistent buffers start.
+  for (size_t b = 0; b < buckets.size(); ++b) {
+    const at::Tensor& first = params_[buckets[b].members.front()];
+    const size_t elements = buckets[b].offsets.back() + buckets[b].lengths.back();
+    buckets[b].buffer = shared.narrow(0, static_cast<int64_t>(starts[b]), static_cast<int64_t>(elements * first.element_size()))
+                            .view(first.scalar_type());
+  }
+  return true;
 }
 
 at::Tensor Reducer::allocate_buffer(const Bucket& bucket) const {

@@ -14,7 +14,9 @@
 // so communication overlaps the rest of backward. A final autograd callback waits for the futures in
 // bucket order and writes the results back into .grad (the default path divides by the world size in the
 // same pass). With `gradient_as_bucket_view`, .grad tensors are views of the buckets and no copy-back
-// happens. Parameters that got no gradient are either unused-parameter zeros (find_unused_parameters; a
+// happens; on a shardkit group (Options::shared_buffer) such CPU buckets live in the group's shared memory, and
+// their allreduce reads the peers' buckets in place instead of copying through the group's slots (zero-copy
+// buckets). Parameters that got no gradient are either unused-parameter zeros (find_unused_parameters; a
 // parameter unused on every rank keeps its .grad untouched) or a clear error naming them.
 //
 // ZeRO-2 (Options::shard_gradients). The DDP hands over its partition (set_gradient_shards) at
@@ -29,6 +31,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/comm.hpp>
 
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -48,6 +51,11 @@ class Reducer {
     bool find_unused_parameters = false;
     bool gradient_as_bucket_view = false;
     bool shard_gradients = false;  // ZeRO-2: see set_gradient_shards()
+    // Zero-copy buckets: where set (the DDP sets it for a shardkit group), CPU buckets with
+    // gradient_as_bucket_view live in memory this function returns — a collective every rank calls at the
+    // same point, returning a uint8 tensor of the given bytes in which the group's allreduce runs in place
+    // (ProcessGroupShardkit::shared_buffer), or an undefined tensor where it cannot (then ordinary buffers).
+    std::function<at::Tensor(int64_t bytes)> shared_buffer;
   };
 
   // `names[i]` names `params[i]` in error messages. Installs the gradient hooks.
@@ -80,6 +88,8 @@ class Reducer {
   void load_bucket_indices(const std::vector<std::vector<size_t>>& assignment);
   // The bucket buffers that exist now (under ZeRO-2 none between backwards), for memory accounting.
   std::vector<at::Tensor> bucket_buffers() const;
+  // Whether the buckets live in the group's shared memory (Options::shared_buffer gave it): zero-copy buckets.
+  bool zero_copy() const { return zero_copy_; }
 
   // ZeRO-2 only. Adopts the DDP's partition (see GradientShards for the arguments' meaning); called once,
   // by the DDP right after construction, so gradients land in the shards from the first backward on.
@@ -120,6 +130,9 @@ class Reducer {
   void finalize();  // the end-of-backward callback
   void reset_iteration();
   at::Tensor allocate_buffer(const Bucket& bucket) const;
+  // Zero-copy buckets: every bucket's buffer carved from one shared buffer (a collective); false, nothing
+  // changed, where Options::shared_buffer is unset, does not apply, or the group has none.
+  bool place_in_shared_buffer(std::vector<Bucket>& buckets);
   at::Tensor bucket_view(size_t index);  // allocates the bucket's buffer if it was dropped (ZeRO-2)
   void finalize_bucket(Bucket& bucket, const at::Tensor& result, bool average,
                        const std::vector<int32_t>& globally_used);
@@ -140,6 +153,8 @@ class Reducer {
   std::vector<Bucket> buckets_;
   std::vector<Slot> slots_;  // per parameter
   std::vector<std::pair<compat::GradAccumulatorHandle, uintptr_t>> hooks_;  // accumulator, hook key
+
+  bool zero_copy_ = false;  // the buckets live in a shared buffer (place_in_shared_buffer)
 
   std::mutex mutex_;
   bool armed_ = false;            // a synchronised backward is expected

@@ -154,7 +154,8 @@ class DistributedDataParallel(_TorchDDP):
         first_bytes = _FIRST_BUCKET_BYTES if bucket_cap_mb is None else cap_bytes
         self.reducer = _C.Reducer([p for _, p in named], [name for name, _ in named], self.process_group,
                                   cap_bytes, first_bytes, find_unused_parameters, gradient_as_bucket_view,
-                                  shard_gradients=zero_stage == 2)
+                                  shard_gradients=zero_stage == 2,
+                                  zero_copy_backend=self._zero_copy_backend(gradient_as_bucket_view, zero_stage))
         self._zero_partition: _flat.ZeroPartition | None = None
         if zero_stage:
             self._zero_partition = self._own_partition(named, spaces)
@@ -165,6 +166,17 @@ class DistributedDataParallel(_TorchDDP):
         self._state_dict_config: FullStateDictConfig | ShardedStateDictConfig | None = None
 
     # --- construction ---------------------------------------------------------------------------------
+    def _zero_copy_backend(self, gradient_as_bucket_view: bool, zero_stage: int):
+        """The group's shardkit CPU backend where zero-copy buckets may apply (the reducer asks it for shared
+        memory, which the backend gives only where the group lives on one host); None otherwise."""
+        if not gradient_as_bucket_view or zero_stage == 2:
+            return None
+        try:
+            backend = self.process_group._get_backend(torch.device("cpu"))
+        except RuntimeError:  # a group without a CPU backend
+            return None
+        return backend if isinstance(backend, _C.ProcessGroupShardkit) else None
+
     @staticmethod
     def _check_devices(module: nn.Module, device_ids):
         devices = {p.device for p in module.parameters()}

@@ -8,6 +8,7 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <functional>
 #include <string>
 #include <thread>
@@ -288,4 +289,45 @@ TEST(ShmGroup, BackToBackOpsNeverFalselyDisagree) {
     return 0;
   });
   for (int rank = 0; rank < 4; ++rank) EXPECT_EQ(codes[rank], 0) << "rank " << rank;
+}
+
+// Zero-copy allreduce in a shared buffer: the same bits as the slot path (which chunks by the slot size; the
+// shared path does not), the bytes around the tensor untouched, the path counted, the segment name gone.
+TEST(ShmGroup, SharedBufferAllReduceIsBitwiseTheSlotPath) {
+  for (int size : {2, 3, 4}) {
+    const std::string name = unique_name();
+    auto errors = run_threads(size, [&](int rank) {
+      ShmGroup group(options_for(name, rank, size));
+      const size_t count = 50021;  // past the small-message size and the 64 KiB test slot
+      const size_t offset_bytes = 128;
+      auto buffer = group.share_buffer(offset_bytes + count * sizeof(float) + 64);
+      // The creator (rank 0) unlinks the name once every rank mapped it, before its share_buffer returns.
+      if (rank == 0) {
+        const int fd = shm_open((name + ".buf1").c_str(), O_RDWR, 0600);
+        if (fd >= 0) {
+          close(fd);
+          throw std::runtime_error("buffer segment still linked");
+        }
+      }
+      uint8_t* mine = buffer->mine();
+      std::memset(mine, 0x5A, buffer->bytes());
+      auto* shared = reinterpret_cast<float*>(mine + offset_bytes);
+      std::vector<float> ordinary(count);
+      for (size_t i = 0; i < count; ++i) {
+        // Values whose sum depends on the order of addition, so that a different order would show.
+        ordinary[i] = shared[i] = std::ldexp(1.0f + static_cast<float>(i % 97) / 97.0f, static_cast<int>((i + rank * 7) % 40) - 20);
+      }
+      for (ReduceOp op : {ReduceOp::Sum, ReduceOp::Max, ReduceOp::Product}) {
+        group.allreduce(shared, shared, count, DType::F32, op);
+        group.allreduce(ordinary.data(), ordinary.data(), count, DType::F32, op);
+        if (std::memcmp(shared, ordinary.data(), count * sizeof(float)) != 0) throw std::runtime_error("bits differ");
+      }
+      for (size_t i = 0; i < offset_bytes; ++i)
+        if (mine[i] != 0x5A) throw std::runtime_error("byte before the tensor changed");
+      for (size_t i = offset_bytes + count * sizeof(float); i < buffer->bytes(); ++i)
+        if (mine[i] != 0x5A) throw std::runtime_error("byte after the tensor changed");
+      if (group.shared_allreduces() != 3) throw std::runtime_error("zero-copy path ran " + std::to_string(group.shared_allreduces()) + " times");
+    });
+    for (int rank = 0; rank < size; ++rank) EXPECT_EQ(errors[rank], "") << "world " << size << " rank " << rank;
+  }
 }

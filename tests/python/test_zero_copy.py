@@ -1,0 +1,195 @@
+"""Zero-copy buckets: allreduce in place in the group's shared memory, bitwise equal to the copying path.
+
+A shardkit group on one host can hand out shared buffers (``backend.shared_buffer(nbytes)``): memory every
+rank maps from every other, in which an allreduce reads the peers' data where it lies instead of copying it
+through the group's slots (csrc/core/shm_group.h, "Shared buffers"). shardkit's DDP puts its buckets there
+with ``gradient_as_bucket_view=True``.
+
+What is checked:
+- The collective itself, on every topology: a tensor in a shared buffer and an ordinary copy of it, reduced
+  with the same op, end bitwise equal (every float dtype and op, sizes around the small-message limit and past
+  the slot size, at an offset inside the buffer), and the bytes around the tensor stay untouched. On one host
+  the backend's count of zero-copy allreduces proves the path ran; across simulated hosts there is no shared
+  buffer (None) and ordinary tensors carry on.
+- Disagreement fails clearly: one rank in a shared buffer, another not; different buffer sizes.
+- DDP: the zero-copy DDP trains bitwise like the copying one (gradient_as_bucket_view=False) and like torch's
+  DDP on gloo within the usual tolerance, across the bucket rebuild; it falls back (zero_copy() False, same
+  numbers) across hosts, on a gloo group, and where the flag is off.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+from collective_cases import TOPOLOGIES, make_input, topology_env
+from ddp_cases import assert_modules_match, batch, loss_fn, sgd, shardkit_ddp
+
+EVERY_TOPOLOGY = pytest.mark.parametrize("topology", list(TOPOLOGIES))
+R = dist.ReduceOp
+# Elements: at the small-message limit (32 KiB of f32: the slot path, even in a shared buffer), just past it,
+# odd, and past the 1 MiB slot (the copying path chunks it; the zero-copy one does not).
+SIZES = [8192, 8193, 70_001, 300_001]
+FLOAT_OPS = [R.SUM, R.AVG, R.PRODUCT, R.MIN, R.MAX]
+
+
+def _cpu_backend(group=None):
+    group = group if group is not None else dist.group.WORLD
+    return group._get_backend(torch.device("cpu"))
+
+
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes, so that equality is bitwise (NaN and -0.0 included)."""
+    return tensor.contiguous().view(torch.uint8).clone()
+
+
+def _shared_vs_copying(rank, world):
+    backend = _cpu_backend()
+    guard = 64  # bytes before and after the tensor that must stay as they were
+    largest = max(SIZES) * 8 + 2 * guard
+    shared = backend.shared_buffer(largest)
+    if shared is None:  # ranks on several hosts: no shared memory; the caller checks the topology says so
+        return None
+    assert shared.dtype == torch.uint8 and shared.numel() == largest
+    before = backend.shared_allreduces()
+    mismatches, zero_copy_expected = [], 0
+    for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+        for n in SIZES:
+            for op in FLOAT_OPS:
+                x = make_input(rank, n, dtype, salt=int(op))
+                nbytes = n * x.element_size()
+                shared.fill_(0xA5)
+                inside = shared[guard:guard + nbytes].view(dtype)
+                inside.copy_(x)
+                ordinary = x.clone()
+                dist.all_reduce(inside, op=op)
+                dist.all_reduce(ordinary, op=op)
+                if not torch.equal(_bits(inside), _bits(ordinary)):
+                    mismatches.append(f"{dtype} n={n} {op}")
+                if (shared[:guard] != 0xA5).any() or (shared[guard + nbytes:] != 0xA5).any():
+                    mismatches.append(f"{dtype} n={n} {op}: bytes outside the tensor changed")
+                zero_copy_expected += nbytes > 32 * 1024
+    return mismatches, backend.shared_allreduces() - before, zero_copy_expected
+
+
+@EVERY_TOPOLOGY
+def test_allreduce_in_shared_buffer_is_bitwise_the_copying_path(ranks, topology):
+    world, hosts = TOPOLOGIES[topology]
+    results = ranks.run(_shared_vs_copying, world, timeout=240, env=topology_env(hosts))
+    if hosts is not None and len(set(hosts)) > 1:
+        assert results == [None] * world, "a group across hosts must not hand out shared buffers"
+        return
+    for rank, (mismatches, ran, expected) in enumerate(results):
+        assert not mismatches, f"rank {rank}: zero-copy result differs from the copying path: {mismatches}"
+        # Every op past the small-message size took the zero-copy path.
+        assert ran == expected > 0, f"rank {rank}: {ran} zero-copy allreduces, expected {expected}"
+
+
+
+def _one_rank_shared(rank, world):
+    shared = _cpu_backend().shared_buffer(1 << 20)
+    n = 100_000
+    tensor = shared[: n * 4].view(torch.float32) if rank == 0 else torch.ones(n)
+    try:
+        dist.all_reduce(tensor)
+    except RuntimeError as error:
+        return str(error)
+    return None
+
+
+def test_ranks_that_disagree_on_the_shared_buffer_fail_clearly(ranks):
+    messages = ranks.run(_one_rank_shared, 2, timeout=60, pg_timeout=20)
+    for rank, message in enumerate(messages):
+        assert message is not None, f"rank {rank}: the mismatched allreduce succeeded"
+        assert re.search(r"ranks disagree on collective #\d+: rank \d called allreduce", message), message
+        assert "in a shared buffer at byte 0" in message, message
+        assert "allreduce" in message, message
+
+
+def _different_sizes(rank, world):
+    try:
+        _cpu_backend().shared_buffer(4096 * (rank + 1))
+    except RuntimeError as error:
+        return str(error)
+    return None
+
+
+def test_shared_buffers_of_different_sizes_are_refused(ranks):
+    messages = ranks.run(_different_sizes, 2, timeout=60, pg_timeout=20)
+    for rank, message in enumerate(messages):
+        assert message is not None, f"rank {rank}: different sizes were accepted"
+        assert re.search(r"ranks disagree on collective #\d+: rank \d called shared_buffer", message), message
+        assert "u8 x 4096" in message and "u8 x 8192" in message, message
+
+
+def _negative(rank, world):
+    with pytest.raises(RuntimeError, match=r"shared_buffer.*at least 0 bytes, got -1"):
+        _cpu_backend().shared_buffer(-1)
+
+
+def test_negative_size_is_refused(ranks):
+    ranks.run(_negative, 1, timeout=60)
+
+
+# --- DDP ----------------------------------------------------------------------------------------------
+
+def _wide_mlp(seed: int = 0) -> nn.Sequential:
+    """33,924 parameters: its buckets pass the small-message size, so the zero-copy algorithm runs."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 160), nn.ReLU(), nn.Linear(160, 160), nn.ReLU(), nn.Linear(160, 40),
+                         nn.ReLU(), nn.Linear(40, 4))
+
+
+def _params_bits(module: nn.Module) -> list[bytes]:
+    return [bytes(_bits(p.detach()).numpy()) for p in module.parameters()]
+
+
+def _ddp_zero_copy(rank, world, group_backend):
+    group = dist.new_group(backend=group_backend) if group_backend != "shardkit" else dist.group.WORLD
+    gloo = dist.new_group(backend="gloo")
+    Ddp = shardkit_ddp()
+    base = _wide_mlp()
+    zero_copy = Ddp(copy.deepcopy(base), process_group=group, gradient_as_bucket_view=True, bucket_cap_mb=0.05)
+    copying = Ddp(copy.deepcopy(base), process_group=group, gradient_as_bucket_view=False, bucket_cap_mb=0.05)
+    torch_ddp = TorchDDP(copy.deepcopy(base), process_group=gloo, gradient_as_bucket_view=True, bucket_cap_mb=0.05)
+    models = (zero_copy, copying, torch_ddp)
+    optimizers = [sgd(m.module.parameters()) for m in models]
+    backend = _cpu_backend(group) if group_backend == "shardkit" else None
+    before = backend.shared_allreduces() if backend is not None else 0
+    for step in range(4):  # the buckets are rebuilt before the second backward: a new shared buffer
+        x, y = batch(rank, step)
+        for model, optimizer in zip(models, optimizers):
+            optimizer.zero_grad(set_to_none=step % 2 == 0)
+            loss_fn(model(x), y).backward()
+        for a, b in zip(zero_copy.module.parameters(), copying.module.parameters()):
+            assert torch.equal(_bits(a.grad), _bits(b.grad)), f"rank {rank} step {step}: zero-copy grads differ"
+        assert_modules_match(torch_ddp.module, zero_copy.module, f"rank {rank} step {step}", grads=True)
+        for optimizer in optimizers:
+            optimizer.step()
+    assert _params_bits(zero_copy.module) == _params_bits(copying.module)
+    ran = backend.shared_allreduces() - before if backend is not None else 0
+    return zero_copy.reducer.zero_copy(), copying.reducer.zero_copy(), ran, _params_bits(zero_copy.module)
+
+
+@pytest.mark.parametrize("topology", ["1host-w2", "1host-w3", "2x2hosts"])
+def test_ddp_zero_copy_buckets_train_bitwise_like_copying_buckets(ranks, topology):
+    world, hosts = TOPOLOGIES[topology]
+    results = ranks.run(_ddp_zero_copy, world, "shardkit", timeout=180, env=topology_env(hosts))
+    one_host = hosts is None
+    for rank, (zero_copy, copying, ran, _) in enumerate(results):
+        assert zero_copy is one_host, f"rank {rank}: zero_copy() is {zero_copy} on {topology}"
+        assert copying is False, f"rank {rank}: a DDP without gradient_as_bucket_view reported zero-copy buckets"
+        # Four backwards, every bucket past the small-message size on one host; none across hosts.
+        assert (ran > 0) is one_host, f"rank {rank}: {ran} zero-copy allreduces on {topology}"
+    assert all(r[3] == results[0][3] for r in results), "ranks' parameters differ"
+
+
+def test_ddp_on_a_gloo_group_keeps_ordinary_buckets(ranks):
+    results = ranks.run(_ddp_zero_copy, 2, "gloo", timeout=180)
+    assert [r[:3] for r in results] == [(False, False, 0)] * 2
