@@ -273,8 +273,35 @@ def rank_main(rank: int, world: int, store: str, cfg: BenchConfig) -> dict[str, 
     progress("", "\n")
     memory = copy_bandwidth(cfg.copy_bytes, world, windows)
     compare = compare_dtypes(world, cfg, barriers["shardkit"], gloo, progress) if "allreduce" in cfg.ops else []
+    zero_copy = compare_zero_copy(world, cfg, barriers["shardkit"], gloo, progress) if "allreduce" in cfg.ops else []
     isa = shardkit._C.reduce_isa()
-    return {"memory": memory, "rows": rows, "dtype_compare": compare, "reduce_isa": isa} if rank == 0 else None
+    return ({"memory": memory, "rows": rows, "dtype_compare": compare, "zero_copy": zero_copy, "reduce_isa": isa}
+            if rank == 0 else None)
+
+
+def compare_zero_copy(world: int, cfg: BenchConfig, barrier: Callable[[], None], gloo: Any,
+                      progress: Callable[..., None]) -> list[dict[str, Any]]:
+    """shardkit's f32 allreduce of an ordinary tensor against the same allreduce of a tensor in a shared buffer
+    (``backend.shared_buffer``: the peers' buffers are reduced where they lie, no copy through the slots — what
+    DDP's zero-copy buckets use), repetitions interleaved, at the sizes past the small-message limit (32 KiB)."""
+    sizes = [s for s in cfg.sizes if s > 32 * 1024]
+    shared = dist.group.WORLD._get_backend(torch.device("cpu")).shared_buffer(max(sizes)) if sizes else None
+    if shared is None:
+        return []
+    out = []
+    progress(f"world {world}: allreduce in a shared buffer vs an ordinary tensor, interleaved:", end="")
+    for size in sizes:
+        progress(f" {format_size(size)}", end="")
+        ordinary = torch.zeros(size // 4)
+        inside = shared[:size].view(torch.float32)
+        inside.zero_()
+        calls = {"copying": lambda: dist.all_reduce(ordinary), "zero_copy": lambda: dist.all_reduce(inside)}
+        timings = time_interleaved(calls, {k: barrier for k in calls}, gloo, cfg.timing)
+        out.append({"world": world, "size_bytes": size, "latency_s": {k: t.seconds for k, t in timings.items()},
+                    "iters": {k: t.iters for k, t in timings.items()},
+                    "samples_s": {k: t.samples for k, t in timings.items()}})
+    progress("", "\n")
+    return out
 
 
 def compare_dtypes(world: int, cfg: BenchConfig, barrier: Callable[[], None], gloo: Any,
@@ -369,8 +396,25 @@ def print_dtype_compare(world: int, compare: Sequence[dict[str, Any]], isa: str)
                         *(f"{d}/f32" for d in ALLREDUCE_DTYPES[1:])], table))
 
 
+def print_zero_copy(world: int, zero_copy: Sequence[dict[str, Any]], bound: dict[str, Any] | None) -> None:
+    if not zero_copy:
+        return
+    table = []
+    for entry in zero_copy:
+        lat = entry["latency_s"]
+        efficiency = (f"{bound['bound_s'] / lat['zero_copy']:.0%}"
+                      if bound and bound["size_bytes"] == entry["size_bytes"] else "")
+        table.append([format_size(entry["size_bytes"]), format_us(lat["copying"]), format_us(lat["zero_copy"]),
+                      f"{lat['copying'] / lat['zero_copy']:.2f}×",
+                      f"{entry['size_bytes'] / lat['zero_copy'] / 1e9:.3f}", efficiency])
+    print(f"\n--- world {world}: f32 allreduce of an ordinary tensor (copying through the slots) vs one in a shared "
+          f"buffer (zero-copy), medians, repetitions interleaved ---")
+    print(format_table(["size", "copying µs", "zero-copy µs", "speedup", "zero-copy algbw GB/s",
+                        "of the bound"], table))
+
+
 def check_targets(rows: Sequence[dict[str, Any]], bounds: dict[int, dict[str, Any] | None],
-                  compare: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+                  compare: Sequence[dict[str, Any]], zero_copy: Sequence[dict[str, Any]] = ()) -> list[dict[str, Any]]:
     """The issue's targets for this 2-core machine class; a target whose point was not measured is SKIP."""
     k4, m64 = 4 << 10, 64 << 20
     checks: list[dict[str, Any]] = []
@@ -390,6 +434,10 @@ def check_targets(rows: Sequence[dict[str, Any]], bounds: dict[int, dict[str, An
     bound = bounds.get(2)
     eff = bound["efficiency"] if big and bound and bound["size_bytes"] == m64 else None
     add("world 2, 64M f32 allreduce ≥ 80% of the memory-bandwidth bound", eff and eff * 100, 80, True, " %")
+    shared = next((e for e in zero_copy if (e["world"], e["size_bytes"]) == (2, m64)), None)
+    add("world 2, 64M f32 allreduce in a shared buffer (zero-copy) ≥ 90% of the memory-bandwidth bound",
+        shared and bound and bound["size_bytes"] == m64 and bound["bound_s"] / shared["latency_s"]["zero_copy"] * 100,
+        90, True, " %")
     sk4 = get(4, "shardkit", k4)
     add("world 4, 4K f32 allreduce latency ≤ 100 µs", sk4 and sk4["latency_s"] * 1e6, 100, False, " µs")
     # Half precision at least as fast per byte: algbw (bytes/s) at least f32's, from the interleaved timing.
@@ -462,6 +510,7 @@ def run_worlds(args: argparse.Namespace, cfg: BenchConfig, machine: dict[str, An
     """The single-host jobs, one per world size; returns this run's part of the results."""
     rows: list[dict[str, Any]] = []
     compares: list[dict[str, Any]] = []
+    zero_copies: list[dict[str, Any]] = []
     memories: dict[int, dict[str, Any]] = {}
     bounds: dict[int, dict[str, Any] | None] = {}
     seconds: dict[str, float] = {}
@@ -479,12 +528,14 @@ def run_worlds(args: argparse.Namespace, cfg: BenchConfig, machine: dict[str, An
         isa = result["reduce_isa"]
         bounds[world] = print_world(world, result["rows"], result["memory"], cfg)
         print_dtype_compare(world, result["dtype_compare"], isa)
+        zero_copies.extend(result["zero_copy"])
+        print_zero_copy(world, result["zero_copy"], bounds[world])
         if load.cores is not None:
             print(f"other processes used {load.cores:.2f} of {machine['usable_cores']} cores on average during "
                   f"this world's run" + (" — numbers are noisy" if load.cores > 0.1 else ""))
 
     print("\n=== targets (2-core machine class) ===")
-    checks = check_targets(rows, bounds, compares)
+    checks = check_targets(rows, bounds, compares, zero_copies)
     return {
         "config": {"worlds": args.world, "sizes": list(cfg.sizes), "ops": list(cfg.ops),
                    "timing": dataclasses.asdict(cfg.timing), "copy_bytes": cfg.copy_bytes,
@@ -494,6 +545,7 @@ def run_worlds(args: argparse.Namespace, cfg: BenchConfig, machine: dict[str, An
         "allreduce_bound": {str(w): b for w, b in bounds.items()},
         "rows": rows,
         "dtype_compare": compares,
+        "zero_copy": zero_copies,
         "targets": checks,
         "foreign_load_cores": foreign_cores,
         "seconds": seconds,
@@ -565,7 +617,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"{machine['usable_cores']} cores): expect noisy numbers")
     part = run_hosts(args, cfg, *hosts) if hosts else run_worlds(args, cfg, machine)
     elapsed = time.monotonic() - started
-    for entry in (*part["rows"], *part.get("dtype_compare", ())):
+    for entry in (*part["rows"], *part.get("dtype_compare", ()), *part.get("zero_copy", ())):
         entry["run"] = machine["date"]  # which run measured it, once results of several runs are merged
 
     path = args.out / "collectives.json"
@@ -578,6 +630,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                    "reduce_isa_env": os.environ.get("SHARDKIT_REDUCE_ISA"), "seconds": elapsed}},
         "finished": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
     }, row_keys={"rows": row_key, "dtype_compare": lambda e: (e["world"], e["size_bytes"]),
+                 "zero_copy": lambda e: (e["world"], e["size_bytes"]),
                  "targets": lambda t: t["target"]})
     merged.get("seconds", {}).pop("total", None)  # from files before per-run totals; each run's is in "runs"
     json_path = write_json(path, merged)

@@ -123,6 +123,7 @@ PYBIND11_MODULE(_C, m) {
       .def("bucket_indices", &Reducer::bucket_indices)
       .def("bucket_buffers", &Reducer::bucket_buffers)
       .def("zero_copy", &Reducer::zero_copy)
+      .def("set_engine_average", &Reducer::set_engine_average, py::arg("allowed"))
       .def("load_bucket_indices", &Reducer::load_bucket_indices, py::arg("assignment"))
       .def("set_gradient_shards", &Reducer::set_gradient_shards, py::arg("layouts"), py::arg("shards"),
            py::arg("space"), py::arg("slot"))

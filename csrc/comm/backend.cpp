@@ -33,6 +33,17 @@ void reduce_with(const ReduceSpec& spec, at::Tensor& data, int world, bool resul
   core::divide_in_place(data.data_ptr(), data.numel(), core_dtype(data), world);
 }
 
+// allreduce as reduce_with does it, except that a host AVG goes to the engine whole (Engine::allreduce_average),
+// which may divide inside the reduction instead of in a pass of its own.
+void allreduce_with(const ReduceSpec& spec, at::Tensor& data, int world, Engine& engine, const OpContext& op) {
+  if (spec.average && !data.is_cuda()) {
+    if (spec.premultiply) data.mul_(spec.factor);
+    engine.allreduce_average(op, data, world);
+    return;
+  }
+  reduce_with(spec, data, world, true, [&](at::Tensor& d) { engine.allreduce(op, d, spec.op); });
+}
+
 bool any_cuda(const std::vector<at::Tensor>& tensors) {
   return std::any_of(tensors.begin(), tensors.end(), [](const at::Tensor& t) { return t.defined() && t.is_cuda(); });
 }
@@ -175,7 +186,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::allreduce(std::vector<at::T
   return launch(c10d::OpType::ALLREDUCE, "shardkit::allreduce", "allreduce", {tensor}, opts,
                 [tensor, spec, world = getSize()](Engine& engine, const OpContext& op) mutable {
                   with_contiguous(tensor, [&](at::Tensor& t) {
-                    reduce_with(spec, t, world, true, [&](at::Tensor& d) { engine.allreduce(op, d, spec.op); });
+                    allreduce_with(spec, t, world, engine, op);
                   });
                 });
 }
@@ -195,7 +206,7 @@ void ProcessGroupShardkit::allreduce_now(at::Tensor& tensor, const c10d::ReduceO
   queue_.run_now([&] {
     const OpContext context{"allreduce", ++executed_, op_timeout(timeout), getRank()};
     with_contiguous(tensor, [&](at::Tensor& t) {
-      reduce_with(spec, t, getSize(), true, [&](at::Tensor& d) { route(context).allreduce(context, d, spec.op); });
+      allreduce_with(spec, t, getSize(), route(context), context);
     });
   });
 }
@@ -273,7 +284,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::allreduce_coalesced(std::ve
   return launch(c10d::OpType::ALLREDUCE_COALESCED, "shardkit::allreduce_coalesced", name, tensors, opts,
                 [tensors, spec, world = getSize()](Engine& engine, const OpContext& op) mutable {
                   at::Tensor flat = concat_flat(tensors);
-                  reduce_with(spec, flat, world, true, [&](at::Tensor& d) { engine.allreduce(op, d, spec.op); });
+                  allreduce_with(spec, flat, world, engine, op);
                   split_flat(flat, tensors);
                 });
 }

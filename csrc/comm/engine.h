@@ -53,6 +53,11 @@ class Engine {
   virtual void barrier(const OpContext& op) = 0;
   virtual void broadcast(const OpContext& op, at::Tensor& data, int root) = 0;
   virtual void allreduce(const OpContext& op, at::Tensor& data, core::ReduceOp reduce) = 0;
+  // The backend's AVG of a host tensor: allreduce (SUM), then every element divided by `divisor` (integers
+  // toward zero, core::divide_in_place's bits). This default reduces, then divides in a pass of its own; the
+  // shm engine divides inside the reduction, each slice once before it is shared (the same bits, one pass
+  // over the data fewer).
+  virtual void allreduce_average(const OpContext& op, at::Tensor& data, int64_t divisor);
   // Writes the result into root's `data` only; other ranks' tensors are left as they were.
   virtual void reduce(const OpContext& op, at::Tensor& data, core::ReduceOp reduce, int root) = 0;
   // output: size * input.numel() elements, rank r's input at r * input.numel().

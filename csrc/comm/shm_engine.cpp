@@ -23,6 +23,10 @@ void ShmEngine::allreduce(const OpContext& op, at::Tensor& data, core::ReduceOp 
   group_->allreduce(data.data_ptr(), data.data_ptr(), numel_of(data), core_dtype(data), reduce, op.call());
 }
 
+void ShmEngine::allreduce_average(const OpContext& op, at::Tensor& data, int64_t divisor) {
+  group_->allreduce_average(data.data_ptr(), data.data_ptr(), numel_of(data), core_dtype(data), divisor, op.call());
+}
+
 void ShmEngine::reduce(const OpContext& op, at::Tensor& data, core::ReduceOp reduce, int root) {
   // The engine writes only root's out; a non-root's `data` is read, never written.
   group_->reduce(data.data_ptr(), data.data_ptr(), numel_of(data), core_dtype(data), reduce, root, op.call());

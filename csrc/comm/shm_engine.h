@@ -16,6 +16,7 @@ class ShmEngine : public Engine {
   void barrier(const OpContext& op) override;
   void broadcast(const OpContext& op, at::Tensor& data, int root) override;
   void allreduce(const OpContext& op, at::Tensor& data, core::ReduceOp reduce) override;
+  void allreduce_average(const OpContext& op, at::Tensor& data, int64_t divisor) override;
   void reduce(const OpContext& op, at::Tensor& data, core::ReduceOp reduce, int root) override;
   void allgather(const OpContext& op, const at::Tensor& input, at::Tensor& output) override;
   void gather(const OpContext& op, const at::Tensor& input, at::Tensor& output, int root) override;

@@ -52,7 +52,7 @@ void ShmGroup::broadcast(void* data, size_t count, DType dtype, int root, const 
 }
 
 void ShmGroup::reduce_round(const OpHeader& header, const uint8_t* in, uint8_t* out, size_t count, size_t elem,
-                            bool copy_out) {
+                            bool copy_out, int64_t divisor) {
   const uint64_t round = rounds_++;
   std::memcpy(slot(rank_, round), in, count * elem);
   sync(header);
@@ -63,6 +63,7 @@ void ShmGroup::reduce_round(const OpHeader& header, const uint8_t* in, uint8_t* 
     if (copy_out) {
       for (int r = 0; r < size_; ++r) sources[r] = slot(r, round);
       reduce_into(out, sources.data(), size_, count, header.dtype, header.reduce_op);
+      if (divisor > 1) divide_in_place(out, count, header.dtype, divisor);
     }
     return;
   }
@@ -72,6 +73,7 @@ void ShmGroup::reduce_round(const OpHeader& header, const uint8_t* in, uint8_t* 
   for (int r = 0; r < size_; ++r) sources[r] = slot(r, round) + mine.begin * elem;
   reduce_into(slot(rank_, round) + mine.begin * elem, sources.data(), size_, mine.end - mine.begin, header.dtype,
               header.reduce_op);
+  if (divisor > 1) divide_in_place(slot(rank_, round) + mine.begin * elem, mine.end - mine.begin, header.dtype, divisor);
   sync(header);
   if (!copy_out) return;
   for (int r = 0; r < size_; ++r) {
@@ -81,30 +83,43 @@ void ShmGroup::reduce_round(const OpHeader& header, const uint8_t* in, uint8_t* 
 }
 
 void ShmGroup::allreduce(const void* in, void* out, size_t count, DType dtype, ReduceOp op, const CallInfo& call) {
+  allreduce_impl(in, out, count, dtype, op, 1, call);
+}
+
+void ShmGroup::allreduce_average(const void* in, void* out, size_t count, DType dtype, int64_t divisor,
+                                 const CallInfo& call) {
+  if (divisor < 1) throw std::invalid_argument("shardkit shm: allreduce_average divisor must be >= 1");
+  allreduce_impl(in, out, count, dtype, ReduceOp::Sum, divisor, call);
+}
+
+void ShmGroup::allreduce_impl(const void* in, void* out, size_t count, DType dtype, ReduceOp op, int64_t divisor,
+                              const CallInfo& call) {
   const size_t elem = dtype_size(dtype);
   if (in == out && count * elem > kSmallReduceBytes && !shared_.empty()) {
     size_t offset = 0;
     if (std::shared_ptr<SharedBuffer> buffer = find_shared(out, count * elem, &offset)) {
-      allreduce_shared(*buffer, offset, count, dtype, op, call);
+      allreduce_shared(*buffer, offset, count, dtype, op, divisor, call);
       return;
     }
   }
-  const OpHeader header = begin(OpKind::AllReduce, count, dtype, -1, op, call);
+  OpHeader header = begin(OpKind::AllReduce, count, dtype, -1, op, call);
+  header.divide_by = static_cast<uint32_t>(divisor);
   const size_t chunk = slot_bytes_ / elem;
   size_t offset = 0;
   do {
     const size_t n = std::min(chunk, count - offset);
     reduce_round(header, static_cast<const uint8_t*>(in) + offset * elem, static_cast<uint8_t*>(out) + offset * elem,
-                 n, elem, true);
+                 n, elem, true, divisor);
     offset += n;
   } while (offset < count);
 }
 
 void ShmGroup::allreduce_shared(SharedBuffer& buffer, size_t offset, size_t count, DType dtype, ReduceOp op,
-                                const CallInfo& call) {
+                                int64_t divisor, const CallInfo& call) {
   OpHeader header = begin(OpKind::AllReduce, count, dtype, -1, op, call);
   header.shared = 1;
   header.shared_offset = offset;
+  header.divide_by = static_cast<uint32_t>(divisor);
   const size_t elem = dtype_size(dtype);
   auto at = [&](int r, size_t element) { return buffer.region(r) + offset + element * elem; };
   sync(header);  // every rank's data is in its region
@@ -115,6 +130,7 @@ void ShmGroup::allreduce_shared(SharedBuffer& buffer, size_t offset, size_t coun
   sources.resize(size_);
   for (int r = 0; r < size_; ++r) sources[r] = at(r, mine.begin);
   reduce_into(at(rank_, mine.begin), sources.data(), size_, mine.end - mine.begin, dtype, op);
+  if (divisor > 1) divide_in_place(at(rank_, mine.begin), mine.end - mine.begin, dtype, divisor);
   sync(header);  // every slice is reduced, in its owner's region
   for (int r = 0; r < size_; ++r) {
     if (r == rank_) continue;

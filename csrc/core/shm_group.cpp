@@ -265,6 +265,7 @@ std::string ShmGroup::describe(const OpHeader& h) const {
       out << ", " << reduce_op_name(h.reduce_op);
     }
     if (h.root >= 0) out << ", root " << rank_number(h.root);
+    if (h.divide_by > 1) out << ", divided by " << h.divide_by;
     if (h.shared) out << ", in a shared buffer at byte " << h.shared_offset;
   }
   out << ")";

@@ -105,6 +105,8 @@ struct OpHeader {
   uint8_t shared = 0;   // an allreduce in place in a shared buffer (at shared_offset in every rank's region)
   uint8_t pad[4] = {};
   uint64_t shared_offset = 0;
+  uint32_t divide_by = 1;  // an allreduce whose every result element is divided by this (AVG)
+  uint32_t pad2 = 0;
   uint64_t label_seq = 0;             // the caller's collective number (CallInfo::seq)
   char label[kOpLabelBytes] = {};     // the caller's collective name (CallInfo::op), NUL-padded
 };
@@ -161,6 +163,11 @@ class ShmGroup {
   void barrier(const CallInfo& call = {});
   void broadcast(void* data, size_t count, DType dtype, int root, const CallInfo& call = {});
   void allreduce(const void* in, void* out, size_t count, DType dtype, ReduceOp op, const CallInfo& call = {});
+  // allreduce, then every result element divided by `divisor` (integers toward zero; divide_in_place's
+  // bits), the division done once per element inside the reduction — before a slice is shared — instead of
+  // in a pass of its own afterwards. Same bits as allreduce followed by divide_in_place.
+  void allreduce_average(const void* in, void* out, size_t count, DType dtype, int64_t divisor,
+                         const CallInfo& call = {});
   // Only `root`'s out is written; other ranks may pass nullptr.
   void reduce(const void* in, void* out, size_t count, DType dtype, ReduceOp op, int root,
               const CallInfo& call = {});
@@ -209,10 +216,13 @@ class ShmGroup {
   std::shared_ptr<SharedBuffer> find_shared(const void* data, size_t bytes, size_t* offset);
   // The zero-copy allreduce of `count` elements at `offset` in every rank's region of `buffer`.
   void allreduce_shared(SharedBuffer& buffer, size_t offset, size_t count, DType dtype, ReduceOp op,
-                        const CallInfo& call);
+                        int64_t divisor, const CallInfo& call);
+  void allreduce_impl(const void* in, void* out, size_t count, DType dtype, ReduceOp op, int64_t divisor,
+                      const CallInfo& call);
   // The large-message allreduce/reduce round: reduce-scatter through the slots, then gather the result.
+  // `divisor` > 1: the result divided by it (allreduce_average).
   void reduce_round(const OpHeader& header, const uint8_t* in, uint8_t* out, size_t count, size_t elem,
-                    bool copy_out);
+                    bool copy_out, int64_t divisor = 1);
 
   int rank_;
   int size_;

@@ -276,11 +276,18 @@ void Reducer::shadow_backward() {
   SHARDKIT_PROFILE_SPAN("shardkit::ddp.join_shadow_backward");
   rebuild_buckets_if_due();
   reset_iteration();
-  // Fresh zero buffers: the real ones may be this rank's .grad (gradient_as_bucket_view), which must survive.
+  // Zero buffers to reduce: the real ones may be this rank's .grad (gradient_as_bucket_view), which must
+  // survive. Zero-copy buckets stay where they are (the other ranks reduce in the shared buffer, at these
+  // offsets, and the op header says so): their contents are saved, zeroed and put back afterwards.
   std::vector<at::Tensor> real;
   for (Bucket& bucket : buckets_) {
-    real.push_back(bucket.buffer);
-    bucket.buffer = at::zeros_like(bucket.buffer);
+    if (zero_copy_) {
+      real.push_back(bucket.buffer.clone());
+      bucket.buffer.zero_();
+    } else {
+      real.push_back(bucket.buffer);
+      bucket.buffer = at::zeros_like(bucket.buffer);
+    }
     bucket.pending = 0;
   }
   launch_ready_buckets();
@@ -291,7 +298,13 @@ void Reducer::shadow_backward() {
   } catch (...) {
     failure = std::current_exception();
   }
-  for (size_t i = 0; i < buckets_.size(); ++i) buckets_[i].buffer = std::move(real[i]);
+  for (size_t i = 0; i < buckets_.size(); ++i) {
+    if (zero_copy_) {
+      buckets_[i].buffer.copy_(real[i]);
+    } else {
+      buckets_[i].buffer = std::move(real[i]);
+    }
+  }
   reset_iteration();
   if (failure) std::rethrow_exception(failure);
   ++iteration_;
@@ -342,6 +355,7 @@ void Reducer::launch_ready_buckets() {
 void Reducer::launch(size_t bucket_index) {
   SHARDKIT_PROFILE_SPAN("shardkit::ddp.bucket[" + std::to_string(bucket_index) + "]");
   Bucket& bucket = buckets_[bucket_index];
+  bucket.averaged = false;
   if (comm_hook_) {
     std::vector<c10::IntArrayRef> sizes;
     std::vector<at::Tensor> members;
@@ -362,7 +376,13 @@ void Reducer::launch(size_t bucket_index) {
     }
   } else {
     std::vector<at::Tensor> payload{bucket.buffer};
-    bucket.futures.push_back(process_group_->allreduce(payload)->getFuture());
+    c10d::AllreduceOptions opts;
+    // Zero-copy buckets are averaged by the engine, inside the reduction (each slice divided once, before it is
+    // shared: no pass of its own over the bucket). Only there: gloo has no AVG. Every rank decides alike (the
+    // join hook sets engine_average_ on all ranks; divisor_ is set only when it is off).
+    bucket.averaged = zero_copy_ && engine_average_ && divisor_ == 0;
+    if (bucket.averaged) opts.reduceOp = c10d::ReduceOp::AVG;
+    bucket.futures.push_back(process_group_->allreduce(payload, opts)->getFuture());
   }
 }
 
@@ -475,7 +495,7 @@ void Reducer::finalize_bucket(Bucket& bucket, const at::Tensor& result, bool ave
   const at::Tensor divisor = average ? at::scalar_tensor(ranks, result.options()) : at::Tensor();
   if (options_.gradient_as_bucket_view) {
     if (!result.is_same(bucket.buffer)) bucket.buffer.copy_(result);
-    if (average) bucket.buffer.div_(ranks);
+    if (average && !bucket.averaged) bucket.buffer.div_(ranks);
   }
   for (size_t position = 0; position < bucket.members.size(); ++position) {
     const size_t index = bucket.members[position];

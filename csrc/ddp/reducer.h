@@ -90,6 +90,10 @@ class Reducer {
   std::vector<at::Tensor> bucket_buffers() const;
   // Whether the buckets live in the group's shared memory (Options::shared_buffer gave it): zero-copy buckets.
   bool zero_copy() const { return zero_copy_; }
+  // Whether zero-copy buckets may be averaged by the engine (an AVG allreduce) rather than summed and divided
+  // here: on (the default) unless a join divides by the ranks still training (set_divisor_for_this_backward),
+  // where the DDP turns it off on every rank, so that all ranks issue the same op. The same bits either way.
+  void set_engine_average(bool allowed) { engine_average_ = allowed; }
 
   // ZeRO-2 only. Adopts the DDP's partition (see GradientShards for the arguments' meaning); called once,
   // by the DDP right after construction, so gradients land in the shards from the first backward on.
@@ -108,6 +112,7 @@ class Reducer {
     std::vector<size_t> lengths;       // elements of each member
     size_t pending = 0;                // members whose gradient has not arrived in this backward
     std::vector<GradientShards::OwnerRange> owners;  // ZeRO-2: each rank's share of the buffer
+    bool averaged = false;             // launched as an AVG allreduce: the result is divided already
     // The reduction in flight: the allreduce's or the hook's future, or under ZeRO-2 one `reduce` per owner.
     std::vector<c10::intrusive_ptr<c10::ivalue::Future>> futures;
   };
@@ -155,6 +160,7 @@ class Reducer {
   std::vector<std::pair<compat::GradAccumulatorHandle, uintptr_t>> hooks_;  // accumulator, hook key
 
   bool zero_copy_ = false;  // the buckets live in a shared buffer (place_in_shared_buffer)
+  bool engine_average_ = true;  // see set_engine_average()
 
   std::mutex mutex_;
   bool armed_ = false;            // a synchronised backward is expected

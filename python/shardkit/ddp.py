@@ -432,6 +432,8 @@ class _ShardkitJoinHook(JoinHook):
     def __init__(self, ddp: DistributedDataParallel, divide_by_initial_world_size: bool) -> None:
         self.ddp = ddp
         ddp._divide_by_initial_world_size = divide_by_initial_world_size
+        # Dividing by the ranks still training is done by the reducer; every rank enters join() alike.
+        ddp.reducer.set_engine_average(divide_by_initial_world_size)
 
     def main_hook(self) -> None:
         ddp = self.ddp

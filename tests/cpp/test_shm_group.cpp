@@ -14,6 +14,7 @@
 #include <thread>
 #include <vector>
 
+#include "core/reduce.h"
 #include "core/shm_group.h"
 
 using shardkit::core::DType;
@@ -330,4 +331,35 @@ TEST(ShmGroup, SharedBufferAllReduceIsBitwiseTheSlotPath) {
     });
     for (int rank = 0; rank < size; ++rank) EXPECT_EQ(errors[rank], "") << "world " << size << " rank " << rank;
   }
+}
+
+// allreduce_average divides inside the reduction: the bits of allreduce followed by divide_in_place, on the
+// small path, the chunked slot path and in a shared buffer, for floats and (truncating) integers.
+TEST(ShmGroup, AllReduceAverageIsBitwiseSumThenDivide) {
+  const int size = 3;
+  const std::string name = unique_name();
+  auto errors = run_threads(size, [&](int rank) {
+    ShmGroup group(options_for(name, rank, size));
+    for (size_t count : {size_t{1000}, size_t{50021}}) {
+      auto buffer = group.share_buffer(count * sizeof(float));
+      auto* shared = reinterpret_cast<float*>(buffer->mine());
+      std::vector<float> averaged(count), summed(count);
+      std::vector<int32_t> int_averaged(count), int_summed(count);
+      for (size_t i = 0; i < count; ++i) {
+        shared[i] = averaged[i] = summed[i] = std::ldexp(1.0f + static_cast<float>(i % 89) / 89.0f, static_cast<int>((i + rank) % 30) - 15);
+        int_averaged[i] = int_summed[i] = static_cast<int32_t>((i * 7919 + rank * 104729) % 2001) - 1000;
+      }
+      group.allreduce_average(shared, shared, count, DType::F32, size);
+      group.allreduce_average(averaged.data(), averaged.data(), count, DType::F32, size);
+      group.allreduce(summed.data(), summed.data(), count, DType::F32, ReduceOp::Sum);
+      shardkit::core::divide_in_place(summed.data(), count, DType::F32, size);
+      if (std::memcmp(averaged.data(), summed.data(), count * sizeof(float)) != 0) throw std::runtime_error("f32 average differs");
+      if (std::memcmp(shared, summed.data(), count * sizeof(float)) != 0) throw std::runtime_error("shared f32 average differs");
+      group.allreduce_average(int_averaged.data(), int_averaged.data(), count, DType::I32, size);
+      group.allreduce(int_summed.data(), int_summed.data(), count, DType::I32, ReduceOp::Sum);
+      shardkit::core::divide_in_place(int_summed.data(), count, DType::I32, size);
+      if (int_averaged != int_summed) throw std::runtime_error("i32 average differs");
+    }
+  });
+  for (int rank = 0; rank < size; ++rank) EXPECT_EQ(errors[rank], "") << "rank " << rank;
 }

@@ -39,6 +39,14 @@ def mlp(seed: int = 0) -> nn.Sequential:
     return nn.Sequential(nn.Linear(IN, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, OUT))
 
 
+def wide_mlp(seed: int = 0) -> nn.Sequential:
+    """33,924 parameters, IN -> OUT like mlp(): buckets past the shm engine's small-message size (32 KiB), so a
+    zero-copy bucket (gradient_as_bucket_view on a shardkit group) takes the in-place algorithm."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(IN, 160), nn.ReLU(), nn.Linear(160, 160), nn.ReLU(), nn.Linear(160, 40),
+                         nn.ReLU(), nn.Linear(40, OUT))
+
+
 def bn_net(seed: int = 0) -> nn.Sequential:
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(IN, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, OUT))

@@ -29,7 +29,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from collective_cases import topology_env
 from ddp_cases import (Pair, assert_modules_match, batch, bn_net, error_of, gloo_world, loss_fn, mlp, sgd,
-                       shardkit_ddp, two_heads)
+                       shardkit_ddp, two_heads, wide_mlp)
 
 TINY_BUCKET_MB = 0.0001  # one parameter per bucket after the rebuild
 
@@ -81,7 +81,8 @@ def _train_joined(model: nn.Module, rank: int, divide: bool, **forward_kwargs) -
 
 
 def _join(rank, world, divide, ddp_kwargs, forward_kwargs, hook):
-    module = two_heads() if forward_kwargs else mlp()
+    zero_copy = ddp_kwargs.get("gradient_as_bucket_view", False)
+    module = two_heads() if forward_kwargs else wide_mlp() if zero_copy else mlp()
     ref = TorchDDP(copy.deepcopy(module), process_group=gloo_world(), **ddp_kwargs)
     dut = shardkit_ddp()(copy.deepcopy(module), **ddp_kwargs)
     if hook:
@@ -92,15 +93,18 @@ def _join(rank, world, divide, ddp_kwargs, forward_kwargs, hook):
     # One wrapper's whole join loop after the other's: their collectives never interleave.
     _train_joined(ref, rank, divide, **forward_kwargs)
     _train_joined(dut, rank, divide, **forward_kwargs)
+    assert dut.reducer.zero_copy() is zero_copy
     assert_modules_match(ref.module, dut.module, f"rank {rank} after join()", rtol=1e-5, atol=1e-6)
     return _flat(dut.module)
 
 
 @pytest.mark.parametrize("divide", [True, False], ids=["divide_by_initial_world_size", "divide_by_active"])
-@pytest.mark.parametrize("case", ["tiny_buckets", "find_unused", "comm_hook"])
+@pytest.mark.parametrize("case", ["tiny_buckets", "find_unused", "comm_hook", "zero_copy_buckets"])
 def test_join_uneven_inputs_matches_torch(ranks, divide, case):
+    # zero_copy_buckets: a joined rank reduces zeros in its shared buckets, which hold its .grad (saved and restored).
     ddp_kwargs = {"tiny_buckets": {"bucket_cap_mb": TINY_BUCKET_MB},
-                  "find_unused": {"find_unused_parameters": True}, "comm_hook": {}}[case]
+                  "find_unused": {"find_unused_parameters": True}, "comm_hook": {},
+                  "zero_copy_buckets": {"gradient_as_bucket_view": True, "bucket_cap_mb": 0.05}}[case]
     forward_kwargs = {"use_b": False} if case == "find_unused" else {}
     flats = ranks.run(_join, 3, divide, ddp_kwargs, forward_kwargs, case == "comm_hook", timeout=120)
     assert flats[1] == flats[0] and flats[2] == flats[0], "join() must end with one model on every rank"

@@ -7,7 +7,7 @@ with ``gradient_as_bucket_view=True``.
 
 What is checked:
 - The collective itself, on every topology: a tensor in a shared buffer and an ordinary copy of it, reduced
-  with the same op, end bitwise equal (every float dtype and op, sizes around the small-message limit and past
+  with the same op, end bitwise equal (every float dtype, int32, every op; AVG also equal to SUM then a division, sizes around the small-message limit and past
   the slot size, at an offset inside the buffer), and the bytes around the tensor stay untouched. On one host
   the backend's count of zero-copy allreduces proves the path ran; across simulated hosts there is no shared
   buffer (None) and ordinary tensors carry on.
@@ -28,15 +28,14 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-from collective_cases import TOPOLOGIES, make_input, topology_env
-from ddp_cases import assert_modules_match, batch, loss_fn, sgd, shardkit_ddp
+from collective_cases import TOPOLOGIES, make_input, ops_for, topology_env
+from ddp_cases import assert_modules_match, batch, loss_fn, sgd, shardkit_ddp, wide_mlp
 
 EVERY_TOPOLOGY = pytest.mark.parametrize("topology", list(TOPOLOGIES))
 R = dist.ReduceOp
 # Elements: at the small-message limit (32 KiB of f32: the slot path, even in a shared buffer), just past it,
 # odd, and past the 1 MiB slot (the copying path chunks it; the zero-copy one does not).
 SIZES = [8192, 8193, 70_001, 300_001]
-FLOAT_OPS = [R.SUM, R.AVG, R.PRODUCT, R.MIN, R.MAX]
 
 
 def _cpu_backend(group=None):
@@ -59,9 +58,9 @@ def _shared_vs_copying(rank, world):
     assert shared.dtype == torch.uint8 and shared.numel() == largest
     before = backend.shared_allreduces()
     mismatches, zero_copy_expected = [], 0
-    for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+    for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int32):
         for n in SIZES:
-            for op in FLOAT_OPS:
+            for op in ops_for(dtype) + ([] if dtype.is_floating_point else [R.AVG]):  # int AVG truncates
                 x = make_input(rank, n, dtype, salt=int(op))
                 nbytes = n * x.element_size()
                 shared.fill_(0xA5)
@@ -72,6 +71,12 @@ def _shared_vs_copying(rank, world):
                 dist.all_reduce(ordinary, op=op)
                 if not torch.equal(_bits(inside), _bits(ordinary)):
                     mismatches.append(f"{dtype} n={n} {op}")
+                if op == R.AVG:  # the division inside the reduction gives the bits of SUM, then a division
+                    summed = x.clone()
+                    dist.all_reduce(summed, op=R.SUM)
+                    divided = summed.div(world, rounding_mode=None if dtype.is_floating_point else "trunc")
+                    if not torch.equal(_bits(divided), _bits(ordinary)):
+                        mismatches.append(f"{dtype} n={n} AVG differs from SUM then division")
                 if (shared[:guard] != 0xA5).any() or (shared[guard + nbytes:] != 0xA5).any():
                     mismatches.append(f"{dtype} n={n} {op}: bytes outside the tensor changed")
                 zero_copy_expected += nbytes > 32 * 1024
@@ -92,40 +97,37 @@ def test_allreduce_in_shared_buffer_is_bitwise_the_copying_path(ranks, topology)
 
 
 
+def _message_of(call) -> str | None:
+    """What ``call()`` raised (RuntimeError), or None if it returned."""
+    try:
+        call()
+    except RuntimeError as error:
+        return str(error)
+    return None
+
+
 def _one_rank_shared(rank, world):
     shared = _cpu_backend().shared_buffer(1 << 20)
     n = 100_000
     tensor = shared[: n * 4].view(torch.float32) if rank == 0 else torch.ones(n)
-    try:
-        dist.all_reduce(tensor)
-    except RuntimeError as error:
-        return str(error)
-    return None
-
-
-def test_ranks_that_disagree_on_the_shared_buffer_fail_clearly(ranks):
-    messages = ranks.run(_one_rank_shared, 2, timeout=60, pg_timeout=20)
-    for rank, message in enumerate(messages):
-        assert message is not None, f"rank {rank}: the mismatched allreduce succeeded"
-        assert re.search(r"ranks disagree on collective #\d+: rank \d called allreduce", message), message
-        assert "in a shared buffer at byte 0" in message, message
-        assert "allreduce" in message, message
+    return _message_of(lambda: dist.all_reduce(tensor))
 
 
 def _different_sizes(rank, world):
-    try:
-        _cpu_backend().shared_buffer(4096 * (rank + 1))
-    except RuntimeError as error:
-        return str(error)
-    return None
+    return _message_of(lambda: _cpu_backend().shared_buffer(4096 * (rank + 1)))
 
 
-def test_shared_buffers_of_different_sizes_are_refused(ranks):
-    messages = ranks.run(_different_sizes, 2, timeout=60, pg_timeout=20)
+@pytest.mark.parametrize("case", ["one_rank_in_a_shared_buffer", "different_buffer_sizes"])
+def test_ranks_that_disagree_fail_clearly_on_every_rank(ranks, case):
+    fn, called, sides = {
+        "one_rank_in_a_shared_buffer": (_one_rank_shared, "allreduce", ["in a shared buffer at byte 0"]),
+        "different_buffer_sizes": (_different_sizes, "shared_buffer", ["u8 x 4096", "u8 x 8192"]),
+    }[case]
+    messages = ranks.run(fn, 2, timeout=60, pg_timeout=20)
     for rank, message in enumerate(messages):
-        assert message is not None, f"rank {rank}: different sizes were accepted"
-        assert re.search(r"ranks disagree on collective #\d+: rank \d called shared_buffer", message), message
-        assert "u8 x 4096" in message and "u8 x 8192" in message, message
+        assert message is not None, f"rank {rank}: the mismatched collective succeeded"
+        assert re.search(rf"ranks disagree on collective #\d+: rank \d called {called}", message), message
+        assert all(side in message for side in sides), message
 
 
 def _negative(rank, world):
@@ -139,13 +141,6 @@ def test_negative_size_is_refused(ranks):
 
 # --- DDP ----------------------------------------------------------------------------------------------
 
-def _wide_mlp(seed: int = 0) -> nn.Sequential:
-    """33,924 parameters: its buckets pass the small-message size, so the zero-copy algorithm runs."""
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(8, 160), nn.ReLU(), nn.Linear(160, 160), nn.ReLU(), nn.Linear(160, 40),
-                         nn.ReLU(), nn.Linear(40, 4))
-
-
 def _params_bits(module: nn.Module) -> list[bytes]:
     return [bytes(_bits(p.detach()).numpy()) for p in module.parameters()]
 
@@ -154,7 +149,7 @@ def _ddp_zero_copy(rank, world, group_backend):
     group = dist.new_group(backend=group_backend) if group_backend != "shardkit" else dist.group.WORLD
     gloo = dist.new_group(backend="gloo")
     Ddp = shardkit_ddp()
-    base = _wide_mlp()
+    base = wide_mlp()
     zero_copy = Ddp(copy.deepcopy(base), process_group=group, gradient_as_bucket_view=True, bucket_cap_mb=0.05)
     copying = Ddp(copy.deepcopy(base), process_group=group, gradient_as_bucket_view=False, bucket_cap_mb=0.05)
     torch_ddp = TorchDDP(copy.deepcopy(base), process_group=gloo, gradient_as_bucket_view=True, bucket_cap_mb=0.05)
