@@ -364,6 +364,7 @@ def rank_main(rank: int, world: int, store: str, run: RunConfig) -> dict[str, An
         progress(f"  round {r + 1}/{run.warmup + run.rounds}{' (warm-up)' if r < run.warmup else ''}")
 
     memory = {key: measure_memory(built[key], batches[-1]) for key in active}
+    phases = profile_phases(built, batches, [k for k in PHASE_KEYS if k in built], gloo)
 
     # Parity: every DDP configuration against (a) here, and every rank against rank 0.
     flat = {k: torch.cat([p.detach().reshape(-1) for p in built[k].module.parameters()]) for k in active}
@@ -394,7 +395,55 @@ def rank_main(rank: int, world: int, store: str, run: RunConfig) -> dict[str, An
         timing[k] = [maxed[i + 5 * j: i + 5 * j + 5] for j in range(run.rounds)]
         i += 5 * run.rounds
     return {"status": status, "timing": timing if rank == 0 else None, "memory": memory, "parity": parity,
+            "phases": phases,
             "optimizer": {k: built[k].optimizer_name for k in active}, "n_params": n_params}
+
+
+# Where DDP's time goes: a few steps of these configurations under torch.profiler, its CPU time per step summed by
+# what shardkit's profiler labels (README "Profiling") and the aten ops DDP adds name.
+PHASE_KEYS = ("c", "i", "z")
+PHASES = {
+    "aten::copy_": "copies (gradients into buckets, …)",
+    "aten::div_": "divisions in place",
+    "shardkit::allreduce": "allreduce, issue → done (worker)",
+    "shardkit::ddp.finalize": "end of backward: waits + copy-back",
+}
+PHASE_STEPS = 3
+
+
+def profile_phases(built: dict[str, Built], batches: list, keys: list[str], gloo: Any) -> dict[str, dict[str, float]]:
+    """Milliseconds per step of each PHASES label (CPU time of its events, any thread) and the step's wall
+    time, per configuration; the slowest rank's."""
+    from torch.profiler import ProfilerActivity, profile
+
+    out: dict[str, dict[str, float]] = {}
+    for key in keys:
+        dist.barrier()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            t0 = time.perf_counter()
+            for step in range(PHASE_STEPS):
+                dist.barrier()
+                train_step(built[key], batches[step])
+            wall = time.perf_counter() - t0
+        totals = dict.fromkeys(PHASES, 0.0)
+        for event in prof.events():
+            if event.name in totals:
+                totals[event.name] += event.cpu_time_total / 1e3 / PHASE_STEPS
+        out[key] = {"step": wall * 1e3 / PHASE_STEPS, **totals}
+    flat = agree_max([v for key in keys for v in out[key].values()], gloo)
+    names = ["step", *PHASES]
+    return {key: dict(zip(names, flat[i * len(names):(i + 1) * len(names)])) for i, key in enumerate(keys)}
+
+
+def print_phases(phases: dict[str, dict[str, float]]) -> None:
+    if not phases:
+        return
+    keys = list(phases)
+    rows = [["step (wall, under the profiler)", *(f"{phases[k]['step']:.0f}" for k in keys)]]
+    rows += [[label, *(f"{phases[k][name]:.1f}" for k in keys)] for name, label in PHASES.items()]
+    print(f"\n=== where the time goes (ms per step, {PHASE_STEPS} profiled steps, slowest rank; CPU time of the "
+          f"events on any thread, so overlapping work counts in full) ===")
+    print(format_table(["phase", *(f"({k})" for k in keys)], rows, left=1))
 
 
 def rss_probe(rank: int, world: int, store: str, run: RunConfig, key: str) -> dict[str, Any]:
@@ -682,6 +731,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 row["rss_by_rank"] = rss[key]
 
     print_tables(rows, rss, run)
+    print_phases(results[0]["phases"])
     first_ok = next((r for r in rows.values() if r["status"] == "ok" and r["ddp"] != "none"), None)
     if first_ok:
         print("DDP buckets: " + "; ".join(
@@ -707,6 +757,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    "memory": "tensor bytes per rank after one untimed step (storages once; torch DDP buckets from "
                              "its logger / documented copy of all grads); RSS deltas from fresh ranks per config"},
         "configurations": list(rows.values()),
+        "phases_ms_per_step": results[0]["phases"],
         "targets": checks,
         "foreign_load_cores": load.cores,
         "seconds": {"total": elapsed, "timed_job": train_s},
