@@ -93,7 +93,13 @@ PYBIND11_MODULE(_C, m) {
                        bool shard_gradients, c10::intrusive_ptr<ProcessGroupShardkit> zero_copy_backend) {
              Reducer::Options options;
              if (zero_copy_backend) {
-               options.shared_buffer = [backend = zero_copy_backend](int64_t bytes) { return backend->shared_buffer(bytes); };
+               // A collective that waits for the group's queue: without the GIL, whose holder a queued op's Python
+               // callback may need (the reducer calls it at construction, from Python, and in backward, without).
+               options.shared_buffer = [backend = zero_copy_backend](int64_t bytes) {
+                 if (!PyGILState_Check()) return backend->shared_buffer(bytes);
+                 py::gil_scoped_release release;
+                 return backend->shared_buffer(bytes);
+               };
              }
              options.bucket_bytes_cap = bucket_bytes_cap;
              options.first_bucket_bytes = first_bucket_bytes;
@@ -124,7 +130,8 @@ PYBIND11_MODULE(_C, m) {
       .def("bucket_buffers", &Reducer::bucket_buffers)
       .def("zero_copy", &Reducer::zero_copy)
       .def("set_engine_average", &Reducer::set_engine_average, py::arg("allowed"))
-      .def("load_bucket_indices", &Reducer::load_bucket_indices, py::arg("assignment"))
+      .def("load_bucket_indices", &Reducer::load_bucket_indices, py::arg("assignment"),
+           py::call_guard<py::gil_scoped_release>())
       .def("set_gradient_shards", &Reducer::set_gradient_shards, py::arg("layouts"), py::arg("shards"),
            py::arg("space"), py::arg("slot"))
       .def("shard_gradient_defined", &Reducer::shard_gradient_defined)

@@ -56,8 +56,8 @@ void ShmEngine::alltoall(const OpContext& op, const at::Tensor& input, const std
                    packed_offsets(recv_counts), core_dtype(input), op.call());
 }
 
-std::shared_ptr<core::SharedBuffer> ShmEngine::share_buffer(const OpContext& op, size_t bytes) {
-  return group_->share_buffer(bytes, op.call());
+std::shared_ptr<core::SharedBuffer> ShmEngine::share_buffer(const OpContext& op, size_t bytes, std::string* refused) {
+  return group_->share_buffer(bytes, op.call(), refused);
 }
 
 }  // namespace shardkit::comm

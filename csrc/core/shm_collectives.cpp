@@ -1,6 +1,7 @@
 // The collective algorithms of ShmGroup, each a sequence of rounds over the slot buffers (see
 // shm_group.h for the round/sync protocol). Every op is chunked by the slot size, so any size works.
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <stdexcept>
 
@@ -88,7 +89,10 @@ void ShmGroup::allreduce(const void* in, void* out, size_t count, DType dtype, R
 
 void ShmGroup::allreduce_average(const void* in, void* out, size_t count, DType dtype, int64_t divisor,
                                  const CallInfo& call) {
-  if (divisor < 1) throw std::invalid_argument("shardkit shm: allreduce_average divisor must be >= 1");
+  if (divisor < 1 || divisor > UINT32_MAX) {
+    throw std::invalid_argument("shardkit shm: allreduce_average divisor must be in [1, 2^32), got " +
+                                std::to_string(divisor));
+  }
   allreduce_impl(in, out, count, dtype, ReduceOp::Sum, divisor, call);
 }
 
@@ -118,6 +122,7 @@ void ShmGroup::allreduce_shared(SharedBuffer& buffer, size_t offset, size_t coun
                                 int64_t divisor, const CallInfo& call) {
   OpHeader header = begin(OpKind::AllReduce, count, dtype, -1, op, call);
   header.shared = 1;
+  header.shared_id = buffer.id_;
   header.shared_offset = offset;
   header.divide_by = static_cast<uint32_t>(divisor);
   const size_t elem = dtype_size(dtype);

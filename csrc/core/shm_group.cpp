@@ -3,6 +3,7 @@
 #include "core/shm_group.h"
 
 #include <sched.h>
+#include <sys/statvfs.h>
 #include <signal.h>
 #include <unistd.h>
 
@@ -11,6 +12,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstddef>
+#include <cstdint>
 #include <cstring>
 #include <sstream>
 #include <stdexcept>
@@ -158,22 +160,47 @@ ShmGroup::ShmGroup(const Options& options)
 
 ShmGroup::~ShmGroup() = default;
 
-SharedBuffer::SharedBuffer(std::unique_ptr<ShmSegment> segment, size_t bytes, size_t stride, int rank)
-    : segment_(std::move(segment)), bytes_(bytes), stride_(stride), rank_(rank) {}
+SharedBuffer::SharedBuffer(std::unique_ptr<ShmSegment> segment, size_t bytes, size_t stride, int rank, uint32_t id)
+    : segment_(std::move(segment)), bytes_(bytes), stride_(stride), rank_(rank), id_(id) {}
 
 SharedBuffer::~SharedBuffer() = default;
 
 // Layout of a shared buffer's segment: one page for the attach counter, then the regions, page aligned.
 uint8_t* SharedBuffer::region(int rank) const { return segment_->data() + kPage + static_cast<size_t>(rank) * stride_; }
 
-std::shared_ptr<SharedBuffer> ShmGroup::share_buffer(size_t bytes, const CallInfo& call) {
-  // The sync checks that every rank asks for the same size, in the same place among the group's ops; the
-  // segment's own attach protocol then makes, maps and unlinks it (names differ by the count of buffers).
-  sync(begin(OpKind::ShareBuffer, bytes, DType::U8, -1, ReduceOp::Sum, call));
+std::shared_ptr<SharedBuffer> ShmGroup::share_buffer(size_t bytes, const CallInfo& call, std::string* refused) {
+  // The sync checks that every rank asks for the same size, in the same place among the group's ops.
+  const OpHeader header = begin(OpKind::ShareBuffer, bytes, DType::U8, -1, ReduceOp::Sum, call);
+  sync(header);
   const size_t stride = round_up(std::max<size_t>(bytes, 1), kPage);
-  auto segment = std::make_unique<ShmSegment>(segment_->name() + ".buf" + std::to_string(++shared_made_),
-                                              kPage + stride * size_, rank_, size_, 0, op_timeout_);
-  std::shared_ptr<SharedBuffer> buffer(new SharedBuffer(std::move(segment), bytes, stride, rank_));
+  const size_t total = kPage + stride * size_;
+  // Room in /dev/shm, as rank 0 sees it, for every rank to hear (a broadcast): all make the buffer or none.
+  int64_t free_bytes = 0;
+  if (rank_ == 0) {
+    struct statvfs fs{};
+    const bool known = statvfs("/dev/shm", &fs) == 0;
+    const long double room = known ? static_cast<long double>(fs.f_bavail) * fs.f_frsize : 0.0L;
+    free_bytes = !known || room >= static_cast<long double>(INT64_MAX) ? INT64_MAX : static_cast<int64_t>(room);
+  }
+  broadcast(&free_bytes, 1, DType::I64, 0, call);
+  if (free_bytes < static_cast<int64_t>(total)) {
+    if (refused != nullptr) {
+      *refused = "/dev/shm has " + std::to_string(free_bytes) + " bytes free and the buffer needs " +
+                 std::to_string(total);
+    }
+    return nullptr;
+  }
+  // The segment's own attach protocol makes, reserves, maps and unlinks it (names differ by the count of
+  // buffers). A rank that fails aborts the group, and the others stop waiting for it at once.
+  const uint32_t id = ++shared_made_;
+  std::unique_ptr<ShmSegment> segment;
+  try {
+    segment = std::make_unique<ShmSegment>(segment_->name() + ".buf" + std::to_string(id), total, rank_, size_, 0,
+                                           op_timeout_, [this] { return aborted() ? abort_message() : std::string(); });
+  } catch (const std::exception& error) {
+    fail(std::string(error.what()), where(header));
+  }
+  std::shared_ptr<SharedBuffer> buffer(new SharedBuffer(std::move(segment), bytes, stride, rank_, id));
   shared_.erase(std::remove_if(shared_.begin(), shared_.end(), [](const auto& weak) { return weak.expired(); }),
                 shared_.end());
   shared_.push_back(buffer);
@@ -266,7 +293,7 @@ std::string ShmGroup::describe(const OpHeader& h) const {
     }
     if (h.root >= 0) out << ", root " << rank_number(h.root);
     if (h.divide_by > 1) out << ", divided by " << h.divide_by;
-    if (h.shared) out << ", in a shared buffer at byte " << h.shared_offset;
+    if (h.shared) out << ", in shared buffer " << h.shared_id << " at byte " << h.shared_offset;
   }
   out << ")";
   return out.str();

@@ -38,11 +38,13 @@
 // The op header says the op is in a shared buffer and where, so ranks that disagree on it fail at once.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "core/types.h"
@@ -69,9 +71,10 @@ class SharedBuffer {
 
  private:
   friend class ShmGroup;
-  SharedBuffer(std::unique_ptr<ShmSegment> segment, size_t bytes, size_t stride, int rank);
+  SharedBuffer(std::unique_ptr<ShmSegment> segment, size_t bytes, size_t stride, int rank, uint32_t id);
 
   std::unique_ptr<ShmSegment> segment_;
+  uint32_t id_;  // the group's count of buffers made when this one was: the same on every rank
   size_t bytes_;
   size_t stride_;  // between regions (page aligned)
   int rank_;
@@ -102,14 +105,16 @@ struct OpHeader {
   DType dtype = DType::U8;
   ReduceOp reduce_op = ReduceOp::Sum;
   uint8_t is_step = 0;  // one step of a larger collective (label names that collective)
-  uint8_t shared = 0;   // an allreduce in place in a shared buffer (at shared_offset in every rank's region)
-  uint8_t pad[4] = {};
+  uint8_t shared = 0;   // an allreduce in place in shared buffer shared_id, at shared_offset in every rank's region
+  uint32_t shared_id = 0;
   uint64_t shared_offset = 0;
   uint32_t divide_by = 1;  // an allreduce whose every result element is divided by this (AVG)
   uint32_t pad2 = 0;
   uint64_t label_seq = 0;             // the caller's collective number (CallInfo::seq)
   char label[kOpLabelBytes] = {};     // the caller's collective name (CallInfo::op), NUL-padded
 };
+// Headers are compared with memcmp across processes: no byte of one may be padding (indeterminate).
+static_assert(std::has_unique_object_representations_v<OpHeader>, "OpHeader must have no implicit padding");
 
 // What the caller of one collective tells the group about it; travels with the op (nothing of it is kept
 // between ops). Messages then name the collective the user issued, with the user's numbering, even where
@@ -150,10 +155,12 @@ class ShmGroup {
   void set_timeout(std::chrono::milliseconds timeout) { timeout_ = timeout; }
 
   // Collective: a buffer of `bytes` per rank that every rank maps (see "Shared buffers" above). Every rank
-  // passes the same size. Throws as the ops below do, and std::runtime_error if the segment cannot be made.
-  std::shared_ptr<SharedBuffer> share_buffer(size_t bytes, const CallInfo& call = {});
+  // passes the same size. Null on every rank, with the reason in `*refused` (if given), where /dev/shm has not
+  // the room (rank 0 asks, all ranks hear its answer): callers then use ordinary memory. Throws as the ops below
+  // do; a failure to make or map the segment aborts the group (every rank raises it, none waits it out).
+  std::shared_ptr<SharedBuffer> share_buffer(size_t bytes, const CallInfo& call = {}, std::string* refused = nullptr);
   // Allreduces that ran in place in a shared buffer, without the slots (for tests and benchmarks).
-  uint64_t shared_allreduces() const { return shared_allreduces_; }
+  uint64_t shared_allreduces() const { return shared_allreduces_.load(std::memory_order_relaxed); }
 
   // One op at a time: the ops below are called from one thread at a time (the backend's work queue
   // serializes them), and share per-group scratch.
@@ -244,8 +251,8 @@ class ShmGroup {
   std::vector<const void*> sources_;
   // The shared buffers made on this group that may still be alive (their users own them).
   std::vector<std::weak_ptr<SharedBuffer>> shared_;
-  uint64_t shared_made_ = 0;
-  uint64_t shared_allreduces_ = 0;
+  uint32_t shared_made_ = 0;
+  std::atomic<uint64_t> shared_allreduces_{0};  // read from other threads (shared_allreduces())
 };
 
 }  // namespace shardkit::core

@@ -21,10 +21,22 @@ namespace {
 }  // namespace
 
 ShmSegment::ShmSegment(const std::string& name, size_t bytes, int rank, int size,
-                       size_t attach_counter_offset, std::chrono::milliseconds timeout)
+                       size_t attach_counter_offset, std::chrono::milliseconds timeout,
+                       const std::function<std::string()>& abandoned)
     : name_(name), bytes_(bytes), creator_(rank == 0) {
   using clock = std::chrono::steady_clock;
   const auto deadline = clock::now() + timeout;
+  auto give_up_if_abandoned = [&] {
+    if (!abandoned) return;
+    const std::string why = abandoned();
+    if (why.empty()) return;
+    if (base_ != nullptr) {
+      munmap(base_, bytes_);
+      base_ = nullptr;
+    }
+    if (creator_) unlink_name();
+    throw std::runtime_error(why);
+  };
   int fd = -1;
   if (creator_) {
     fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
@@ -34,6 +46,11 @@ ShmSegment::ShmSegment(const std::string& name, size_t bytes, int rank, int size
       close(fd);
       unlink_name();
       fail(rank, name, "cannot size (" + std::to_string(bytes) + " bytes; is /dev/shm full?)", err);
+    }
+    if (const int err = posix_fallocate(fd, 0, static_cast<off_t>(bytes)); err != 0 && err != EOPNOTSUPP) {
+      close(fd);
+      unlink_name();
+      fail(rank, name, "cannot reserve " + std::to_string(bytes) + " bytes (is /dev/shm full?) for", err);
     }
   } else {
     // The creator may not have made it yet; it may also be mid-ftruncate, so wait for the full size.
@@ -47,6 +64,7 @@ ShmSegment::ShmSegment(const std::string& name, size_t bytes, int rank, int size
       } else if (errno != ENOENT) {
         fail(rank, name, "cannot open", errno);
       }
+      give_up_if_abandoned();
       if (clock::now() > deadline) {
         throw std::runtime_error("shardkit shm (rank " + std::to_string(rank) + "): segment '" + name +
                                  "' did not appear within " + std::to_string(timeout.count()) +
@@ -68,6 +86,7 @@ ShmSegment::ShmSegment(const std::string& name, size_t bytes, int rank, int size
   attached->fetch_add(1, std::memory_order_acq_rel);
   if (creator_) {
     while (attached->load(std::memory_order_acquire) < static_cast<uint32_t>(size)) {
+      give_up_if_abandoned();
       if (clock::now() > deadline) {
         uint32_t seen = attached->load();
         munmap(base_, bytes_);

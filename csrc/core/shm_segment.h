@@ -6,12 +6,17 @@
 // counter, and the creator unlinks the name as soon as the counter reaches the group size (or on any
 // failure). After that the memory lives only as long as some rank maps it, so a crash — kill -9 included —
 // leaves nothing behind.
+//
+// The creator reserves the segment's pages (posix_fallocate): /dev/shm (tmpfs) charges pages only when they are
+// first touched, so a segment past its free space would otherwise kill a rank with SIGBUS at some later write;
+// reserved, it fails here, with a message.
 #pragma once
 
 #include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
 
 namespace shardkit::core {
@@ -22,8 +27,10 @@ class ShmSegment {
   // until it appears. Every rank then increments `attach_counter_offset`'s atomic<uint32_t>, and rank 0
   // waits for `size` attachments and unlinks. Throws std::runtime_error (naming the rank and the segment)
   // if anything fails or `timeout` passes first.
+  // `abandoned`, if set, is asked while waiting (for the segment to appear, for the ranks to attach): a
+  // non-empty answer ends the wait with a std::runtime_error carrying it (a group aborted by another rank).
   ShmSegment(const std::string& name, size_t bytes, int rank, int size, size_t attach_counter_offset,
-             std::chrono::milliseconds timeout);
+             std::chrono::milliseconds timeout, const std::function<std::string()>& abandoned = {});
   ~ShmSegment();
 
   ShmSegment(const ShmSegment&) = delete;

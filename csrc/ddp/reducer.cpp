@@ -86,8 +86,10 @@ std::vector<core::BucketParam> Reducer::param_shapes() const {
 }
 
 void Reducer::build_buckets(const std::vector<std::vector<size_t>>& assignment) {
+  // Built aside and adopted together at the end: place_in_shared_buffer is a collective and may throw, and the
+  // old layout must then stay whole.
   std::vector<Bucket> buckets(assignment.size());
-  slots_.assign(params_.size(), Slot{});
+  std::vector<Slot> slots(params_.size(), Slot{});
   for (size_t b = 0; b < assignment.size(); ++b) {
     Bucket& bucket = buckets[b];
     bucket.members = assignment[b];
@@ -98,16 +100,18 @@ void Reducer::build_buckets(const std::vector<std::vector<size_t>>& assignment) 
       bucket.offsets.push_back(total);
       bucket.lengths.push_back(static_cast<size_t>(params_[index].numel()));
       total += bucket.lengths.back();
-      slots_[index] = {b, position};
+      slots[index] = {b, position};
     }
     if (shards_) bucket.owners = shards_->owner_ranges(bucket.members, bucket.offsets, bucket.lengths);
   }
-  zero_copy_ = place_in_shared_buffer(buckets);
+  const bool zero_copy = place_in_shared_buffer(buckets);
   for (Bucket& bucket : buckets) {
     // Under ZeRO-2 buffers exist only during a backward (bucket_view() allocates them).
     if (!options_.shard_gradients && !bucket.buffer.defined()) bucket.buffer = allocate_buffer(bucket);
   }
   buckets_ = std::move(buckets);
+  slots_ = std::move(slots);
+  zero_copy_ = zero_copy;
   if (options_.gradient_as_bucket_view) {
     // Gradients become views of their bucket slices, keeping whatever they held.
     for (size_t i = 0; i < params_.size(); ++i) {

@@ -84,7 +84,8 @@ class Reducer {
   std::vector<std::vector<size_t>> bucket_indices() const;
   // Adopts `assignment` (parameter indices per bucket, in launch order, as bucket_indices() returned them in
   // an earlier run) as the final layout; no rebuild follows. A resumed run thus reduces in the buckets its
-  // comm-hook state (PowerSGD's error feedback, P and Q are per bucket) was saved with.
+  // comm-hook state (PowerSGD's error feedback, P and Q are per bucket) was saved with. With zero-copy buckets
+  // a collective (the new buckets get a new shared buffer): every rank calls it at the same point.
   void load_bucket_indices(const std::vector<std::vector<size_t>>& assignment);
   // The bucket buffers that exist now (under ZeRO-2 none between backwards), for memory accounting.
   std::vector<at::Tensor> bucket_buffers() const;

@@ -355,7 +355,8 @@ class DistributedDataParallel(_TorchDDP):
         return self.reducer.bucket_indices()
 
     def load_bucket_layout(self, layout: list[list[int]]) -> None:
-        """Adopts a bucket_layout() saved with a checkpoint, for good (no rebuild follows). Needed for a
+        """Adopts a bucket_layout() saved with a checkpoint, for good (no rebuild follows). A collective where the
+        buckets are zero-copy (every rank calls it at the same point, as they load the same checkpoint). Needed for a
         bit-identical resume when a comm hook keeps state per bucket (PowerSGD's error feedback, P and Q):
         without it the first iteration after a restart reduces in the initial, one-bucket layout."""
         self.reducer.load_bucket_indices([list(map(int, bucket)) for bucket in layout])
@@ -449,6 +450,7 @@ class _ShardkitJoinHook(JoinHook):
         """The model of the last rank to join (the highest such rank) goes to every rank: the others skipped
         optimizer steps after their inputs ran out."""
         ddp = self.ddp
+        ddp.reducer.set_engine_average(True)  # join is over on every rank: no divisor but the world size
         candidate = torch.tensor([dist.get_rank(ddp.process_group) if is_last_joiner else -1], device=ddp.device)
         dist.all_reduce(candidate, op=dist.ReduceOp.MAX, group=ddp.process_group)
         source = dist.get_global_rank(ddp.process_group, int(candidate.item()))

@@ -363,3 +363,24 @@ TEST(ShmGroup, AllReduceAverageIsBitwiseSumThenDivide) {
   });
   for (int rank = 0; rank < size; ++rank) EXPECT_EQ(errors[rank], "") << "rank " << rank;
 }
+
+// A rank that cannot make a shared buffer's segment (here: a stale segment of the same name) aborts the group, so
+// the others raise its reason at once instead of waiting out the deadline for a segment that never comes.
+TEST(ShmGroup, SharedBufferFailureReachesEveryRankAtOnce) {
+  const std::string name = unique_name();
+  const int stale = shm_open((name + ".buf1").c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  ASSERT_GE(stale, 0);
+  close(stale);
+  const auto start = std::chrono::steady_clock::now();
+  auto errors = run_threads(2, [&](int rank) {
+    ShmGroup group(options_for(name, rank, 2));  // 20 s deadline
+    group.share_buffer(1 << 16);
+  });
+  const auto elapsed = std::chrono::steady_clock::now() - start;
+  shm_unlink((name + ".buf1").c_str());
+  EXPECT_LT(elapsed, std::chrono::seconds(5));
+  for (int rank = 0; rank < 2; ++rank) {
+    EXPECT_NE(errors[rank].find("cannot create segment '" + name + ".buf1': File exists"), std::string::npos)
+        << "rank " << rank << ": " << errors[rank];
+  }
+}

@@ -20,7 +20,10 @@ What is checked:
 from __future__ import annotations
 
 import copy
+import json
 import re
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -120,7 +123,7 @@ def _different_sizes(rank, world):
 @pytest.mark.parametrize("case", ["one_rank_in_a_shared_buffer", "different_buffer_sizes"])
 def test_ranks_that_disagree_fail_clearly_on_every_rank(ranks, case):
     fn, called, sides = {
-        "one_rank_in_a_shared_buffer": (_one_rank_shared, "allreduce", ["in a shared buffer at byte 0"]),
+        "one_rank_in_a_shared_buffer": (_one_rank_shared, "allreduce", ["in shared buffer 1 at byte 0"]),
         "different_buffer_sizes": (_different_sizes, "shared_buffer", ["u8 x 4096", "u8 x 8192"]),
     }[case]
     messages = ranks.run(fn, 2, timeout=60, pg_timeout=20)
@@ -180,7 +183,7 @@ def test_ddp_zero_copy_buckets_train_bitwise_like_copying_buckets(ranks, topolog
     for rank, (zero_copy, copying, ran, _) in enumerate(results):
         assert zero_copy is one_host, f"rank {rank}: zero_copy() is {zero_copy} on {topology}"
         assert copying is False, f"rank {rank}: a DDP without gradient_as_bucket_view reported zero-copy buckets"
-        # Four backwards, every bucket past the small-message size on one host; none across hosts.
+        # Four backwards whose larger buckets pass the small-message size on one host; none across hosts.
         assert (ran > 0) is one_host, f"rank {rank}: {ran} zero-copy allreduces on {topology}"
     assert all(r[3] == results[0][3] for r in results), "ranks' parameters differ"
 
@@ -188,3 +191,26 @@ def test_ddp_zero_copy_buckets_train_bitwise_like_copying_buckets(ranks, topolog
 def test_ddp_on_a_gloo_group_keeps_ordinary_buckets(ranks):
     results = ranks.run(_ddp_zero_copy, 2, "gloo", timeout=180)
     assert [r[:3] for r in results] == [(False, False, 0)] * 2
+
+
+# --- no room in /dev/shm --------------------------------------------------------------------------------
+
+def test_no_room_in_dev_shm_falls_back_with_a_warning():
+    """Two ranks in a mount namespace whose /dev/shm is a 24 MB tmpfs (room for the group's own segment, not for
+    64 MB per rank): the buffer is refused on every rank, with a warning naming the sizes, and a zero-copy DDP
+    trains on ordinary buckets. Without the check the first write past the room would kill a rank (SIGBUS)."""
+    from test_two_hosts import UNSHARE, _namespaces_unavailable, _run
+
+    why = _namespaces_unavailable()
+    if why:
+        pytest.skip(f"no mount namespace for a small /dev/shm: {why}")
+    script = Path(__file__).with_name("shm_room_script.py")
+    shell = 'mount -t tmpfs -o size=24m,mode=1777 shardkit-shm /dev/shm && exec "$@"'
+    result = _run([*UNSHARE, "sh", "-c", shell, "sh", sys.executable, str(script)], timeout=150)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert sorted(r["rank"] for r in lines) == [0, 1], result.stdout + result.stderr[-3000:]
+    for r in lines:
+        assert r["too_big_is_none"] and not r["ddp_zero_copy"] and r["grads_ok"] and r["small_works"], r
+    # The warning (c10's, on stderr), once per rank, with the sizes.
+    assert result.stderr.count("no zero-copy memory of 67108864 bytes per rank: /dev/shm has") == 2, result.stderr
