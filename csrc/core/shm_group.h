@@ -35,7 +35,8 @@
 // regions into its own region, sync, each rank copies the other slices from their owners' regions, sync
 // (nobody reads this rank's region any more, so the caller may write it again). Same slices' reduction in
 // the same rank order as the slot path, so the bits are the same; one copy of the data in and one out fewer.
-// The op header says the op is in a shared buffer and where, so ranks that disagree on it fail at once.
+// The op header says the op is in a shared buffer, which and where, so ranks that disagree on it fail at once.
+// An AVG (allreduce_average) divides each slice once, right after reducing it, on either path.
 #pragma once
 
 #include <atomic>
