@@ -32,6 +32,14 @@ Slice share(size_t n, int parts, int r, size_t elem) {
   return {begin, std::min(n, begin + per)};
 }
 
+// Reduces `count` elements of every rank's `sources` (in rank order) into `into`, then divides them by `divisor`
+// (an AVG) — the one place a reduction's element is formed, whatever path the op takes.
+void reduce_slice(void* into, const std::vector<const void*>& sources, size_t count, DType dtype, ReduceOp op,
+                  int64_t divisor) {
+  reduce_into(into, sources.data(), static_cast<int>(sources.size()), count, dtype, op);
+  if (divisor > 1) divide_in_place(into, count, dtype, divisor);
+}
+
 }  // namespace
 
 void ShmGroup::barrier(const CallInfo& call) { sync(begin(OpKind::Barrier, 0, DType::U8, -1, ReduceOp::Sum, call)); }
@@ -57,14 +65,12 @@ void ShmGroup::reduce_round(const OpHeader& header, const uint8_t* in, uint8_t* 
   const uint64_t round = rounds_++;
   std::memcpy(slot(rank_, round), in, count * elem);
   sync(header);
-  std::vector<const void*>& sources = sources_;
-  sources.resize(size_);
+  std::vector<const void*>& sources = sources_;  // one per rank
   if (count * elem <= kSmallReduceBytes) {
     // Every rank reduces everything, in rank order: one sync, identical bits everywhere.
     if (copy_out) {
       for (int r = 0; r < size_; ++r) sources[r] = slot(r, round);
-      reduce_into(out, sources.data(), size_, count, header.dtype, header.reduce_op);
-      if (divisor > 1) divide_in_place(out, count, header.dtype, divisor);
+      reduce_slice(out, sources, count, header.dtype, header.reduce_op, divisor);
     }
     return;
   }
@@ -72,9 +78,8 @@ void ShmGroup::reduce_round(const OpHeader& header, const uint8_t* in, uint8_t* 
   // own slices, so the writes are disjoint from every concurrent read). Then everyone gathers the slices.
   const Slice mine = share(count, size_, rank_, elem);
   for (int r = 0; r < size_; ++r) sources[r] = slot(r, round) + mine.begin * elem;
-  reduce_into(slot(rank_, round) + mine.begin * elem, sources.data(), size_, mine.end - mine.begin, header.dtype,
-              header.reduce_op);
-  if (divisor > 1) divide_in_place(slot(rank_, round) + mine.begin * elem, mine.end - mine.begin, header.dtype, divisor);
+  reduce_slice(slot(rank_, round) + mine.begin * elem, sources, mine.end - mine.begin, header.dtype, header.reduce_op,
+               divisor);
   sync(header);
   if (!copy_out) return;
   for (int r = 0; r < size_; ++r) {
@@ -131,11 +136,9 @@ void ShmGroup::allreduce_shared(SharedBuffer& buffer, size_t offset, size_t coun
   // Reduce-scatter: this rank's slice of every region, in rank order, into its own region (others read only
   // their own slices of it, so the write is disjoint from every concurrent read).
   const Slice mine = share(count, size_, rank_, elem);
-  std::vector<const void*>& sources = sources_;
-  sources.resize(size_);
+  std::vector<const void*>& sources = sources_;  // one per rank
   for (int r = 0; r < size_; ++r) sources[r] = at(r, mine.begin);
-  reduce_into(at(rank_, mine.begin), sources.data(), size_, mine.end - mine.begin, dtype, op);
-  if (divisor > 1) divide_in_place(at(rank_, mine.begin), mine.end - mine.begin, dtype, divisor);
+  reduce_slice(at(rank_, mine.begin), sources, mine.end - mine.begin, dtype, op, divisor);
   sync(header);  // every slice is reduced, in its owner's region
   for (int r = 0; r < size_; ++r) {
     if (r == rank_) continue;
@@ -224,8 +227,7 @@ void ShmGroup::reduce_scatter(const void* in, void* out, size_t count, DType dty
   const OpHeader header = begin(OpKind::ReduceScatter, count, dtype, -1, op, call);
   const size_t elem = dtype_size(dtype);
   const size_t region = slot_bytes_ / size_ / elem;
-  std::vector<const void*>& sources = sources_;
-  sources.resize(size_);
+  std::vector<const void*>& sources = sources_;  // one per rank
   size_t offset = 0;
   do {
     const size_t n = std::min(region, count - offset);
@@ -236,7 +238,7 @@ void ShmGroup::reduce_scatter(const void* in, void* out, size_t count, DType dty
     }
     sync(header);
     for (int r = 0; r < size_; ++r) sources[r] = slot(r, round) + rank_ * region * elem;
-    reduce_into(static_cast<uint8_t*>(out) + offset * elem, sources.data(), size_, n, dtype, op);
+    reduce_slice(static_cast<uint8_t*>(out) + offset * elem, sources, n, dtype, op, 1);
     offset += n;
   } while (offset < count);
 }

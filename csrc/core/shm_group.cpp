@@ -126,6 +126,8 @@ ShmGroup::ShmGroup(const Options& options)
     throw std::invalid_argument("shardkit shm: invalid rank " + std::to_string(rank_) + " for group size " +
                                 std::to_string(size_));
   }
+  pending_.reserve(size_);
+  sources_.resize(size_);
   if (slot_bytes_ < kPage) throw std::invalid_argument("shardkit shm: slot_bytes must be positive");
   if (!rank_names_.empty() && static_cast<int>(rank_names_.size()) != size_) {
     throw std::invalid_argument("shardkit shm: rank_names has " + std::to_string(rank_names_.size()) +

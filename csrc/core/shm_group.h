@@ -247,7 +247,7 @@ class ShmGroup {
   uint64_t arrivals_ = 0;  // sync points passed (this rank's arrival counter)
   uint64_t rounds_ = 0;   // data rounds started (selects the buffer)
   // Scratch reused by every op, so that a small collective allocates nothing: the peers sync() still waits
-  // for, and the slot pointers a reduction reads.
+  // for, and the per-rank pointers a reduction reads (size() entries, set by the constructor).
   std::vector<int> pending_;
   std::vector<const void*> sources_;
   // The shared buffers made on this group that may still be alive (their users own them).

@@ -127,28 +127,25 @@ bool Reducer::place_in_shared_buffer(std::vector<Bucket>& buckets) {
   // Every rank decides alike (same options, same parameters' devices), so either all call the collective or none.
   if (!options_.shared_buffer || !options_.gradient_as_bucket_view || options_.shard_gradients) return false;
   if (std::any_of(params_.begin(), params_.end(), [](const at::Tensor& p) { return !p.device().is_cpu(); })) return false;
-  constexpr size_t kAlign = 64;  // each bucket on its own cache lines
-  std::vector<size_t> starts;
-  size_t bytes = 0;
+  constexpr int64_t kAlign = 64;  // each bucket on its own cache lines
+  std::vector<int64_t> starts, sizes;  // bytes
+  int64_t total = 0;
   for (const Bucket& bucket : buckets) {
-    const size_t elements = bucket.offsets.back() + bucket.lengths.back();
-    starts.push_back(bytes);
-    bytes += (elements * params_[bucket.members.front()].element_size() + kAlign - 1) / kAlign * kAlign;
+    starts.push_back(total);
+    sizes.push_back(static_cast<int64_t>(bucket.numel()) * params_[bucket.members.front()].element_size());
+    total += (sizes.back() + kAlign - 1) / kAlign * kAlign;
   }
-  const at::Tensor shared = options_.shared_buffer(static_cast<int64_t>(bytes));
+  const at::Tensor shared = options_.shared_buffer(total);
   if (!shared.defined()) return false;
   // Fresh shared memory reads as zeros, as allocate_buffer's persistent buffers start.
   for (size_t b = 0; b < buckets.size(); ++b) {
-    const at::Tensor& first = params_[buckets[b].members.front()];
-    const size_t elements = buckets[b].offsets.back() + buckets[b].lengths.back();
-    buckets[b].buffer = shared.narrow(0, static_cast<int64_t>(starts[b]), static_cast<int64_t>(elements * first.element_size()))
-                            .view(first.scalar_type());
+    buckets[b].buffer = shared.narrow(0, starts[b], sizes[b]).view(params_[buckets[b].members.front()].scalar_type());
   }
   return true;
 }
 
 at::Tensor Reducer::allocate_buffer(const Bucket& bucket) const {
-  const size_t total = bucket.offsets.back() + bucket.lengths.back();
+  const size_t total = bucket.numel();
   const auto options = params_[bucket.members.front()].options().requires_grad(false);
   // ZeRO-2 allocates each backward and every element is written before the bucket launches (a gradient,
   // or zeros for an unused parameter): no zero-fill pass. Persistent buffers start as zeros.
@@ -280,18 +277,13 @@ void Reducer::shadow_backward() {
   SHARDKIT_PROFILE_SPAN("shardkit::ddp.join_shadow_backward");
   rebuild_buckets_if_due();
   reset_iteration();
-  // Zero buffers to reduce: the real ones may be this rank's .grad (gradient_as_bucket_view), which must
-  // survive. Zero-copy buckets stay where they are (the other ranks reduce in the shared buffer, at these
-  // offsets, and the op header says so): their contents are saved, zeroed and put back afterwards.
+  // Zeros to reduce, in the buckets themselves: a zero-copy bucket must stay where it is (the other ranks
+  // reduce in the shared buffer, at its offset, and the op header says so). What they hold may be this rank's
+  // .grad (gradient_as_bucket_view), which must survive: saved, and put back afterwards.
   std::vector<at::Tensor> real;
   for (Bucket& bucket : buckets_) {
-    if (zero_copy_) {
-      real.push_back(bucket.buffer.clone());
-      bucket.buffer.zero_();
-    } else {
-      real.push_back(bucket.buffer);
-      bucket.buffer = at::zeros_like(bucket.buffer);
-    }
+    real.push_back(bucket.buffer.clone());
+    bucket.buffer.zero_();
     bucket.pending = 0;
   }
   launch_ready_buckets();
@@ -302,13 +294,7 @@ void Reducer::shadow_backward() {
   } catch (...) {
     failure = std::current_exception();
   }
-  for (size_t i = 0; i < buckets_.size(); ++i) {
-    if (zero_copy_) {
-      buckets_[i].buffer.copy_(real[i]);
-    } else {
-      buckets_[i].buffer = std::move(real[i]);
-    }
-  }
+  for (size_t i = 0; i < buckets_.size(); ++i) buckets_[i].buffer.copy_(real[i]);
   reset_iteration();
   if (failure) std::rethrow_exception(failure);
   ++iteration_;

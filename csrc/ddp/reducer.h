@@ -114,6 +114,8 @@ class Reducer {
     size_t pending = 0;                // members whose gradient has not arrived in this backward
     std::vector<GradientShards::OwnerRange> owners;  // ZeRO-2: each rank's share of the buffer
     bool averaged = false;             // launched as an AVG allreduce: the result is divided already
+
+    size_t numel() const { return offsets.back() + lengths.back(); }
     // The reduction in flight: the allreduce's or the hook's future, or under ZeRO-2 one `reduce` per owner.
     std::vector<c10::intrusive_ptr<c10::ivalue::Future>> futures;
   };

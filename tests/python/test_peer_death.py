@@ -27,14 +27,17 @@ def _train_until_a_rank_dies(rank, world, victim, wrapper):
     import shardkit
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64),
-                                torch.nn.Tanh(), torch.nn.Linear(64, 4))
+    # ddp_zero_copy: buckets in shared memory (one host), the middle layer's past the 32 KB small-message size.
+    width = 128 if wrapper == "ddp_zero_copy" else 64
+    model = torch.nn.Sequential(torch.nn.Linear(32, width), torch.nn.Tanh(), torch.nn.Linear(width, width),
+                                torch.nn.Tanh(), torch.nn.Linear(width, 4))
     if wrapper == "fsdp":  # one unit per Linear: all-gathers and reduce-scatters all through backward
         ddp = shardkit.FullyShardedDataParallel(model, auto_wrap_policy={torch.nn.Linear})
         optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
     else:
-        zero_stage = {"ddp": 0, "zero1": 1, "zero2": 2}[wrapper]
-        ddp = shardkit.DistributedDataParallel(model, bucket_cap_mb=0.004, zero_stage=zero_stage)
+        zero_stage = {"ddp": 0, "ddp_zero_copy": 0, "zero1": 1, "zero2": 2}[wrapper]
+        ddp = shardkit.DistributedDataParallel(model, bucket_cap_mb=0.004, zero_stage=zero_stage,
+                                               gradient_as_bucket_view=wrapper == "ddp_zero_copy")
         if zero_stage:
             optimizer = shardkit.ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.SGD, lr=0.01)
         else:
@@ -72,7 +75,7 @@ def _train_until_a_rank_dies(rank, world, victim, wrapper):
     return elapsed, message, later
 
 
-@pytest.mark.parametrize("wrapper", ["ddp", "zero1", "zero2", "fsdp"])
+@pytest.mark.parametrize("wrapper", ["ddp", "ddp_zero_copy", "zero1", "zero2", "fsdp"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_rank_killed_mid_backward(ranks, case, wrapper):
     world, hosts, victim = CASES[case]
