@@ -17,6 +17,11 @@ head, pre-norm blocks of causal attention + MLP) and trains it with AdamW on the
   g  shardkit FSDP NO_SHARD                                             on shardkit
   h  shardkit FSDP HYBRID_SHARD (shard over both ranks, replicate 1)    on shardkit
   i  shardkit FSDP FULL_SHARD                                           on gloo      its wrapper alone
+  j  shardkit FSDP FULL_SHARD, flat gradients in ordinary memory        on shardkit  what zero-copy buys (e vs j)
+
+(e) makes each flat gradient in the shard group's shared memory, from which the reduce-scatter reads the
+peers' gradients where they lie; (j) takes that memory away (a private switch, for this comparison only), so
+its flat gradients are new tensors copied through the group's slots, as on any other backend.
 
 FSDP2 meshes: ``init_device_mesh("cpu", (2,))`` over the default (shardkit) group, and
 ``DeviceMesh.from_group(gloo_group, "cpu")`` for gloo. bf16 is ``MixedPrecision(param_dtype=bf16,
@@ -104,6 +109,7 @@ class Variant:
     wrapper: str             # "fsdp2" | "fsdp1" | "shardkit"
     backend: str             # "gloo" | "shardkit"
     strategy: str = "FULL_SHARD"
+    zero_copy: bool = True   # shardkit FSDP: flat gradients in the shard group's shared memory where it can
 
 
 VARIANTS: tuple[Variant, ...] = (
@@ -116,6 +122,7 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("g", "shardkit FSDP NO_SHARD / shardkit", "shardkit", "shardkit", "NO_SHARD"),
     Variant("h", "shardkit FSDP HYBRID_SHARD / shardkit", "shardkit", "shardkit", "HYBRID_SHARD"),
     Variant("i", "shardkit FSDP FULL_SHARD / gloo", "shardkit", "gloo"),
+    Variant("j", "shardkit FSDP FULL_SHARD / shardkit, copying", "shardkit", "shardkit", zero_copy=False),
 )
 
 
@@ -169,6 +176,8 @@ def build(v: Variant, cfg: ModelConfig, precision: str, groups: dict[str, Any]) 
             auto_wrap_policy=functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block}),
             mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16) if bf16
             else None, **extra)
+        if not v.zero_copy:
+            model._reduce_memory = None  # shardkit FSDP's ordinary flat gradients (see the docstring)
     return Built(v, model, torch.optim.AdamW(model.parameters(), lr=LR))
 
 

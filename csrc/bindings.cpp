@@ -78,10 +78,10 @@ PYBIND11_MODULE(_C, m) {
            "A synchronous allreduce on the calling thread, without a Work (shardkit.all_reduce_).")
       .def("shared_buffer", &ProcessGroupShardkit::shared_buffer, py::arg("nbytes"),
            py::call_guard<py::gil_scoped_release>(),
-           "Collective: nbytes of host memory (a uint8 tensor) in which allreduce runs zero-copy, or None where "
-           "the group spans hosts.")
-      .def("shared_allreduces", &ProcessGroupShardkit::shared_allreduces,
-           "Allreduces that ran in place in a shared buffer.")
+           "Collective: nbytes of host memory (a uint8 tensor) from which allreduce and reduce_scatter_tensor "
+           "read their input zero-copy, or None where the group spans hosts.")
+      .def("shared_ops", &ProcessGroupShardkit::shared_ops,
+           "Collectives (allreduce, reduce_scatter) that read their input from a shared buffer.")
       .def("cuda_route", &ProcessGroupShardkit::cuda_route,
            "What carries this group's CUDA collectives: 'nccl', 'host shared memory: <why>', or why none does.");
 
@@ -222,8 +222,11 @@ PYBIND11_MODULE(_C, m) {
       .def("reshard", &FlatParamHandle::reshard, py::call_guard<py::gil_scoped_release>())
       .def("full_alias", &FlatParamHandle::full_alias)
       .def("views", &FlatParamHandle::views, py::arg("base"))
-      .def("reduce_start", &FlatParamHandle::reduce_start, py::arg("flat_grad"),
+      .def("reduce_start", &FlatParamHandle::reduce_start, py::arg("flat_grad"), py::arg("memory") = std::nullopt,
            py::call_guard<py::gil_scoped_release>())
+      .def("flatten_gradients", &FlatParamHandle::flatten_gradients, py::arg("grads"), py::arg("memory") = std::nullopt,
+           py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("reduce_input_bytes", &FlatParamHandle::reduce_input_bytes)
       .def("reduce_finish", &FlatParamHandle::reduce_finish, py::arg("params"),
            py::call_guard<py::gil_scoped_release>())
       .def("accumulate_unsynced", &FlatParamHandle::accumulate_unsynced, py::arg("flat_grad"))

@@ -116,12 +116,13 @@ class ProcessGroupShardkit : public c10d::Backend {
   void allreduce_now(at::Tensor& tensor, const c10d::ReduceOp& reduce_op, std::chrono::milliseconds timeout);
   // Collective (every rank, same size, in the same place among the group's ops): `bytes` of host memory, as a
   // uint8 tensor, that the group's ranks map from one another (Engine::share_buffer). An allreduce of a tensor
-  // lying in it (a view of it, dtype and shape free) runs in place from the peers' buffers, without the copies
-  // through the group's slots; results are the same bits as elsewhere. Undefined where the group's engine has
+  // lying in it (a view of it, dtype and shape free) runs in place from the peers' buffers, and a reduce-scatter
+  // whose input lies in it reads the peers' inputs there, without the copies through the group's slots; results
+  // are the same bits as elsewhere. Undefined where the group's engine has
   // no shared memory (ranks on several hosts): every rank gets the same answer. Ordered behind queued ops.
   at::Tensor shared_buffer(int64_t bytes);
-  // Allreduces that ran in place in a shared buffer on this group (for tests and benchmarks).
-  uint64_t shared_allreduces() const { return engine_->shared_allreduces(); }
+  // Collectives that read their input from a shared buffer on this group (for tests and benchmarks).
+  uint64_t shared_ops() const { return engine_->shared_ops(); }
   // What carries this group's CUDA collectives: "nccl", "host shared memory: <why>", "undecided: ..." before
   // the first one, or why there is no CUDA support in this build.
   std::string cuda_route() const;

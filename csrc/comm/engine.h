@@ -75,17 +75,17 @@ class Engine {
                         at::Tensor& output, const std::vector<size_t>& recv_counts) = 0;
 
   // Zero-copy buffers (core::SharedBuffer): collective; every rank gets a region of `bytes` that the engine
-  // reduces in place, from the peers' regions, when an allreduce's tensor lies in it. Null where the engine has
-  // no such memory (ranks on several hosts), or, with the reason in `*refused`, no room for it (/dev/shm): every
-  // rank of the group gets the same answer. Tensors elsewhere take the ordinary path, with the same results.
+  // reads from the peers' regions when an allreduce's tensor or a reduce-scatter's input lies in it. Null where
+  // the engine has no such memory (ranks on several hosts), or, with the reason in `*refused`, no room for it
+  // (/dev/shm): every rank of the group gets the same answer. Tensors elsewhere take the ordinary path, with the same results.
   virtual std::shared_ptr<core::SharedBuffer> share_buffer(const OpContext& op, size_t bytes, std::string* refused) {
     (void)op;
     (void)bytes;
     (void)refused;
     return nullptr;
   }
-  // Allreduces that ran in place in such a buffer (for tests and benchmarks).
-  virtual uint64_t shared_allreduces() const { return 0; }
+  // Collectives that read their input from such a buffer (for tests and benchmarks).
+  virtual uint64_t shared_ops() const { return 0; }
 
   // destroy_process_group(): release what the engine alone holds (idempotent; nothing runs afterwards). The
   // backend shuts the shared InnerBackends down itself.

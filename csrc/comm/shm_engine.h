@@ -26,7 +26,7 @@ class ShmEngine : public Engine {
   void alltoall(const OpContext& op, const at::Tensor& input, const std::vector<size_t>& send_counts,
                 at::Tensor& output, const std::vector<size_t>& recv_counts) override;
   std::shared_ptr<core::SharedBuffer> share_buffer(const OpContext& op, size_t bytes, std::string* refused) override;
-  uint64_t shared_allreduces() const override { return group_->shared_allreduces(); }
+  uint64_t shared_ops() const override { return group_->shared_ops(); }
 
  private:
   std::unique_ptr<core::ShmGroup> group_;

@@ -123,12 +123,18 @@ void ShmGroup::allreduce_impl(const void* in, void* out, size_t count, DType dty
   } while (offset < count);
 }
 
-void ShmGroup::allreduce_shared(SharedBuffer& buffer, size_t offset, size_t count, DType dtype, ReduceOp op,
-                                int64_t divisor, const CallInfo& call) {
-  OpHeader header = begin(OpKind::AllReduce, count, dtype, -1, op, call);
+OpHeader ShmGroup::begin_shared(OpKind kind, SharedBuffer& buffer, size_t offset, size_t count, DType dtype,
+                                ReduceOp op, const CallInfo& call) {
+  OpHeader header = begin(kind, count, dtype, -1, op, call);
   header.shared = 1;
   header.shared_id = buffer.id_;
   header.shared_offset = offset;
+  return header;
+}
+
+void ShmGroup::allreduce_shared(SharedBuffer& buffer, size_t offset, size_t count, DType dtype, ReduceOp op,
+                                int64_t divisor, const CallInfo& call) {
+  OpHeader header = begin_shared(OpKind::AllReduce, buffer, offset, count, dtype, op, call);
   header.divide_by = static_cast<uint32_t>(divisor);
   const size_t elem = dtype_size(dtype);
   auto at = [&](int r, size_t element) { return buffer.region(r) + offset + element * elem; };
@@ -146,7 +152,7 @@ void ShmGroup::allreduce_shared(SharedBuffer& buffer, size_t offset, size_t coun
     std::memcpy(at(rank_, theirs.begin), at(r, theirs.begin), (theirs.end - theirs.begin) * elem);
   }
   sync(header);  // every rank has its copies: this rank's slice may be written again
-  ++shared_allreduces_;
+  ++shared_ops_;
 }
 
 void ShmGroup::reduce(const void* in, void* out, size_t count, DType dtype, ReduceOp op, int root,
@@ -224,8 +230,16 @@ void ShmGroup::scatter(const void* in, void* out, size_t count, DType dtype, int
 
 void ShmGroup::reduce_scatter(const void* in, void* out, size_t count, DType dtype, ReduceOp op,
                               const CallInfo& call) {
-  const OpHeader header = begin(OpKind::ReduceScatter, count, dtype, -1, op, call);
   const size_t elem = dtype_size(dtype);
+  const size_t in_bytes = count * size_ * elem;
+  if (in_bytes > kSmallReduceBytes && !shared_.empty()) {
+    size_t offset = 0;
+    if (std::shared_ptr<SharedBuffer> buffer = find_shared(in, in_bytes, &offset)) {
+      reduce_scatter_shared(*buffer, offset, out, count, dtype, op, call);
+      return;
+    }
+  }
+  const OpHeader header = begin(OpKind::ReduceScatter, count, dtype, -1, op, call);
   const size_t region = slot_bytes_ / size_ / elem;
   std::vector<const void*>& sources = sources_;  // one per rank
   size_t offset = 0;
@@ -241,6 +255,28 @@ void ShmGroup::reduce_scatter(const void* in, void* out, size_t count, DType dty
     reduce_slice(static_cast<uint8_t*>(out) + offset * elem, sources, n, dtype, op, 1);
     offset += n;
   } while (offset < count);
+}
+
+void ShmGroup::reduce_scatter_shared(SharedBuffer& buffer, size_t offset, void* out, size_t count, DType dtype,
+                                     ReduceOp op, const CallInfo& call) {
+  const OpHeader header = begin_shared(OpKind::ReduceScatter, buffer, offset, count, dtype, op, call);
+  const size_t elem = dtype_size(dtype);
+  const uint8_t* input = buffer.region(rank_) + offset;
+  const uint8_t* own_block = input + rank_ * count * elem;
+  // `out` may be written while the peers read this rank's input if it is private or this rank's own block of
+  // it (no peer reads that); any other overlap is reduced aside and copied out once the peers are done.
+  const auto* out_begin = static_cast<uint8_t*>(out);
+  const bool in_peers_way = out_begin < input + count * size_ * elem && input < out_begin + count * elem &&
+                            out_begin != own_block;
+  std::vector<uint8_t> aside(in_peers_way ? count * elem : 0);
+  sync(header);  // every rank's input is in its region
+  // This rank's block of every region, in rank order (the slot path's order, so its bits).
+  std::vector<const void*>& sources = sources_;  // one per rank
+  for (int r = 0; r < size_; ++r) sources[r] = buffer.region(r) + offset + rank_ * count * elem;
+  reduce_slice(in_peers_way ? aside.data() : out, sources, count, dtype, op, 1);
+  sync(header);  // every rank has read its block of this rank's region: the caller may write it again
+  if (in_peers_way) std::memcpy(out, aside.data(), aside.size());
+  ++shared_ops_;
 }
 
 void ShmGroup::alltoall(const void* in, const std::vector<size_t>& send_counts, const std::vector<size_t>& send_offsets,

@@ -35,6 +35,9 @@
 // regions into its own region, sync, each rank copies the other slices from their owners' regions, sync
 // (nobody reads this rank's region any more, so the caller may write it again). Same slices' reduction in
 // the same rank order as the slot path, so the bits are the same; one copy of the data in and one out fewer.
+// A reduce-scatter whose input lies in this rank's region (past the small-message size) skips the slots the
+// same way: sync (every rank's input is in place), each rank reduces its block of every region into its
+// output, sync (nobody reads this rank's region any more). Same blocks, same rank order: the slot path's bits.
 // The op header says the op is in a shared buffer, which and where, so ranks that disagree on it fail at once.
 // An AVG (allreduce_average) divides each slice once, right after reducing it, on either path.
 #pragma once
@@ -57,7 +60,8 @@ struct GroupHeader;
 struct RankControl;
 
 // Memory every rank of a group maps: one region of bytes() per rank (ShmGroup::share_buffer). A tensor in this
-// rank's region is reduced by ShmGroup::allreduce straight from the peers' regions (see "Shared buffers").
+// rank's region is reduced by ShmGroup::allreduce / reduce_scatter straight from the peers' regions (see
+// "Shared buffers").
 // The memory lives while any rank maps it: this object (or, in the peers, their own) keeps the mapping,
 // and the segment's name is gone from /dev/shm as soon as every rank has mapped it.
 class SharedBuffer {
@@ -106,7 +110,7 @@ struct OpHeader {
   DType dtype = DType::U8;
   ReduceOp reduce_op = ReduceOp::Sum;
   uint8_t is_step = 0;  // one step of a larger collective (label names that collective)
-  uint8_t shared = 0;   // an allreduce in place in shared buffer shared_id, at shared_offset in every rank's region
+  uint8_t shared = 0;   // the op's input is in shared buffer shared_id, at shared_offset in every rank's region
   uint32_t shared_id = 0;
   uint64_t shared_offset = 0;
   uint32_t divide_by = 1;  // an allreduce whose every result element is divided by this (AVG)
@@ -160,8 +164,9 @@ class ShmGroup {
   // the room (rank 0 asks, all ranks hear its answer): callers then use ordinary memory. Throws as the ops below
   // do; a failure to make or map the segment aborts the group (every rank raises it, none waits it out).
   std::shared_ptr<SharedBuffer> share_buffer(size_t bytes, const CallInfo& call = {}, std::string* refused = nullptr);
-  // Allreduces that ran in place in a shared buffer, without the slots (for tests and benchmarks).
-  uint64_t shared_allreduces() const { return shared_allreduces_.load(std::memory_order_relaxed); }
+  // Collectives (allreduce, reduce_scatter) that read their input from a shared buffer, without the slots
+  // (for tests and benchmarks).
+  uint64_t shared_ops() const { return shared_ops_.load(std::memory_order_relaxed); }
 
   // One op at a time: the ops below are called from one thread at a time (the backend's work queue
   // serializes them), and share per-group scratch.
@@ -187,7 +192,8 @@ class ShmGroup {
   void gather(const void* in, void* out, size_t count, DType dtype, int root, const CallInfo& call = {});
   // root's in holds size * count elements; every rank receives its count-element block.
   void scatter(const void* in, void* out, size_t count, DType dtype, int root, const CallInfo& call = {});
-  // in holds size * count elements; rank r gets the reduction of every rank's block r.
+  // in holds size * count elements; rank r gets the reduction of every rank's block r. `out` may be this
+  // rank's own block of `in`; no other overlap is allowed.
   void reduce_scatter(const void* in, void* out, size_t count, DType dtype, ReduceOp op, const CallInfo& call = {});
   // send_counts[j] elements go from this rank to rank j, read from in at send_offsets[j]; received
   // blocks land in out at recv_offsets[j]. Every pair's send and receive counts must agree.
@@ -225,6 +231,12 @@ class ShmGroup {
   // The zero-copy allreduce of `count` elements at `offset` in every rank's region of `buffer`.
   void allreduce_shared(SharedBuffer& buffer, size_t offset, size_t count, DType dtype, ReduceOp op,
                         int64_t divisor, const CallInfo& call);
+  // The zero-copy reduce-scatter: every rank's input at `offset` in its region of `buffer`.
+  void reduce_scatter_shared(SharedBuffer& buffer, size_t offset, void* out, size_t count, DType dtype, ReduceOp op,
+                             const CallInfo& call);
+  // An op's header, marked as reading its input at `offset` in every rank's region of `buffer`.
+  OpHeader begin_shared(OpKind kind, SharedBuffer& buffer, size_t offset, size_t count, DType dtype, ReduceOp op,
+                        const CallInfo& call);
   void allreduce_impl(const void* in, void* out, size_t count, DType dtype, ReduceOp op, int64_t divisor,
                       const CallInfo& call);
   // The large-message allreduce/reduce round: reduce-scatter through the slots, then gather the result.
@@ -253,7 +265,7 @@ class ShmGroup {
   // The shared buffers made on this group that may still be alive (their users own them).
   std::vector<std::weak_ptr<SharedBuffer>> shared_;
   uint32_t shared_made_ = 0;
-  std::atomic<uint64_t> shared_allreduces_{0};  // read from other threads (shared_allreduces())
+  std::atomic<uint64_t> shared_ops_{0};  // read from other threads (shared_ops())
 };
 
 }  // namespace shardkit::core

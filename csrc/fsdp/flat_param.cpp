@@ -185,7 +185,54 @@ std::vector<at::Tensor> FlatParamHandle::views(const at::Tensor& base) const {
   return views;
 }
 
-void FlatParamHandle::reduce_start(at::Tensor flat_grad) {
+at::Tensor FlatParamHandle::flat_tensor(at::ScalarType dtype, const std::optional<at::Tensor>& memory,
+                                        const char* op) const {
+  const int64_t numel = layout_.padded_numel();
+  if (!memory.has_value() || !full_device().is_cpu()) {
+    return at::empty({numel}, at::TensorOptions().dtype(dtype).device(full_device()));
+  }
+  const int64_t bytes = numel * static_cast<int64_t>(c10::elementSize(dtype));
+  TORCH_CHECK(memory->scalar_type() == at::kByte && memory->dim() == 1 && memory->is_contiguous() &&
+                  memory->device().is_cpu(),
+              where(op), "memory must be a contiguous 1-D uint8 host tensor, got ", memory->scalar_type(), " ",
+              memory->sizes(), " on ", memory->device());
+  TORCH_CHECK(memory->numel() >= bytes, where(op), "memory of ", memory->numel(), " bytes cannot hold ", numel, " ",
+              dtype, " elements (", bytes, " bytes)");
+  return memory->narrow(0, 0, bytes).view(dtype);
+}
+
+int64_t FlatParamHandle::reduce_input_bytes() const {
+  return layout_.padded_numel() * static_cast<int64_t>(c10::elementSize(reduce_dtype_));
+}
+
+at::Tensor FlatParamHandle::flatten_gradients(const std::vector<std::optional<at::Tensor>>& grads,
+                                              const std::optional<at::Tensor>& memory) const {
+  TORCH_CHECK(grads.size() == shapes_.size(), where("flatten gradients"), "expected ", shapes_.size(),
+              " gradients, got ", grads.size());
+  at::NoGradGuard no_grad;
+  at::Tensor flat = flat_tensor(compute_dtype_, compute_dtype_ == reduce_dtype_ ? memory : std::nullopt,
+                                "flatten gradients");
+  int64_t cursor = 0;  // everything before it is written
+  for (size_t i = 0; i < shapes_.size(); ++i) {
+    const int64_t offset = layout_.offsets()[i];
+    const int64_t numel = layout_.numels()[i];
+    if (offset > cursor) flat.narrow(0, cursor, offset - cursor).zero_();
+    at::Tensor piece = flat.narrow(0, offset, numel);
+    if (grads[i].has_value() && grads[i]->defined()) {
+      const at::Tensor& grad = *grads[i];
+      TORCH_CHECK(grad.sizes() == at::IntArrayRef(shapes_[i]), where("flatten gradients"), "parameter ", i,
+                  " has shape ", at::IntArrayRef(shapes_[i]), " but its gradient has shape ", grad.sizes());
+      piece.view(shapes_[i]).copy_(grad);
+    } else {
+      piece.zero_();
+    }
+    cursor = offset + numel;
+  }
+  if (layout_.padded_numel() > cursor) flat.narrow(0, cursor, layout_.padded_numel() - cursor).zero_();
+  return flat;
+}
+
+void FlatParamHandle::reduce_start(at::Tensor flat_grad, const std::optional<at::Tensor>& memory) {
   TORCH_CHECK(!pending_.has_value(), where("reduce-scatter"), "the previous reduction was not finished");
   TORCH_CHECK(flat_grad.dim() == 1 && flat_grad.numel() == layout_.padded_numel(), where("reduce-scatter"),
               "expected a flat gradient of ", layout_.padded_numel(), " elements, got shape ", flat_grad.sizes());
@@ -201,7 +248,7 @@ void FlatParamHandle::reduce_start(at::Tensor flat_grad) {
   PendingReduce pending;
   at::Tensor input;
   if (flat_grad.scalar_type() != reduce_dtype_) {
-    input = at::empty({flat_grad.numel()}, flat_grad.options().dtype(reduce_dtype_));
+    input = flat_tensor(reduce_dtype_, memory, "reduce-scatter");
     cast_into(input, flat_grad, contributors, where("reduce-scatter"));  // the cast and 1/N in one pass
   } else if (c10::elementSize(reduce_dtype_) < 4) {
     input = flat_grad.div_(contributors);

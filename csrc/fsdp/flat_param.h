@@ -118,9 +118,20 @@ class FlatParamHandle {
   std::vector<at::Tensor> views(const at::Tensor& base) const;
 
   // --- gradients ---
-  // `flat_grad`: the gradient of the full buffer (compute dtype, padded size; consumed). `unsynced`: the
-  // gradient accumulated under no_sync, added first.
-  void reduce_start(at::Tensor flat_grad);
+  // The gradient of the full buffer (compute dtype, padded size) from the parameters' gradients (handle order,
+  // each full-shaped or undefined: none, zeros), with zeros in the alignment gaps and the padding. `memory`
+  // (optional): host bytes to make it in — a shared buffer of the shard group, so that the reduce-scatter reads
+  // the peers' gradients where they lie (zero-copy) — used when the reduction takes the gradient as it is
+  // (reduce dtype == compute dtype, full buffer on the host); otherwise the gradient is a new tensor.
+  at::Tensor flatten_gradients(const std::vector<std::optional<at::Tensor>>& grads,
+                               const std::optional<at::Tensor>& memory) const;
+  // Bytes the reduce-scatter's input takes (padded size in the reduce dtype): what `memory` above and
+  // reduce_start's `memory` must hold.
+  int64_t reduce_input_bytes() const;
+  // `flat_grad`: the gradient of the full buffer (compute dtype, padded size; consumed). The gradient
+  // accumulated under no_sync is added first. `memory` (optional host bytes, as above): where the reduce dtype's
+  // copy is made when the gradient needs a cast, on the host; else a new tensor.
+  void reduce_start(at::Tensor flat_grad, const std::optional<at::Tensor>& memory = std::nullopt);
   // Waits for the reduction and writes each parameter's piece into its .grad (params: the user's
   // parameters, in handle order). Nothing when no reduction is pending.
   void reduce_finish(const std::vector<at::Tensor>& params);
@@ -148,6 +159,9 @@ class FlatParamHandle {
   };
 
   std::string where(const std::string& op) const;
+  // A flat tensor of `dtype` (padded size) over host bytes `memory` when given and the full buffer is on the
+  // host, else a new one on the full buffer's device.
+  at::Tensor flat_tensor(at::ScalarType dtype, const std::optional<at::Tensor>& memory, const char* op) const;
   at::Device full_device() const;  // where the full buffer lives: the compute device when offloaded
   int shard_world() const { return shard_group_ ? shard_group_->getSize() : 1; }
   int replicate_world() const { return replicate_group_ ? replicate_group_->getSize() : 1; }

@@ -19,8 +19,10 @@ collectives they issue match on every backend — DESIGN.md, "Collective order")
   post-forward   the sharded parameters come back; FULL_SHARD / HYBRID_SHARD free the full buffer (the
                  root keeps it: backward starts with it); a hook on the outputs marks the pre-backward.
   pre-backward   all-gather again if freed; BACKWARD_PRE prefetches the next unit in backward order.
-  post-backward  (autograd accumulated the unit's flat gradient into the leaf that aliases the full
-                 buffer) the gradient is cast/divided and reduce-scattered; the full buffer is freed.
+  post-backward  (every gradient of a flat group's parameters is in: the backward of _FullParameterViews)
+                 the gradients are flattened — on a shardkit group on one host into shared memory, from
+                 which the reduce-scatter reads the peers' gradients without copying them (zero-copy) —
+                 cast/divided and reduce-scattered; the full buffer is freed.
   end            (an autograd callback) every reduction is finished in issue order and each parameter's
                  piece lands in its ``.grad``; every full buffer is freed.
 
@@ -44,6 +46,7 @@ import contextlib
 import dataclasses
 import enum
 import math
+import weakref
 from typing import Any, Callable, Iterator
 
 import torch
@@ -107,7 +110,8 @@ class _FlatGroup:
     occurrences: list[list[tuple[nn.Module, str]]]  # every (module, attribute) registering each parameter
     shapes: list[torch.Size]  # the parameters' own shapes
     trainable: bool
-    leaf: torch.Tensor | None = None  # this iteration's autograd leaf aliasing the full buffer
+    # This iteration's training views (_FullParameterViews: one backward node for every forward of the unit).
+    training_views: tuple[torch.Tensor, ...] | None = None
     unit_name: str = "(root)"  # the FSDP unit's module name, in profiler labels
 
 
@@ -207,6 +211,7 @@ class FullyShardedDataParallel(nn.Module):
             u.module._shardkit_fsdp_unit = u
             u.module.register_forward_pre_hook(self._make_pre_forward(u), with_kwargs=True)
             u.module.register_forward_hook(self._make_post_forward(u))
+        self._reduce_memory = self._zero_copy_memory(managed)
 
         # Iteration state.
         self._require_backward_grad_sync = True
@@ -248,6 +253,27 @@ class FullyShardedDataParallel(nn.Module):
             groups.append(_FlatGroup(handle, ps, [n for n, _ in members], [occurrences[id(p)] for p in ps], shapes,
                                      trainable, unit_name=name or "(root)"))
         return _Unit(name, module, groups, is_root=name == "")
+
+    def _zero_copy_memory(self, managed: list[tuple[str, nn.Parameter]]) -> torch.Tensor | None:
+        """Collective on the shard group: host memory every rank of it maps, big enough for the largest flat
+        gradient it reduce-scatters, in which each backward makes the gradient it reduces next (one at a time:
+        the previous reduction is finished first), so that the reduce-scatter reads the peers' gradients where
+        they lie instead of copying them through the group's slots. Only on a shardkit group on one host, for
+        host parameters and a shard group of several ranks; else None (ordinary memory, same results)."""
+        if self._shard_group is None or self._offload_device is not None:
+            return None
+        if any(p.device.type != "cpu" for _, p in managed):
+            return None
+        sizes = [g.handle.reduce_input_bytes for u in self._units for g in u.groups if g.trainable]
+        if not sizes:
+            return None
+        try:
+            backend = self._shard_group._get_backend(torch.device("cpu"))
+        except RuntimeError:  # a group without a CPU backend
+            return None
+        if not isinstance(backend, _C.ProcessGroupShardkit):
+            return None
+        return backend.shared_buffer(max(sizes))
 
     def _verify_same_layout_everywhere(self, owners: dict[str, list[tuple[str, nn.Parameter]]]) -> None:
         mine = [(unit, [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in params])
@@ -530,26 +556,27 @@ class FullyShardedDataParallel(nn.Module):
         if self.backward_prefetch == BackwardPrefetch.BACKWARD_PRE and self._orders_frozen:
             self._prefetch_after(unit, self._backward_order)
 
-    def _post_backward(self, unit: _Unit, group: _FlatGroup, leaf: torch.Tensor) -> None:
-        """Runs when autograd has accumulated `group`'s flat gradient into `leaf` (the iteration's leaf, or an
-        earlier one whose graph was retained and is run backward again)."""
-        grad, leaf.grad = leaf.grad, None
-        if grad is not None:
-            if self._require_backward_grad_sync:
-                while self._pending:  # at most one reduction in flight besides this one
-                    done = self._pending.pop(0)
-                    with _profiling.span("shardkit::fsdp.reduce_finish", done.unit_name):
-                        done.handle.reduce_finish(done.params)
-                with _profiling.span("shardkit::fsdp.reduce_scatter", unit.name or "(root)"):
-                    group.handle.reduce_start(grad)
-                self._pending.append(group)
-                self.collective_counts["reduce_scatter"] += self._shard_group is not None
-                self.collective_counts["all_reduce"] += self._replicate_group is not None
-            else:
-                group.handle.accumulate_unsynced(grad)
-        # Every backward node that read this group's views ran before autograd accumulated into its leaf, so
-        # its full buffer can go now. Frozen groups have no leaf: later nodes may still read them; they are
-        # freed at the end of backward.
+    def _post_backward(self, unit: _Unit, group: _FlatGroup, grads: list[torch.Tensor | None]) -> None:
+        """Runs (the backward of _FullParameterViews) when autograd has every gradient of `group`'s parameters
+        for one backward pass (None: the parameter got none), in parameter order."""
+        sync = self._require_backward_grad_sync
+        memory = self._reduce_memory if sync else None
+        if memory is not None:
+            self._finish_reductions()  # the one in flight reads the memory this gradient is about to be made in
+        with _profiling.span("shardkit::fsdp.flatten_gradients", unit.name or "(root)"):
+            grad = group.handle.flatten_gradients(grads, memory)
+        if sync:
+            self._finish_reductions()  # at most one reduction in flight besides this one
+            with _profiling.span("shardkit::fsdp.reduce_scatter", unit.name or "(root)"):
+                group.handle.reduce_start(grad, memory)
+            self._pending.append(group)
+            self.collective_counts["reduce_scatter"] += self._shard_group is not None
+            self.collective_counts["all_reduce"] += self._replicate_group is not None
+        else:
+            group.handle.accumulate_unsynced(grad)
+        # Every backward node that read this group's views has run (they are this node's inputs), so its full
+        # buffer can go now. Frozen groups have no such node: later nodes may still read them; they are freed at
+        # the end of backward.
         self._reshard_group(group)
         if self.backward_prefetch == BackwardPrefetch.BACKWARD_POST and self._orders_frozen:
             self._prefetch_after(unit, self._backward_order)
@@ -567,15 +594,20 @@ class FullyShardedDataParallel(nn.Module):
         """Finishes the reductions in flight (in issue order: every rank waits on the same collectives) and
         frees every full buffer. Also what a forward without backward (evaluation, an abandoned graph) left
         gathered is dropped here: the shards may change before the next forward (optimizer step, loading)."""
-        for g in self._pending:
-            with _profiling.span("shardkit::fsdp.reduce_finish", g.unit_name):
-                g.handle.reduce_finish(g.params)
-        self._pending.clear()
+        self._finish_reductions()
         for u in self._units:
             for g in u.groups:
-                g.leaf = None
+                g.training_views = None
             self._reshard(u)
         self._backward_pending = False
+
+    def _finish_reductions(self) -> None:
+        """Waits for the reductions in flight, in issue order (every rank waits on the same collectives), and
+        hands each parameter its piece as .grad."""
+        while self._pending:
+            done = self._pending.pop(0)
+            with _profiling.span("shardkit::fsdp.reduce_finish", done.unit_name):
+                done.handle.reduce_finish(done.params)
 
     # --- gathering ------------------------------------------------------------------------------------
     def _start_gather(self, unit: _Unit) -> None:
@@ -619,16 +651,53 @@ class FullyShardedDataParallel(nn.Module):
     def _use_full_views(self, unit: _Unit, training: bool) -> None:
         for g in unit.groups:
             if g.trainable and training:
-                if g.leaf is None:
-                    g.leaf = g.handle.full_alias().requires_grad_(True)
-                    g.leaf.register_post_accumulate_grad_hook(
-                        lambda leaf, unit=unit, group=g: self._post_backward(unit, group, leaf))
-                base = g.leaf
+                if g.training_views is None:
+                    leaf = g.handle.full_alias().requires_grad_(True)
+                    views = _FullParameterViews.apply(leaf, g.handle, _PostBackward(self, unit, g))
+                    # A Function that returns a one-tensor tuple gives back the tensor itself.
+                    g.training_views = (views,) if isinstance(views, torch.Tensor) else views
+                views = g.training_views
             else:
-                base = g.handle.full_alias()
-            for places, view in zip(g.occurrences, g.handle.views(base)):
+                views = g.handle.views(g.handle.full_alias())
+            for places, view in zip(g.occurrences, views):
                 for owner, attr in places:
                     owner._parameters[attr] = view
+
+
+class _FullParameterViews(torch.autograd.Function):
+    """A trainable flat group's parameters as views of its full buffer, for training forwards. One node per group
+    and iteration: FSDP hands the same views to every forward of the unit until the iteration ends, so a unit
+    run twice still reduces once per backward pass. The backward runs once every node that read the views has
+    given its gradients, receives them all at once and hands them to FSDP's post-backward, which flattens them
+    where the reduction reads them (the shard group's shared memory, for a zero-copy reduce-scatter, else a new
+    tensor) and issues it; `full` (the leaf that only makes the views differentiable) gets no gradient."""
+
+    @staticmethod
+    def forward(ctx, full: torch.Tensor, handle: Any, post_backward: Callable[[list], None]):
+        ctx.set_materialize_grads(False)  # a parameter without a gradient: None, zeros written by the flatten
+        ctx.post_backward = post_backward
+        return tuple(handle.views(full))
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor | None):
+        ctx.post_backward(list(grads))
+        return None, None, None
+
+
+class _PostBackward:
+    """FSDP's post-backward for one flat group, as a _FullParameterViews node calls it, holding the model weakly:
+    the node is kept alive by the group's views (the model's, until the iteration ends), and a strong reference
+    back would close a cycle through a C++ autograd node that Python's collector cannot follow — a model deleted
+    after a forward without backward would never be freed."""
+
+    def __init__(self, fsdp: FullyShardedDataParallel, unit: _Unit, group: _FlatGroup) -> None:
+        self._refs = (weakref.ref(fsdp), weakref.ref(unit), weakref.ref(group))
+
+    def __call__(self, grads: list[torch.Tensor | None]) -> None:
+        fsdp, unit, group = (ref() for ref in self._refs)
+        if fsdp is None or unit is None or group is None:
+            raise RuntimeError("shardkit FSDP: backward through a forward of a model that has been deleted")
+        fsdp._post_backward(unit, group, grads)
 
 
 # --- helpers -----------------------------------------------------------------------------------------------

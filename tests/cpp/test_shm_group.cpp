@@ -327,7 +327,62 @@ TEST(ShmGroup, SharedBufferAllReduceIsBitwiseTheSlotPath) {
         if (mine[i] != 0x5A) throw std::runtime_error("byte before the tensor changed");
       for (size_t i = offset_bytes + count * sizeof(float); i < buffer->bytes(); ++i)
         if (mine[i] != 0x5A) throw std::runtime_error("byte after the tensor changed");
-      if (group.shared_allreduces() != 3) throw std::runtime_error("zero-copy path ran " + std::to_string(group.shared_allreduces()) + " times");
+      if (group.shared_ops() != 3) throw std::runtime_error("zero-copy path ran " + std::to_string(group.shared_ops()) + " times");
+    });
+    for (int rank = 0; rank < size; ++rank) EXPECT_EQ(errors[rank], "") << "world " << size << " rank " << rank;
+  }
+}
+
+// A reduce-scatter whose input lies in a shared buffer reads the peers' inputs there: the slot path's bits,
+// into a private output, into this rank's own block of the input, or into the input's first block (where the
+// peers read: reduced aside, written once they are done), and the bytes around the input stay as they were.
+TEST(ShmGroup, SharedBufferReduceScatterIsBitwiseTheSlotPath) {
+  for (int size : {2, 3, 4}) {
+    const std::string name = unique_name();
+    auto errors = run_threads(size, [&](int rank) {
+      ShmGroup group(options_for(name, rank, size));
+      const size_t count = 20011;  // per rank: the input (size * count) is past the small-message size and the 64 KiB slot
+      const size_t total = count * size;
+      const size_t offset_bytes = 256;
+      auto buffer = group.share_buffer(offset_bytes + total * sizeof(float) + 64);
+      uint8_t* mine = buffer->mine();
+      auto* shared = reinterpret_cast<float*>(mine + offset_bytes);
+      std::vector<float> input(total);
+      for (size_t i = 0; i < total; ++i) {
+        input[i] = std::ldexp(1.0f + static_cast<float>(i % 89) / 89.0f, static_cast<int>((i + rank * 5) % 40) - 20);
+      }
+      auto fill = [&] {
+        std::memset(mine, 0x5A, buffer->bytes());
+        std::memcpy(shared, input.data(), total * sizeof(float));
+      };
+      uint64_t expected_zero_copy = 0;
+      for (ReduceOp op : {ReduceOp::Sum, ReduceOp::Max, ReduceOp::Product}) {
+        std::vector<float> ordinary(count), zero_copy(count);
+        group.reduce_scatter(input.data(), ordinary.data(), count, DType::F32, op);
+        fill();
+        group.reduce_scatter(shared, zero_copy.data(), count, DType::F32, op);
+        ++expected_zero_copy;
+        if (std::memcmp(zero_copy.data(), ordinary.data(), count * sizeof(float)) != 0) throw std::runtime_error("bits differ");
+        for (size_t i = 0; i < offset_bytes; ++i)
+          if (mine[i] != 0x5A) throw std::runtime_error("byte before the input changed");
+        for (size_t i = offset_bytes + total * sizeof(float); i < buffer->bytes(); ++i)
+          if (mine[i] != 0x5A) throw std::runtime_error("byte after the input changed");
+        // In place: the output is this rank's own block of the shared input.
+        fill();
+        float* own_block = shared + rank * count;
+        group.reduce_scatter(shared, own_block, count, DType::F32, op);
+        ++expected_zero_copy;
+        if (std::memcmp(own_block, ordinary.data(), count * sizeof(float)) != 0) throw std::runtime_error("in-place bits differ");
+        // An output over the input's first block (a block the peers read, for every rank but 0).
+        fill();
+        group.reduce_scatter(shared, shared, count, DType::F32, op);
+        ++expected_zero_copy;
+        if (std::memcmp(shared, ordinary.data(), count * sizeof(float)) != 0) throw std::runtime_error("overlapping bits differ");
+      }
+      if (group.shared_ops() != expected_zero_copy) {
+        throw std::runtime_error("zero-copy path ran " + std::to_string(group.shared_ops()) + " times, expected " +
+                                 std::to_string(expected_zero_copy));
+      }
     });
     for (int rank = 0; rank < size; ++rank) EXPECT_EQ(errors[rank], "") << "world " << size << " rank " << rank;
   }

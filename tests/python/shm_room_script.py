@@ -1,6 +1,7 @@
 """Run by test_zero_copy.py inside a mount namespace whose /dev/shm is a small tmpfs: two ranks ask for shared
 buffers past its room and must get None (c10 warns on stderr), train a zero-copy DDP that falls back to ordinary
-buckets, and still get a small shared buffer. Prints one JSON line per rank."""
+buckets and an FSDP model whose flat gradients fall back to ordinary memory, and still get a small shared buffer.
+Prints one JSON line per rank."""
 
 import json
 import sys
@@ -23,10 +24,16 @@ def rank_main(rank: int, world: int, store: str) -> None:
                                              gradient_as_bucket_view=True)
     model(torch.randn(4, 1024)).sum().backward()
     grads_ok = all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+    # FSDP's zero-copy flat gradient memory (16 MB per rank for this unit) does not fit either: ordinary memory.
+    fsdp = shardkit.FullyShardedDataParallel(nn.Sequential(nn.Linear(2048, 2048)))
+    fsdp(torch.randn(4, 2048)).sum().backward()
+    fsdp_ok = fsdp._reduce_memory is None and all(torch.isfinite(p.grad).all() for p in fsdp.parameters())
     small = backend.shared_buffer(1 << 20)
-    print(json.dumps({"rank": rank, "too_big_is_none": too_big is None, "ddp_zero_copy": model.reducer.zero_copy(),
-                      "grads_ok": bool(grads_ok), "small_works": small is not None and small.numel() == 1 << 20}),
-          flush=True)
+    line = json.dumps({"rank": rank, "too_big_is_none": too_big is None, "ddp_zero_copy": model.reducer.zero_copy(),
+                       "grads_ok": bool(grads_ok), "fsdp_falls_back": bool(fsdp_ok), "small_works": small is not None and small.numel() == 1 << 20})
+    # One write of the whole line (under PIPE_BUF: atomic), so that the two ranks' lines never interleave.
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
     dist.destroy_process_group()
 
 

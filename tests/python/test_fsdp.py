@@ -377,3 +377,29 @@ def test_errors_name_the_rank_unit_and_value(ranks):
                                       "supported: every rank gathers every unit, without gradients"), messages["summon"]
         assert messages["hybrid_pair"].startswith("HYBRID_SHARD's process_group=(shard_group, replicate_group) "
                                                   "needs both groups, got (None, "), messages["hybrid_pair"]
+
+
+def _deleted_models_are_freed(rank: int, world: int) -> list[bool]:
+    import gc
+    import weakref
+
+    import shardkit
+
+    freed = []
+    for backward in (True, False):
+        model = shardkit.FullyShardedDataParallel(net(), auto_wrap_policy=block_policy())
+        ref = weakref.ref(model)
+        x, y = batch(rank, 0)
+        loss = F.mse_loss(model(x), y)
+        if backward:
+            loss.backward()
+        del model, loss
+        gc.collect()
+        freed.append(ref() is None)
+    return freed
+
+
+@pytest.mark.timeout(120)
+def test_a_deleted_model_is_freed_after_a_forward_without_backward(ranks):
+    """The autograd graph of a training forward (kept until the iteration ends) must not keep the model alive."""
+    assert ranks.run(_deleted_models_are_freed, 2, timeout=100) == [[True, True]] * 2

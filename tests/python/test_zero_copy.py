@@ -20,6 +20,7 @@ What is checked:
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import re
 import sys
@@ -59,7 +60,7 @@ def _shared_vs_copying(rank, world):
     if shared is None:  # ranks on several hosts: no shared memory; the caller checks the topology says so
         return None
     assert shared.dtype == torch.uint8 and shared.numel() == largest
-    before = backend.shared_allreduces()
+    before = backend.shared_ops()
     mismatches, zero_copy_expected = [], 0
     for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int32):
         for n in SIZES:
@@ -83,7 +84,7 @@ def _shared_vs_copying(rank, world):
                 if (shared[:guard] != 0xA5).any() or (shared[guard + nbytes:] != 0xA5).any():
                     mismatches.append(f"{dtype} n={n} {op}: bytes outside the tensor changed")
                 zero_copy_expected += nbytes > 32 * 1024
-    return mismatches, backend.shared_allreduces() - before, zero_copy_expected
+    return mismatches, backend.shared_ops() - before, zero_copy_expected
 
 
 @EVERY_TOPOLOGY
@@ -98,6 +99,51 @@ def test_allreduce_in_shared_buffer_is_bitwise_the_copying_path(ranks, topology)
         # Every op past the small-message size took the zero-copy path.
         assert ran == expected > 0, f"rank {rank}: {ran} zero-copy allreduces, expected {expected}"
 
+
+def _reduce_scatter_shared_vs_copying(rank, world):
+    """reduce_scatter_tensor whose input lies in a shared buffer against the same input in ordinary memory: bits
+    of the result (into a private tensor, and into this rank's own block of the input), bytes around the input."""
+    backend = _cpu_backend()
+    guard = 64
+    per_rank = max(SIZES) // world + 1
+    shared = backend.shared_buffer(per_rank * world * 8 + 2 * guard)
+    if shared is None:
+        return None
+    before = backend.shared_ops()
+    mismatches, zero_copy_expected = [], 0
+    for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.int32):
+        for n in sorted({s // world for s in SIZES} | {per_rank}):
+            for op in ops_for(dtype):
+                x = make_input(rank, n * world, dtype, salt=int(op))
+                nbytes = x.numel() * x.element_size()
+                shared.fill_(0xA5)
+                inside = shared[guard:guard + nbytes].view(dtype)
+                inside.copy_(x)
+                ordinary, zero_copy = torch.empty(n, dtype=dtype), torch.empty(n, dtype=dtype)
+                dist.reduce_scatter_tensor(zero_copy, inside, op=op)
+                dist.reduce_scatter_tensor(ordinary, x.clone(), op=op)
+                if not torch.equal(_bits(zero_copy), _bits(ordinary)):
+                    mismatches.append(f"{dtype} n={n} {op}")
+                own_block = inside[rank * n:(rank + 1) * n]
+                dist.reduce_scatter_tensor(own_block, inside, op=op)  # in place, as NCCL defines it
+                if not torch.equal(_bits(own_block), _bits(ordinary)):
+                    mismatches.append(f"{dtype} n={n} {op}: in place")
+                if (shared[:guard] != 0xA5).any() or (shared[guard + nbytes:] != 0xA5).any():
+                    mismatches.append(f"{dtype} n={n} {op}: bytes outside the input changed")
+                zero_copy_expected += 2 * (nbytes > 32 * 1024)
+    return mismatches, backend.shared_ops() - before, zero_copy_expected
+
+
+@EVERY_TOPOLOGY
+def test_reduce_scatter_from_shared_buffer_is_bitwise_the_copying_path(ranks, topology):
+    world, hosts = TOPOLOGIES[topology]
+    results = ranks.run(_reduce_scatter_shared_vs_copying, world, timeout=240, env=topology_env(hosts))
+    if hosts is not None and len(set(hosts)) > 1:
+        assert results == [None] * world, "a group across hosts must not hand out shared buffers"
+        return
+    for rank, (mismatches, ran, expected) in enumerate(results):
+        assert not mismatches, f"rank {rank}: zero-copy result differs from the copying path: {mismatches}"
+        assert ran == expected > 0, f"rank {rank}: {ran} zero-copy reduce-scatters, expected {expected}"
 
 
 def _message_of(call) -> str | None:
@@ -159,7 +205,7 @@ def _ddp_zero_copy(rank, world, group_backend):
     models = (zero_copy, copying, torch_ddp)
     optimizers = [sgd(m.module.parameters()) for m in models]
     backend = _cpu_backend(group) if group_backend == "shardkit" else None
-    before = backend.shared_allreduces() if backend is not None else 0
+    before = backend.shared_ops() if backend is not None else 0
     for step in range(4):  # the buckets are rebuilt before the second backward: a new shared buffer
         x, y = batch(rank, step)
         for model, optimizer in zip(models, optimizers):
@@ -171,7 +217,7 @@ def _ddp_zero_copy(rank, world, group_backend):
         for optimizer in optimizers:
             optimizer.step()
     assert _params_bits(zero_copy.module) == _params_bits(copying.module)
-    ran = backend.shared_allreduces() - before if backend is not None else 0
+    ran = backend.shared_ops() - before if backend is not None else 0
     return zero_copy.reducer.zero_copy(), copying.reducer.zero_copy(), ran, _params_bits(zero_copy.module)
 
 
@@ -197,8 +243,8 @@ def test_ddp_on_a_gloo_group_keeps_ordinary_buckets(ranks):
 
 def test_no_room_in_dev_shm_falls_back_with_a_warning():
     """Two ranks in a mount namespace whose /dev/shm is a 24 MB tmpfs (room for the group's own segment, not for
-    64 MB per rank): the buffer is refused on every rank, with a warning naming the sizes, and a zero-copy DDP
-    trains on ordinary buckets. Without the check the first write past the room would kill a rank (SIGBUS)."""
+    64 MB per rank): the buffer is refused on every rank, with a warning naming the sizes, a zero-copy DDP
+    trains on ordinary buckets and FSDP on ordinary flat gradients. Without the check the first write past the room would kill a rank (SIGBUS)."""
     from test_two_hosts import UNSHARE, _namespaces_unavailable, _run
 
     why = _namespaces_unavailable()
@@ -212,5 +258,129 @@ def test_no_room_in_dev_shm_falls_back_with_a_warning():
     assert sorted(r["rank"] for r in lines) == [0, 1], result.stdout + result.stderr[-3000:]
     for r in lines:
         assert r["too_big_is_none"] and not r["ddp_zero_copy"] and r["grads_ok"] and r["small_works"], r
+        assert r["fsdp_falls_back"], r
     # The warning (c10's, on stderr), once per rank, with the sizes.
     assert result.stderr.count("no zero-copy memory of 67108864 bytes per rank: /dev/shm has") == 2, result.stderr
+
+
+# --- FSDP: flat gradients made in shared memory ------------------------------------------------------------
+
+class _WideBlock(nn.Module):
+    """A block whose flat gradient (~66K f32) is past the small-message size at every world size here."""
+
+    def __init__(self, d: int = 96) -> None:
+        super().__init__()
+        self.up = nn.Linear(d, 2 * d)
+        self.down = nn.Linear(2 * d, d, bias=False)
+        self.unused = nn.Linear(d, 4)  # never called: its gradient is zeros in the flat gradient
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.tanh(self.up(x)))
+
+
+class _WideNet(nn.Module):
+    def __init__(self, depth: int = 3, d: int = 96) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, d, bias=False)
+        self.blocks = nn.ModuleList([_WideBlock(d) for _ in range(depth)])
+        self.head = nn.Linear(d, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h)
+        h = self.blocks[0](h)  # one unit run twice in a forward: one reduction per backward all the same
+        return self.head(h)
+
+
+FSDP_VARIANTS = {
+    "full_shard": {},
+    "shard_grad_op": {"sharding_strategy": "SHARD_GRAD_OP"},
+    "bf16_params_f32_reduce": {"mixed_precision": (torch.bfloat16, torch.float32)},  # the cast lands in shared memory
+    "bf16": {"mixed_precision": (torch.bfloat16, torch.bfloat16)},  # the bf16 gradient itself is made there
+    "hybrid_shard": {"sharding_strategy": "HYBRID_SHARD"},
+}
+
+
+def _fsdp_kwargs(variant: str) -> dict:
+    from shardkit.fsdp import MixedPrecision, ShardingStrategy
+
+    kwargs = dict(FSDP_VARIANTS[variant])
+    if "sharding_strategy" in kwargs:
+        kwargs["sharding_strategy"] = ShardingStrategy[kwargs["sharding_strategy"]]
+    if "mixed_precision" in kwargs:
+        param, reduce = kwargs["mixed_precision"]
+        kwargs["mixed_precision"] = MixedPrecision(param_dtype=param, reduce_dtype=reduce)
+    return kwargs
+
+
+def _fsdp_zero_copy(rank, world, variant):
+    """Three copies of one model: shardkit FSDP (zero-copy where it applies), the same with the zero-copy memory
+    taken away (the copying path: ordinary flat gradients), and torch DDP on gloo (the reference). Steps with a
+    no_sync micro-batch and a unit run twice per forward; gradients bitwise equal between the two FSDPs."""
+    import shardkit
+    from shardkit.wrap import transformer_auto_wrap_policy
+
+    torch.manual_seed(0)
+    base = _WideNet()
+    policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={_WideBlock})
+    kwargs = _fsdp_kwargs(variant)
+    zero_copy = shardkit.FullyShardedDataParallel(copy.deepcopy(base), auto_wrap_policy=policy, **kwargs)
+    copying = shardkit.FullyShardedDataParallel(copy.deepcopy(base), auto_wrap_policy=policy, **kwargs)
+    copying._reduce_memory = None  # the ordinary path: flat gradients in memory of their own
+    torch_ddp = TorchDDP(copy.deepcopy(base), process_group=dist.new_group(backend="gloo"), find_unused_parameters=True)
+    models = (zero_copy, copying, torch_ddp)
+    optimizers = [sgd(m.parameters()) for m in models]
+    backend = _cpu_backend(zero_copy._shard_group) if zero_copy._shard_group is not None else None
+    before = backend.shared_ops() if backend is not None else 0
+    for step in range(3):
+        for model, optimizer in zip(models, optimizers):
+            optimizer.zero_grad(set_to_none=step % 2 == 0)
+            g = torch.Generator().manual_seed(1_000_003 * rank + 1009 * step)
+            x, y = torch.randn(5 + rank, 8, generator=g), torch.randn(5 + rank, 4, generator=g)
+            with model.no_sync():  # accumulated locally (ordinary memory), reduced with the next backward
+                loss_fn(model(x[:2]), y[:2]).backward()
+            loss_fn(model(x[2:]), y[2:]).backward()
+        for (name, a), b in zip(zero_copy.named_parameters(), copying.parameters()):
+            assert torch.equal(_bits(a.grad), _bits(b.grad)), f"rank {rank} step {step}: {name}.grad differs"
+        for optimizer in optimizers:
+            optimizer.step()
+    loose = variant.startswith("bf16")
+    reference = torch_ddp.module.state_dict()
+    for key, value in zero_copy.state_dict().items():
+        torch.testing.assert_close(value, reference[key], rtol=2e-2 if loose else 1e-5, atol=2e-3 if loose else 1e-6,
+                                   msg=lambda m, key=key: f"rank {rank}: {key} differs from torch DDP: {m}")
+    assert _params_bits(zero_copy) == _params_bits(copying)
+    ran = backend.shared_ops() - before if backend is not None else 0
+    return zero_copy._reduce_memory is not None, ran, zero_copy.collective_counts["reduce_scatter"]
+
+
+@pytest.mark.parametrize("variant", list(FSDP_VARIANTS))
+@pytest.mark.parametrize("topology", ["1host-w2", "1host-w3", "2x2hosts"])
+def test_fsdp_flat_gradients_in_shared_memory_train_bitwise_like_the_copying_path(ranks, topology, variant):
+    world, hosts = TOPOLOGIES[topology]
+    if variant == "hybrid_shard" and hosts is None:
+        pytest.skip("HYBRID_SHARD needs simulated hosts")
+    results = ranks.run(_fsdp_zero_copy, world, variant, timeout=200, env=topology_env(hosts))
+    # Across hosts the shard group spans them (no shared memory), except HYBRID_SHARD's, which is one host's.
+    applies = hosts is None or variant == "hybrid_shard"
+    for rank, (zero_copy, ran, reduce_scatters) in enumerate(results):
+        assert zero_copy is applies, f"rank {rank}: zero-copy memory {'made' if zero_copy else 'missing'} on {topology}"
+        # Every synced backward reduce-scatters each of the 4 units once (a unit run twice included); the no_sync
+        # backwards reduce nothing. The 3 blocks' gradients are read from shared memory; the root's (4.6 KB) is
+        # made there too but is under the small-message size, where the slot path is faster.
+        assert reduce_scatters == 3 * 4, f"rank {rank}: {reduce_scatters} reduce-scatters, expected 12"
+        assert ran == (3 * 3 if applies else 0), f"rank {rank}: {ran} zero-copy reduce-scatters"
+
+
+def _fsdp_on_gloo(rank, world):
+    import shardkit
+
+    torch.manual_seed(0)
+    model = shardkit.FullyShardedDataParallel(_WideNet(), process_group=dist.new_group(backend="gloo"))
+    loss_fn(model(torch.randn(4, 8)), torch.randn(4, 4)).backward()
+    return model._reduce_memory is None and all(p.grad is not None for p in model.parameters())
+
+
+def test_fsdp_on_a_gloo_group_keeps_ordinary_gradients(ranks):
+    assert ranks.run(_fsdp_on_gloo, 2, timeout=120) == [True, True]
