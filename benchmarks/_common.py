@@ -20,6 +20,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
@@ -500,6 +501,47 @@ def return_large_frees_to_os(threshold: int = 128 << 10) -> bool:
         return bool(ctypes.CDLL("libc.so.6").mallopt(-3, threshold))  # M_MMAP_THRESHOLD
     except (OSError, AttributeError):
         return False
+
+
+def pss_bytes() -> int:
+    """This process's proportional set size of private and shared memory now (/proc/self/smaps_rollup Pss_Anon +
+    Pss_Shmem; 0 where unreadable): a shared page counts 1/k in each of the k processes that map it. RSS counts
+    it whole in each, so ranks that read one another's shared memory (zero-copy buffers) look bigger by RSS than
+    the memory they occupy together."""
+    total = 0
+    try:
+        for entry in Path("/proc/self/smaps_rollup").read_text().splitlines():
+            if entry.startswith(("Pss_Anon:", "Pss_Shmem:")):
+                total += int(entry.split()[1]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        return 0
+    return total
+
+
+class PeakPss:
+    """The largest :func:`pss_bytes` seen while the ``with`` block runs, sampled every ``interval_s`` by a thread
+    (there is no kernel peak for PSS, as ru_maxrss is for RSS; a peak between two samples can be missed)."""
+
+    def __init__(self, interval_s: float = 0.002) -> None:
+        self.interval_s = interval_s
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while True:
+            self.peak = max(self.peak, pss_bytes())
+            if self._stop.wait(self.interval_s):
+                return
+
+    def __enter__(self) -> "PeakPss":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, pss_bytes())
 
 
 def peak_rss_bytes() -> int:

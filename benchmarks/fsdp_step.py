@@ -43,7 +43,8 @@ FSDP1 flat shard counts once, padding included), their gradients, and the optimi
 parameter copies; next to the ideal 16·Ψ/N (fp32 parameter + gradient + AdamW's two moments, sharded N
 ways). (2) Peak RSS: each configuration alone in fresh ranks (as ddp_step.py does), its growth over the
 process after backend setup and a tiny warm-up step (ru_maxrss; activations and all-gathered buffers
-included), and the absolute peak.
+included), and the absolute peak; beside it the same probe's peak PSS growth (proportional set size, sampled
+every 2 ms), which counts a shared page once across the ranks mapping it where RSS counts it in each.
 
 Correctness guard: the loss of every step, averaged over ranks; the final one of every configuration must
 match the anchor (a) of the same precision (rel. 1e-4 in fp32, 3e-2 in bf16).
@@ -75,6 +76,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402  (the benchmarks folder is not a package)
     RESULTS_DIR,
     ForeignLoad,
+    PeakPss,
     RanksFailed,
     RunConfig,
     agree_max,
@@ -85,6 +87,7 @@ from _common import (  # noqa: E402  (the benchmarks folder is not a package)
     merge_results,
     peak_rss_bytes,
     plot_bar_panels,
+    pss_bytes,
     rank0_progress,
     return_large_frees_to_os,
     synthetic_token_batches,
@@ -334,15 +337,17 @@ def rss_probe(rank: int, world: int, store: str, run: RunConfig, precision: str,
     F.cross_entropy(logits.float().flatten(0, 1), targets.flatten()).backward()
     opt.step()
     del mini, opt, logits
-    base, base_peak = live_rss_bytes(), peak_rss_bytes()
-    built = build(variant(key), run.model, precision, groups)
-    batches = synthetic_token_batches(run.model.vocab, run.model.batch, run.model.seq, rank, run.warmup + 1)
-    live_after_step: list[int] = []
-    for n, batch in enumerate(batches):
-        last = n == len(batches) - 1
-        train_step(built, batch, after_step=(lambda: live_after_step.append(live_rss_bytes()["live"])) if last
-                   else None)
+    base, base_peak, base_pss = live_rss_bytes(), peak_rss_bytes(), pss_bytes()
+    with PeakPss() as pss:
+        built = build(variant(key), run.model, precision, groups)
+        batches = synthetic_token_batches(run.model.vocab, run.model.batch, run.model.seq, rank, run.warmup + 1)
+        live_after_step: list[int] = []
+        for n, batch in enumerate(batches):
+            last = n == len(batches) - 1
+            train_step(built, batch, after_step=(lambda: live_after_step.append(live_rss_bytes()["live"])) if last
+                       else None)
     return {"peak_growth": peak_rss_bytes() - base_peak, "peak": peak_rss_bytes(),
+            "pss_peak_growth": pss.peak - base_pss,
             "live_after_step_growth": live_after_step[0] - base["live"], "baseline_live": base["live"],
             "baseline_peak": base_peak, "mmap_threshold_fixed": fixed}
 
@@ -401,7 +406,7 @@ def print_tables(precision: str, rows: dict[str, dict[str, Any]], run: RunConfig
     for key, row in rows.items():
         name = f"({key}) {row['label']}"
         if row["status"] != "ok":
-            table.append([name, row["status"].split(":")[0]] + [""] * 11)
+            table.append([name, row["status"].split(":")[0]] + [""] * 12)
             continue
         ra, rb = ratio(rows, key, "a"), ratio(rows, key, "b")
         probes = row.get("rss_by_rank")
@@ -413,16 +418,19 @@ def print_tables(precision: str, rows: dict[str, dict[str, Any]], run: RunConfig
             " / ".join(mib(m["total"]) for m in row["model_state_by_rank"]), f"{row['model_state_vs_ideal']:.4f}",
             " / ".join(mib(p["peak_growth"]) for p in probes) + f" ({mib(max(p['peak'] for p in probes))})"
             if probes else "-",
+            " / ".join(mib(p.get("pss_peak_growth")) for p in probes) if probes else "-",
             f"{row['final_loss']:.5f}" + ("" if loss_a is None or key == "a" else
                                           f" ({(row['final_loss'] - loss_a) / abs(loss_a):+.1e})")])
     print(f"\n=== {precision}: step time (ms; slowest rank; best and median of {run.rounds} interleaved rounds; "
           f"phases are medians), memory per rank (MiB), final loss ===")
     print(format_table(["configuration", "status", "best", "median", "fwd", "bwd", "opt", "÷ (a)", "÷ (b)",
-                        "model state r0 / r1", "÷ 16Ψ/N", "peak RSS Δ r0 / r1 (abs.)", "final loss (rel. vs a)"],
+                        "model state r0 / r1", "÷ 16Ψ/N", "peak RSS Δ r0 / r1 (abs.)", "peak PSS Δ r0 / r1",
+                        "final loss (rel. vs a)"],
                        table, left=2))
     print(f"÷: ratio of medians; 16Ψ/N = {mib(ideal)} MiB; model state: parameters + gradients + AdamW state held "
           f"after optimizer.step; peak RSS Δ: ru_maxrss growth of fresh ranks running that configuration alone "
-          f"(abs.: the fuller rank's ru_maxrss itself)")
+          f"(abs.: the fuller rank's ru_maxrss itself); peak PSS Δ: the same probe's growth of proportional set size "
+          f"(sampled every 2 ms), which counts shared memory read from a peer once across the ranks, not in each")
     for key, row in rows.items():
         if row["status"] != "ok":
             print(f"({key}) {row['status']}")

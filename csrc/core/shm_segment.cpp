@@ -114,4 +114,39 @@ void ShmSegment::unlink_name() {
   }
 }
 
+namespace {
+
+#ifndef MADV_POPULATE_WRITE
+constexpr int MADV_POPULATE_WRITE = 23;  // Linux 5.14; older C libraries lack the name
+#endif
+
+size_t page_size() {
+  static const size_t size = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  return size;
+}
+
+}  // namespace
+
+bool release_shared_pages(void* data, size_t bytes) {
+  const uintptr_t page = page_size();
+  const uintptr_t begin = (reinterpret_cast<uintptr_t>(data) + page - 1) / page * page;
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(data) + bytes) / page * page;
+  if (end <= begin) return true;
+  return madvise(reinterpret_cast<void*>(begin), end - begin, MADV_REMOVE) == 0;
+}
+
+bool reserve_shared_pages(void* data, size_t bytes, std::string* why) {
+  const uintptr_t page = page_size();
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(data) / page * page;
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(data) + bytes + page - 1) / page * page;
+  if (end <= begin) return true;
+  if (madvise(reinterpret_cast<void*>(begin), end - begin, MADV_POPULATE_WRITE) == 0) return true;
+  const int err = errno;
+  if (why != nullptr) {
+    *why = err == EFAULT ? "/dev/shm has no room for " + std::to_string(end - begin) + " more bytes"
+                         : std::string("MADV_POPULATE_WRITE: ") + std::strerror(err);
+  }
+  return false;
+}
+
 }  // namespace shardkit::core

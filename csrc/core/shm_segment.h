@@ -50,4 +50,16 @@ class ShmSegment {
   bool creator_ = false;
 };
 
+// Pages of shared memory that one rank writes in bursts (its region of a SharedBuffer, see shm_group.h), given
+// back between bursts. Both are local to the calling process's mapping; the caller makes sure no rank reads the
+// range meanwhile.
+// release_shared_pages: the whole pages inside [data, data + bytes) go back to /dev/shm (MADV_REMOVE punches
+// them out of the tmpfs file): every mapping reads zeros there afterwards, and nothing is charged until they
+// are touched again. False, nothing changed, where the kernel cannot.
+bool release_shared_pages(void* data, size_t bytes);
+// reserve_shared_pages: every page touching [data, data + bytes) allocated and mapped writable now
+// (MADV_POPULATE_WRITE), so that /dev/shm out of room is a false return, with the reason in `*why`, instead of
+// SIGBUS at the first write. Also false where the kernel cannot (before Linux 5.14).
+bool reserve_shared_pages(void* data, size_t bytes, std::string* why);
+
 }  // namespace shardkit::core

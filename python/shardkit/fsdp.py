@@ -46,6 +46,7 @@ import contextlib
 import dataclasses
 import enum
 import math
+import warnings
 import weakref
 from typing import Any, Callable, Iterator
 
@@ -212,6 +213,7 @@ class FullyShardedDataParallel(nn.Module):
             u.module.register_forward_pre_hook(self._make_pre_forward(u), with_kwargs=True)
             u.module.register_forward_hook(self._make_post_forward(u))
         self._reduce_memory = self._zero_copy_memory(managed)
+        self._reduce_memory_kept, self._reduce_memory_resident = self._resident_plan()
 
         # Iteration state.
         self._require_backward_grad_sync = True
@@ -274,6 +276,21 @@ class FullyShardedDataParallel(nn.Module):
         if not isinstance(backend, _C.ProcessGroupShardkit):
             return None
         return backend.shared_buffer(max(sizes))
+
+    def _resident_plan(self) -> tuple[int, int]:
+        """(bytes of the zero-copy memory kept resident between iterations, bytes resident now). Every unit but
+        the largest fits in the second-largest unit's gradient size, so only that much stays; the rest (often
+        the root's, with the embedding) is given back to /dev/shm at the end of each iteration and allocated
+        again when the largest gradient is made — when the copying path would allocate it too — so the memory
+        is not held through forward. Kept whole where the kernel cannot allocate pages with an error instead of
+        SIGBUS (before Linux 5.14)."""
+        memory = self._reduce_memory
+        if memory is None:
+            return 0, 0
+        if _C.reserve_shared_pages(memory, 0, min(memory.numel(), 1)) is not None:
+            return memory.numel(), memory.numel()
+        sizes = sorted(g.handle.reduce_input_bytes for u in self._units for g in u.groups if g.trainable)
+        return (sizes[-2] if len(sizes) > 1 else 0), memory.numel()
 
     def _verify_same_layout_everywhere(self, owners: dict[str, list[tuple[str, nn.Parameter]]]) -> None:
         mine = [(unit, [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in params])
@@ -563,6 +580,7 @@ class FullyShardedDataParallel(nn.Module):
         memory = self._reduce_memory if sync else None
         if memory is not None:
             self._finish_reductions()  # the one in flight reads the memory this gradient is about to be made in
+            memory = self._resident_reduce_memory(group.handle.reduce_input_bytes, unit)
         with _profiling.span("shardkit::fsdp.flatten_gradients", unit.name or "(root)"):
             grad = group.handle.flatten_gradients(grads, memory)
         if sync:
@@ -595,11 +613,34 @@ class FullyShardedDataParallel(nn.Module):
         frees every full buffer. Also what a forward without backward (evaluation, an abandoned graph) left
         gathered is dropped here: the shards may change before the next forward (optimizer step, loading)."""
         self._finish_reductions()
+        self._release_reduce_memory()
         for u in self._units:
             for g in u.groups:
                 g.training_views = None
             self._reshard(u)
         self._backward_pending = False
+
+    def _resident_reduce_memory(self, needed: int, unit: _Unit) -> torch.Tensor | None:
+        """The zero-copy memory with its first `needed` bytes allocated; None where /dev/shm has no room for the
+        pages given back after the last iteration (a warning says so; this rank's reduce-scatter then takes
+        ordinary memory, and every rank fails at once on the disagreement — nothing is killed by SIGBUS)."""
+        memory = self._reduce_memory
+        if needed > self._reduce_memory_resident:
+            why = _C.reserve_shared_pages(memory, self._reduce_memory_resident, needed - self._reduce_memory_resident)
+            if why is not None:
+                name = unit.name or "(root)"
+                warnings.warn(f"shardkit FSDP (rank {self.rank}): no zero-copy memory for the flat gradient of unit "
+                              f"'{name}' ({needed} bytes): {why}")
+                return None
+            self._reduce_memory_resident = needed
+        return memory
+
+    def _release_reduce_memory(self) -> None:
+        """Gives the zero-copy memory past what is kept back to /dev/shm (no reduction reads it any more)."""
+        memory, kept = self._reduce_memory, self._reduce_memory_kept
+        if memory is not None and self._reduce_memory_resident > kept:
+            if _C.release_shared_pages(memory, kept, memory.numel() - kept):
+                self._reduce_memory_resident = kept
 
     def _finish_reductions(self) -> None:
         """Waits for the reductions in flight, in issue order (every rank waits on the same collectives), and

@@ -16,10 +16,13 @@
 
 #include "core/reduce.h"
 #include "core/shm_group.h"
+#include "core/shm_segment.h"
 
 using shardkit::core::DType;
 using shardkit::core::ReduceOp;
 using shardkit::core::ShmGroup;
+using shardkit::core::release_shared_pages;
+using shardkit::core::reserve_shared_pages;
 
 namespace {
 
@@ -386,6 +389,36 @@ TEST(ShmGroup, SharedBufferReduceScatterIsBitwiseTheSlotPath) {
     });
     for (int rank = 0; rank < size; ++rank) EXPECT_EQ(errors[rank], "") << "world " << size << " rank " << rank;
   }
+}
+
+// Pages of a shared buffer given back (release_shared_pages) read as zeros in every rank that maps them, only
+// whole pages inside the range go, and reserved again they hold what is written next, for every rank to see.
+TEST(ShmGroup, ReleasedSharedPagesReadZerosAndComeBackWhenReserved) {
+  const std::string name = unique_name();
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  auto errors = run_threads(2, [&](int rank) {
+    ShmGroup group(options_for(name, rank, 2));
+    auto buffer = group.share_buffer(8 * page);
+    uint8_t* owner = buffer->region(0);
+    if (rank == 0) std::memset(owner, 0xAB, 8 * page);
+    group.barrier();
+    if (rank == 0 && !release_shared_pages(owner + page + 1, 4 * page)) throw std::runtime_error("release refused");
+    group.barrier();
+    // [page + 1, 5 page + 1): pages 2, 3 and 4 are whole inside it; pages 0, 1 and 5.. keep their bytes.
+    for (size_t i = 0; i < 8 * page; ++i) {
+      const uint8_t want = i >= 2 * page && i < 5 * page ? 0 : 0xAB;
+      if (owner[i] != want) throw std::runtime_error("byte " + std::to_string(i) + " reads " + std::to_string(owner[i]));
+    }
+    group.barrier();
+    if (rank == 0) {
+      std::string why;
+      if (!reserve_shared_pages(owner + 2 * page, 3 * page, &why)) throw std::runtime_error("reserve failed: " + why);
+      std::memset(owner + 2 * page, 0x5C, 3 * page);
+    }
+    group.barrier();
+    if (owner[3 * page] != 0x5C) throw std::runtime_error("the reserved page's new bytes are not seen");
+  });
+  for (int rank = 0; rank < 2; ++rank) EXPECT_EQ(errors[rank], "") << "rank " << rank;
 }
 
 // allreduce_average divides inside the reduction: the bits of allreduce followed by divide_in_place, on the

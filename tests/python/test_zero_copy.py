@@ -244,7 +244,8 @@ def test_ddp_on_a_gloo_group_keeps_ordinary_buckets(ranks):
 def test_no_room_in_dev_shm_falls_back_with_a_warning():
     """Two ranks in a mount namespace whose /dev/shm is a 24 MB tmpfs (room for the group's own segment, not for
     64 MB per rank): the buffer is refused on every rank, with a warning naming the sizes, a zero-copy DDP
-    trains on ordinary buckets and FSDP on ordinary flat gradients. Without the check the first write past the room would kill a rank (SIGBUS)."""
+    trains on ordinary buckets and FSDP on ordinary flat gradients; and FSDP carries on, warning, when /dev/shm
+    fills up between two iterations after its memory was given back. Without the check the first write past the room would kill a rank (SIGBUS)."""
     from test_two_hosts import UNSHARE, _namespaces_unavailable, _run
 
     why = _namespaces_unavailable()
@@ -259,11 +260,16 @@ def test_no_room_in_dev_shm_falls_back_with_a_warning():
     for r in lines:
         assert r["too_big_is_none"] and not r["ddp_zero_copy"] and r["grads_ok"] and r["small_works"], r
         assert r["fsdp_falls_back"], r
+        assert r["fsdp_when_full"] == {"released": True, "same_grads": True, "zero_copy_again": True,
+                                       "warned": True}, r
     # The warning (c10's, on stderr), once per rank, with the sizes.
     assert result.stderr.count("no zero-copy memory of 67108864 bytes per rank: /dev/shm has") == 2, result.stderr
 
 
 # --- FSDP: flat gradients made in shared memory ------------------------------------------------------------
+
+IN_WIDE = 1024
+
 
 class _WideBlock(nn.Module):
     """A block whose flat gradient (~66K f32) is past the small-message size at every world size here."""
@@ -279,9 +285,12 @@ class _WideBlock(nn.Module):
 
 
 class _WideNet(nn.Module):
+    """Three blocks and a root unit (embed, head) whose flat gradient is the largest (~99K f32): the zero-copy
+    memory's part past a block's size is given back after every iteration and allocated again for the root."""
+
     def __init__(self, depth: int = 3, d: int = 96) -> None:
         super().__init__()
-        self.embed = nn.Linear(8, d, bias=False)
+        self.embed = nn.Linear(IN_WIDE, d, bias=False)
         self.blocks = nn.ModuleList([_WideBlock(d) for _ in range(depth)])
         self.head = nn.Linear(d, 4)
 
@@ -337,7 +346,7 @@ def _fsdp_zero_copy(rank, world, variant):
         for model, optimizer in zip(models, optimizers):
             optimizer.zero_grad(set_to_none=step % 2 == 0)
             g = torch.Generator().manual_seed(1_000_003 * rank + 1009 * step)
-            x, y = torch.randn(5 + rank, 8, generator=g), torch.randn(5 + rank, 4, generator=g)
+            x, y = torch.randn(5 + rank, IN_WIDE, generator=g), torch.randn(5 + rank, 4, generator=g)
             with model.no_sync():  # accumulated locally (ordinary memory), reduced with the next backward
                 loss_fn(model(x[:2]), y[:2]).backward()
             loss_fn(model(x[2:]), y[2:]).backward()
@@ -352,7 +361,12 @@ def _fsdp_zero_copy(rank, world, variant):
                                    msg=lambda m, key=key: f"rank {rank}: {key} differs from torch DDP: {m}")
     assert _params_bits(zero_copy) == _params_bits(copying)
     ran = backend.shared_ops() - before if backend is not None else 0
-    return zero_copy._reduce_memory is not None, ran, zero_copy.collective_counts["reduce_scatter"]
+    memory = zero_copy._reduce_memory
+    if memory is not None:  # between iterations only a block's gradient size stays allocated
+        block_bytes = zero_copy._units[1].groups[0].handle.reduce_input_bytes
+        assert zero_copy._reduce_memory_kept == block_bytes < memory.numel(), (block_bytes, memory.numel())
+        assert zero_copy._reduce_memory_resident == block_bytes
+    return memory is not None, ran, zero_copy.collective_counts["reduce_scatter"]
 
 
 @pytest.mark.parametrize("variant", list(FSDP_VARIANTS))
@@ -366,11 +380,10 @@ def test_fsdp_flat_gradients_in_shared_memory_train_bitwise_like_the_copying_pat
     applies = hosts is None or variant == "hybrid_shard"
     for rank, (zero_copy, ran, reduce_scatters) in enumerate(results):
         assert zero_copy is applies, f"rank {rank}: zero-copy memory {'made' if zero_copy else 'missing'} on {topology}"
-        # Every synced backward reduce-scatters each of the 4 units once (a unit run twice included); the no_sync
-        # backwards reduce nothing. The 3 blocks' gradients are read from shared memory; the root's (4.6 KB) is
-        # made there too but is under the small-message size, where the slot path is faster.
+        # Every synced backward reduce-scatters each of the 4 units once (a unit run twice included), each from
+        # shared memory where it applies; the no_sync backwards reduce nothing.
         assert reduce_scatters == 3 * 4, f"rank {rank}: {reduce_scatters} reduce-scatters, expected 12"
-        assert ran == (3 * 3 if applies else 0), f"rank {rank}: {ran} zero-copy reduce-scatters"
+        assert ran == (reduce_scatters if applies else 0), f"rank {rank}: {ran} zero-copy reduce-scatters"
 
 
 def _fsdp_on_gloo(rank, world):
@@ -378,7 +391,7 @@ def _fsdp_on_gloo(rank, world):
 
     torch.manual_seed(0)
     model = shardkit.FullyShardedDataParallel(_WideNet(), process_group=dist.new_group(backend="gloo"))
-    loss_fn(model(torch.randn(4, 8)), torch.randn(4, 4)).backward()
+    loss_fn(model(torch.randn(4, IN_WIDE)), torch.randn(4, 4)).backward()
     return model._reduce_memory is None and all(p.grad is not None for p in model.parameters())
 
 
