@@ -12,7 +12,6 @@
 #include "compress/hooks.h"
 #include "core/flat_layout.h"
 #include "core/reduce.h"
-#include "core/shm_segment.h"
 #include "ddp/reducer.h"
 #include "fsdp/flat_param.h"
 #ifdef SHARDKIT_WITH_CUDA
@@ -210,6 +209,8 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("layout", &FlatParamHandle::layout, py::return_value_policy::reference_internal)
       .def_property_readonly("shard", &FlatParamHandle::shard)
       .def_property_readonly("compute_dtype", &FlatParamHandle::compute_dtype)
+      .def_property_readonly("reduce_dtype", &FlatParamHandle::reduce_dtype)
+      .def_property_readonly("flattens_into_memory", &FlatParamHandle::flattens_into_memory)
       .def_property_readonly("offloaded", &FlatParamHandle::offloaded)
       .def_property_readonly("full_bytes", &FlatParamHandle::full_bytes)
       .def_property_readonly("unsharded", &FlatParamHandle::unsharded)
@@ -268,38 +269,14 @@ PYBIND11_MODULE(_C, m) {
   m.def("exact_storage_alias", &shardkit::fsdp::exact_storage_alias, py::arg("view"),
         "The same memory as a contiguous view, with a storage of exactly its bytes that keeps the view's alive.");
   m.def("reduce_isa", &shardkit::core::reduce_isa, "Vector ISA the reduction loops dispatched to at runtime.");
-  // Zero-copy memory written in bursts (FSDP's flat gradients): [offset, offset + nbytes) of a shared buffer.
-  auto shared_range = [](const at::Tensor& memory, int64_t offset, int64_t nbytes, const char* op) {
-    TORCH_CHECK(memory.device().is_cpu() && memory.scalar_type() == at::kByte && memory.dim() == 1 &&
-                    memory.is_contiguous(),
-                op, ": expected a contiguous 1-D uint8 host tensor (a shared_buffer), got ", memory.scalar_type(),
-                " ", memory.sizes(), " on ", memory.device());
-    TORCH_CHECK(offset >= 0 && nbytes >= 0 && offset + nbytes <= memory.numel(), op, ": bytes [", offset, ", ",
-                offset + nbytes, ") are not inside the buffer's ", memory.numel());
-    return static_cast<uint8_t*>(memory.data_ptr()) + offset;
-  };
-  m.def(
-      "release_shared_pages",
-      [shared_range](const at::Tensor& memory, int64_t offset, int64_t nbytes) {
-        return shardkit::core::release_shared_pages(shared_range(memory, offset, nbytes, "release_shared_pages"),
-                                                    static_cast<size_t>(nbytes));
-      },
-      py::arg("memory"), py::arg("offset"), py::arg("nbytes"),
-      "Gives the whole pages inside the range back to /dev/shm (they read as zeros after); False where the kernel "
-      "cannot. No rank may read the range meanwhile.");
-  m.def(
-      "reserve_shared_pages",
-      [shared_range](const at::Tensor& memory, int64_t offset, int64_t nbytes) -> std::optional<std::string> {
-        std::string why;
-        if (shardkit::core::reserve_shared_pages(shared_range(memory, offset, nbytes, "reserve_shared_pages"),
-                                                 static_cast<size_t>(nbytes), &why)) {
-          return std::nullopt;
-        }
-        return why;
-      },
-      py::arg("memory"), py::arg("offset"), py::arg("nbytes"),
-      "Allocates the range's pages now: None, or why not (/dev/shm out of room, or a kernel before 5.14) instead "
-      "of SIGBUS at the first write.");
+  m.def("release_shared_pages", &shardkit::fsdp::release_memory_pages, py::arg("memory"), py::arg("offset"),
+        py::arg("nbytes"),
+        "Gives the whole pages inside the byte range of a shared buffer back to /dev/shm (they read as zeros after); "
+        "False where the kernel cannot. No rank may read the range meanwhile.");
+  m.def("reserve_shared_pages", &shardkit::fsdp::reserve_memory_pages, py::arg("memory"), py::arg("offset"),
+        py::arg("nbytes"),
+        "Allocates the byte range's pages of a shared buffer now: None, or why not (/dev/shm out of room, a kernel "
+        "before 5.14) instead of SIGBUS at the first write.");
 #ifdef SHARDKIT_WITH_CUDA
   m.attr("with_cuda") = true;
   m.def("nccl_version", &shardkit::comm::nccl_version, "Version of the NCCL library shardkit linked (e.g. 22805).");

@@ -143,7 +143,7 @@ bool reserve_shared_pages(void* data, size_t bytes, std::string* why) {
   if (madvise(reinterpret_cast<void*>(begin), end - begin, MADV_POPULATE_WRITE) == 0) return true;
   const int err = errno;
   if (why != nullptr) {
-    *why = err == EFAULT ? "/dev/shm has no room for " + std::to_string(end - begin) + " more bytes"
+    *why = err == EFAULT ? "/dev/shm has no room for the " + std::to_string(end - begin) + " bytes asked"
                          : std::string("MADV_POPULATE_WRITE: ") + std::strerror(err);
   }
   return false;

@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "compat.h"
+#include "core/shm_segment.h"
 #include "fsdp/cast.h"
 
 namespace shardkit::fsdp {
@@ -166,8 +167,9 @@ at::Tensor FlatParamHandle::full_alias() const {
 std::vector<at::Tensor> FlatParamHandle::views(const at::Tensor& base) const {
   TORCH_CHECK(base.dim() == 1 && base.numel() == layout_.padded_numel(), where("views"),
               "expected a flat tensor of ", layout_.padded_numel(), " elements, got shape ", base.sizes());
-  // One split over parameters, alignment gaps and padding: autograd's SplitBackward concatenates the
-  // parameters' gradients (zeros for gaps and unused parameters) into one flat gradient, in one pass.
+  // One split over parameters, alignment gaps and padding (the chunks that are parameters are viewed in their
+  // shapes). Training views are made without autograd (inside FSDP's _FullParameterViews, whose backward packs
+  // the gradients with flatten_gradients).
   std::vector<int64_t> sizes;
   std::vector<size_t> chunk_of_param;
   int64_t cursor = 0;
@@ -201,6 +203,10 @@ at::Tensor FlatParamHandle::flat_tensor(at::ScalarType dtype, const std::optiona
   return memory->narrow(0, 0, bytes).view(dtype);
 }
 
+bool FlatParamHandle::flattens_into_memory() const {
+  return compute_dtype_ == reduce_dtype_ && full_device().is_cpu();
+}
+
 int64_t FlatParamHandle::reduce_input_bytes() const {
   return layout_.padded_numel() * static_cast<int64_t>(c10::elementSize(reduce_dtype_));
 }
@@ -210,8 +216,7 @@ at::Tensor FlatParamHandle::flatten_gradients(const std::vector<std::optional<at
   TORCH_CHECK(grads.size() == shapes_.size(), where("flatten gradients"), "expected ", shapes_.size(),
               " gradients, got ", grads.size());
   at::NoGradGuard no_grad;
-  at::Tensor flat = flat_tensor(compute_dtype_, compute_dtype_ == reduce_dtype_ ? memory : std::nullopt,
-                                "flatten gradients");
+  at::Tensor flat = flat_tensor(compute_dtype_, flattens_into_memory() ? memory : std::nullopt, "flatten gradients");
   int64_t cursor = 0;  // everything before it is written
   for (size_t i = 0; i < shapes_.size(); ++i) {
     const int64_t offset = layout_.offsets()[i];
@@ -373,6 +378,34 @@ at::Tensor exact_storage_alias(const at::Tensor& view) {
   // The deleter owns a reference to the viewed tensor: its storage lives as long as the alias's.
   return at::from_blob(
       view.data_ptr(), view.sizes(), [keep = view](void*) {}, view.options());
+}
+
+namespace {
+
+uint8_t* memory_range(const at::Tensor& memory, int64_t offset, int64_t nbytes, const char* op) {
+  TORCH_CHECK(memory.device().is_cpu() && memory.scalar_type() == at::kByte && memory.dim() == 1 &&
+                  memory.is_contiguous(),
+              op, ": expected a contiguous 1-D uint8 host tensor (a shared buffer), got ", memory.scalar_type(), " ",
+              memory.sizes(), " on ", memory.device());
+  TORCH_CHECK(offset >= 0 && nbytes >= 0 && offset + nbytes <= memory.numel(), op, ": bytes [", offset, ", ",
+              offset + nbytes, ") are not inside the buffer's ", memory.numel());
+  return static_cast<uint8_t*>(memory.data_ptr()) + offset;
+}
+
+}  // namespace
+
+bool release_memory_pages(const at::Tensor& memory, int64_t offset, int64_t nbytes) {
+  return core::release_shared_pages(memory_range(memory, offset, nbytes, "release_shared_pages"),
+                                    static_cast<size_t>(nbytes));
+}
+
+std::optional<std::string> reserve_memory_pages(const at::Tensor& memory, int64_t offset, int64_t nbytes) {
+  std::string why;
+  if (core::reserve_shared_pages(memory_range(memory, offset, nbytes, "reserve_shared_pages"),
+                                 static_cast<size_t>(nbytes), &why)) {
+    return std::nullopt;
+  }
+  return why;
 }
 
 }  // namespace shardkit::fsdp

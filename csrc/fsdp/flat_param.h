@@ -97,6 +97,7 @@ class FlatParamHandle {
   // Per parameter: the user-visible sharded value (see the header comment).
   std::vector<at::Tensor> shard_views() const;
   at::ScalarType compute_dtype() const { return compute_dtype_; }
+  at::ScalarType reduce_dtype() const { return reduce_dtype_; }
   bool offloaded() const { return offload_ != nullptr; }
   int64_t full_bytes() const;
 
@@ -113,8 +114,7 @@ class FlatParamHandle {
   void reshard();
   // The full buffer as a tensor of its own version counter (an autograd leaf is made from it).
   at::Tensor full_alias() const;
-  // Per parameter: `base` (the full buffer or a tensor aliasing it, e.g. the autograd leaf) split into the
-  // parameters' shapes, in one split so that autograd packs their gradients into one flat gradient.
+  // Per parameter: `base` (the full buffer or a tensor aliasing it) split into the parameters' shapes.
   std::vector<at::Tensor> views(const at::Tensor& base) const;
 
   // --- gradients ---
@@ -128,6 +128,8 @@ class FlatParamHandle {
   // Bytes the reduce-scatter's input takes (padded size in the reduce dtype): what `memory` above and
   // reduce_start's `memory` must hold.
   int64_t reduce_input_bytes() const;
+  // Whether flatten_gradients makes the gradient in its `memory` (else reduce_start makes the cast there, if any).
+  bool flattens_into_memory() const;
   // `flat_grad`: the gradient of the full buffer (compute dtype, padded size; consumed). The gradient
   // accumulated under no_sync is added first. `memory` (optional host bytes, as above): where the reduce dtype's
   // copy is made when the gradient needs a cast, on the host; else a new tensor.
@@ -193,5 +195,11 @@ class FlatParamHandle {
 // done; torch.save writes the whole storage), take this one as it is. `view` must be contiguous; an empty
 // one is returned as it is.
 at::Tensor exact_storage_alias(const at::Tensor& view);
+
+// The pages of bytes [offset, offset + nbytes) of `memory` (a shared buffer: a contiguous 1-D uint8 host tensor),
+// for zero-copy memory that is written in bursts (core::release_shared_pages / reserve_shared_pages). release:
+// false where the kernel cannot; reserve: the reason it could not (no room in /dev/shm, a kernel before 5.14).
+bool release_memory_pages(const at::Tensor& memory, int64_t offset, int64_t nbytes);
+std::optional<std::string> reserve_memory_pages(const at::Tensor& memory, int64_t offset, int64_t nbytes);
 
 }  // namespace shardkit::fsdp

@@ -111,7 +111,8 @@ class _FlatGroup:
     occurrences: list[list[tuple[nn.Module, str]]]  # every (module, attribute) registering each parameter
     shapes: list[torch.Size]  # the parameters' own shapes
     trainable: bool
-    # This iteration's training views (_FullParameterViews: one backward node for every forward of the unit).
+    # This iteration's training views (_FullParameterViews: one backward node, shared by every forward of the unit
+    # in the iteration).
     training_views: tuple[torch.Tensor, ...] | None = None
     unit_name: str = "(root)"  # the FSDP unit's module name, in profiler labels
 
@@ -578,13 +579,16 @@ class FullyShardedDataParallel(nn.Module):
         for one backward pass (None: the parameter got none), in parameter order."""
         sync = self._require_backward_grad_sync
         memory = self._reduce_memory if sync else None
-        if memory is not None:
+        made_in_memory = memory is not None and group.handle.flattens_into_memory
+        if made_in_memory:
             self._finish_reductions()  # the one in flight reads the memory this gradient is about to be made in
             memory = self._resident_reduce_memory(group.handle.reduce_input_bytes, unit)
         with _profiling.span("shardkit::fsdp.flatten_gradients", unit.name or "(root)"):
             grad = group.handle.flatten_gradients(grads, memory)
         if sync:
             self._finish_reductions()  # at most one reduction in flight besides this one
+            if memory is not None and not made_in_memory:  # reduce_start makes the reduce-dtype cast in it
+                memory = self._resident_reduce_memory(group.handle.reduce_input_bytes, unit)
             with _profiling.span("shardkit::fsdp.reduce_scatter", unit.name or "(root)"):
                 group.handle.reduce_start(grad, memory)
             self._pending.append(group)
@@ -621,24 +625,35 @@ class FullyShardedDataParallel(nn.Module):
         self._backward_pending = False
 
     def _resident_reduce_memory(self, needed: int, unit: _Unit) -> torch.Tensor | None:
-        """The zero-copy memory with its first `needed` bytes allocated; None where /dev/shm has no room for the
-        pages given back after the last iteration (a warning says so; this rank's reduce-scatter then takes
-        ordinary memory, and every rank fails at once on the disagreement — nothing is killed by SIGBUS)."""
+        """The zero-copy memory with its first `needed` bytes allocated, or None: this unit is reduced from
+        ordinary memory. Past the part kept between iterations the pages are allocated again here, and every rank
+        of the shard group must have had them — a MIN over the shard group, issued by every rank at the same point
+        (the sizes are the same everywhere) — so that where one rank finds no room in /dev/shm, every rank warns
+        and takes ordinary memory (ranks that disagreed would fail the reduce-scatter; none is killed by SIGBUS)."""
         memory = self._reduce_memory
+        if needed <= self._reduce_memory_kept:
+            return memory
+        why = None
         if needed > self._reduce_memory_resident:
             why = _C.reserve_shared_pages(memory, self._reduce_memory_resident, needed - self._reduce_memory_resident)
-            if why is not None:
-                name = unit.name or "(root)"
-                warnings.warn(f"shardkit FSDP (rank {self.rank}): no zero-copy memory for the flat gradient of unit "
-                              f"'{name}' ({needed} bytes): {why}")
-                return None
-            self._reduce_memory_resident = needed
-        return memory
+        everyone_has_it = torch.tensor([0 if why else 1], dtype=torch.int32)
+        dist.all_reduce(everyone_has_it, op=dist.ReduceOp.MIN, group=self._shard_group)
+        if everyone_has_it.item():
+            self._reduce_memory_resident = max(self._reduce_memory_resident, needed)
+            return memory
+        self._release_reduce_memory(whatever_is_resident=True)  # what this rank did get goes back
+        name = unit.name or "(root)"
+        warnings.warn(f"shardkit FSDP (rank {self.rank}): no zero-copy memory for the flat gradient of unit "
+                      f"'{name}' ({needed} bytes) this iteration: "
+                      f"{why or 'another rank of the shard group has no room in /dev/shm'}; it is reduced from "
+                      "ordinary memory")
+        return None
 
-    def _release_reduce_memory(self) -> None:
-        """Gives the zero-copy memory past what is kept back to /dev/shm (no reduction reads it any more)."""
+    def _release_reduce_memory(self, whatever_is_resident: bool = False) -> None:
+        """Gives the zero-copy memory past what is kept back to /dev/shm (no reduction reads it any more);
+        `whatever_is_resident`: also pages a failed reservation may have left allocated."""
         memory, kept = self._reduce_memory, self._reduce_memory_kept
-        if memory is not None and self._reduce_memory_resident > kept:
+        if memory is not None and (self._reduce_memory_resident > kept or whatever_is_resident):
             if _C.release_shared_pages(memory, kept, memory.numel() - kept):
                 self._reduce_memory_resident = kept
 

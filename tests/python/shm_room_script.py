@@ -25,7 +25,7 @@ class _Block(nn.Module):
 
 
 def _fsdp_when_dev_shm_fills_up(rank: int) -> dict:
-    """An FSDP model whose zero-copy memory fits (2 MB per rank, for the root's embedding; blocks need 0.5 MB) gives
+    """An FSDP model whose zero-copy memory fits (2.6 MB per rank, for the root's layers; blocks need 0.5 MB) gives
     the root's part back after an iteration; then /dev/shm is filled to the brim, so that the next backward cannot
     have it again: both ranks warn and reduce that gradient from ordinary memory, with the copying path's
     results. Once there is room again, zero-copy resumes."""

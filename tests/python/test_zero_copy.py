@@ -162,14 +162,24 @@ def _one_rank_shared(rank, world):
     return _message_of(lambda: dist.all_reduce(tensor))
 
 
+def _one_rank_shared_reduce_scatter(rank, world):
+    shared = _cpu_backend().shared_buffer(1 << 20)
+    n = 50_000
+    source = shared[: n * world * 4].view(torch.float32) if rank == 0 else torch.ones(n * world)
+    return _message_of(lambda: dist.reduce_scatter_tensor(torch.empty(n), source))
+
+
 def _different_sizes(rank, world):
     return _message_of(lambda: _cpu_backend().shared_buffer(4096 * (rank + 1)))
 
 
-@pytest.mark.parametrize("case", ["one_rank_in_a_shared_buffer", "different_buffer_sizes"])
+@pytest.mark.parametrize("case", ["one_rank_in_a_shared_buffer", "one_rank_reduce_scatters_from_one",
+                                  "different_buffer_sizes"])
 def test_ranks_that_disagree_fail_clearly_on_every_rank(ranks, case):
     fn, called, sides = {
         "one_rank_in_a_shared_buffer": (_one_rank_shared, "allreduce", ["in shared buffer 1 at byte 0"]),
+        "one_rank_reduce_scatters_from_one": (_one_rank_shared_reduce_scatter, "reduce_scatter",
+                                              ["in shared buffer 1 at byte 0"]),
         "different_buffer_sizes": (_different_sizes, "shared_buffer", ["u8 x 4096", "u8 x 8192"]),
     }[case]
     messages = ranks.run(fn, 2, timeout=60, pg_timeout=20)
@@ -272,7 +282,7 @@ IN_WIDE = 1024
 
 
 class _WideBlock(nn.Module):
-    """A block whose flat gradient (~66K f32) is past the small-message size at every world size here."""
+    """A block whose flat gradient (~37K f32) is past the small-message size at every world size here."""
 
     def __init__(self, d: int = 96) -> None:
         super().__init__()
@@ -384,6 +394,61 @@ def test_fsdp_flat_gradients_in_shared_memory_train_bitwise_like_the_copying_pat
         # shared memory where it applies; the no_sync backwards reduce nothing.
         assert reduce_scatters == 3 * 4, f"rank {rank}: {reduce_scatters} reduce-scatters, expected 12"
         assert ran == (reduce_scatters if applies else 0), f"rank {rank}: {ran} zero-copy reduce-scatters"
+
+
+def _one_rank_without_room(rank, world):
+    """The memory past a block's size is given back after each iteration; when rank 1 alone cannot have it again
+    (its reservation fails, as with /dev/shm full), both ranks warn and reduce the root from ordinary memory —
+    the same results, no disagreement — and take shared memory again once rank 1 can."""
+    import warnings
+
+    import shardkit
+    from shardkit import _C
+
+    def make():
+        torch.manual_seed(0)
+        return shardkit.FullyShardedDataParallel(_WideNet(), auto_wrap_policy={_WideBlock})
+
+    zero_copy, copying = make(), make()
+    copying._reduce_memory = None
+    backend = _cpu_backend()
+
+    def step(n):
+        g = torch.Generator().manual_seed(100 * rank + n)
+        x, y = torch.randn(5, IN_WIDE, generator=g), torch.randn(5, 4, generator=g)
+        for model in (zero_copy, copying):
+            model.zero_grad()
+            loss_fn(model(x), y).backward()
+        return all(torch.equal(_bits(a.grad), _bits(b.grad)) for a, b in zip(zero_copy.parameters(), copying.parameters()))
+
+    same = [step(0)]
+    real_reserve = _C.reserve_shared_pages
+    if rank == 1:
+        _C.reserve_shared_pages = lambda memory, offset, nbytes: "simulated: no room"
+    try:
+        before = backend.shared_ops()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            same.append(step(1))
+        without = backend.shared_ops() - before
+    finally:
+        _C.reserve_shared_pages = real_reserve
+    before = backend.shared_ops()
+    same.append(step(2))
+    again = backend.shared_ops() - before
+    warned = [str(w.message) for w in caught if "no zero-copy memory for the flat gradient of unit '(root)'" in str(w.message)]
+    return same, without, again, warned, zero_copy._reduce_memory_resident == zero_copy._reduce_memory_kept
+
+
+def test_fsdp_rank_without_room_for_its_memory_makes_every_rank_use_ordinary_memory(ranks):
+    for rank, (same, without, again, warned, released) in enumerate(ranks.run(_one_rank_without_room, 2, timeout=120)):
+        assert same == [True, True, True], f"rank {rank}: zero-copy gradients differ from the copying path: {same}"
+        # 4 units; the root's reduce-scatter took ordinary memory on both ranks in step 1, shared memory in step 2.
+        assert (without, again) == (3, 4), f"rank {rank}: zero-copy reduce-scatters {without} then {again}"
+        assert len(warned) == 1, f"rank {rank}: {warned}"
+        reason = "simulated: no room" if rank == 1 else "another rank of the shard group has no room in /dev/shm"
+        assert reason in warned[0], warned[0]
+        assert released, f"rank {rank}: the memory past the kept part was not given back"
 
 
 def _fsdp_on_gloo(rank, world):
