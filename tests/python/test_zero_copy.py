@@ -1,4 +1,4 @@
-"""Zero-copy buckets: allreduce in place in the group's shared memory, bitwise equal to the copying path.
+"""Zero-copy: collectives that read their input from the group's shared memory, bitwise equal to the copying path.
 
 A shardkit group on one host can hand out shared buffers (``backend.shared_buffer(nbytes)``): memory every
 rank maps from every other, in which an allreduce reads the peers' data where it lies instead of copying it
@@ -12,6 +12,11 @@ What is checked:
   the backend's count of zero-copy allreduces proves the path ran; across simulated hosts there is no shared
   buffer (None) and ordinary tensors carry on.
 - Disagreement fails clearly: one rank in a shared buffer, another not; different buffer sizes.
+- The reduce-scatter whose input lies in a shared buffer: bitwise the copying path on every topology, into a
+  private output and in place (this rank's own block).
+- FSDP: flat gradients made in the shard group's shared memory train bitwise like ordinary ones (every strategy,
+  bf16 both ways, no_sync, a unit run twice) and like torch DDP on gloo; the memory past a block's size is given
+  back between iterations; a rank without room makes every rank fall back at once; gloo keeps ordinary memory.
 - DDP: the zero-copy DDP trains bitwise like the copying one (gradient_as_bucket_view=False) and like torch's
   DDP on gloo within the usual tolerance, across the bucket rebuild; it falls back (zero_copy() False, same
   numbers) across hosts, on a gloo group, and where the flag is off.
@@ -87,19 +92,6 @@ def _shared_vs_copying(rank, world):
     return mismatches, backend.shared_ops() - before, zero_copy_expected
 
 
-@EVERY_TOPOLOGY
-def test_allreduce_in_shared_buffer_is_bitwise_the_copying_path(ranks, topology):
-    world, hosts = TOPOLOGIES[topology]
-    results = ranks.run(_shared_vs_copying, world, timeout=240, env=topology_env(hosts))
-    if hosts is not None and len(set(hosts)) > 1:
-        assert results == [None] * world, "a group across hosts must not hand out shared buffers"
-        return
-    for rank, (mismatches, ran, expected) in enumerate(results):
-        assert not mismatches, f"rank {rank}: zero-copy result differs from the copying path: {mismatches}"
-        # Every op past the small-message size took the zero-copy path.
-        assert ran == expected > 0, f"rank {rank}: {ran} zero-copy allreduces, expected {expected}"
-
-
 def _reduce_scatter_shared_vs_copying(rank, world):
     """reduce_scatter_tensor whose input lies in a shared buffer against the same input in ordinary memory: bits
     of the result (into a private tensor, and into this rank's own block of the input), bytes around the input."""
@@ -135,15 +127,18 @@ def _reduce_scatter_shared_vs_copying(rank, world):
 
 
 @EVERY_TOPOLOGY
-def test_reduce_scatter_from_shared_buffer_is_bitwise_the_copying_path(ranks, topology):
+@pytest.mark.parametrize("op", ["allreduce", "reduce_scatter"])
+def test_collective_from_shared_buffer_is_bitwise_the_copying_path(ranks, topology, op):
     world, hosts = TOPOLOGIES[topology]
-    results = ranks.run(_reduce_scatter_shared_vs_copying, world, timeout=240, env=topology_env(hosts))
+    fn = _shared_vs_copying if op == "allreduce" else _reduce_scatter_shared_vs_copying
+    results = ranks.run(fn, world, timeout=240, env=topology_env(hosts))
     if hosts is not None and len(set(hosts)) > 1:
         assert results == [None] * world, "a group across hosts must not hand out shared buffers"
         return
     for rank, (mismatches, ran, expected) in enumerate(results):
-        assert not mismatches, f"rank {rank}: zero-copy result differs from the copying path: {mismatches}"
-        assert ran == expected > 0, f"rank {rank}: {ran} zero-copy reduce-scatters, expected {expected}"
+        assert not mismatches, f"rank {rank}: zero-copy {op} differs from the copying path: {mismatches}"
+        # Every op past the small-message size took the zero-copy path.
+        assert ran == expected > 0, f"rank {rank}: {ran} zero-copy {op}s, expected {expected}"
 
 
 def _message_of(call) -> str | None:
