@@ -65,6 +65,8 @@ __all__ = ["BackwardPrefetch", "CPUOffload", "FullStateDictConfig", "FullySharde
            "ShardedStateDictConfig", "ShardingStrategy", "StateDictType"]
 
 _BROADCAST_BUCKET_BYTES = 250 << 20
+# Zero-copy gradient memory past the part kept between iterations is given back only if at least this much can go.
+_GIVE_BACK_MIN_BYTES = 256 << 10
 
 
 class ShardingStrategy(enum.Enum):
@@ -283,15 +285,18 @@ class FullyShardedDataParallel(nn.Module):
         the largest fits in the second-largest unit's gradient size, so only that much stays; the rest (often
         the root's, with the embedding) is given back to /dev/shm at the end of each iteration and allocated
         again when the largest gradient is made — when the copying path would allocate it too — so the memory
-        is not held through forward. Kept whole where the kernel cannot allocate pages with an error instead of
-        SIGBUS (before Linux 5.14)."""
+        is not held through forward. Kept whole where less than _GIVE_BACK_MIN_BYTES would go, and where the
+        kernel cannot allocate pages with an error instead of SIGBUS (before Linux 5.14)."""
         memory = self._reduce_memory
         if memory is None:
             return 0, 0
         if _C.reserve_shared_pages(memory, 0, min(memory.numel(), 1)) is not None:
             return memory.numel(), memory.numel()
         sizes = sorted(g.handle.reduce_input_bytes for u in self._units for g in u.groups if g.trainable)
-        return (sizes[-2] if len(sizes) > 1 else 0), memory.numel()
+        kept = sizes[-2] if len(sizes) > 1 else 0
+        if memory.numel() - kept < _GIVE_BACK_MIN_BYTES:  # not worth page faults and an allreduce per iteration
+            kept = memory.numel()
+        return kept, memory.numel()
 
     def _verify_same_layout_everywhere(self, owners: dict[str, list[tuple[str, nn.Parameter]]]) -> None:
         mine = [(unit, [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in params])

@@ -91,7 +91,9 @@ def test_rank_killed_mid_backward(ranks, case, wrapper):
         assert elapsed < 2.0, f"rank {outcome.rank} took {elapsed:.2f} s to notice: {message}"
         assert f"rank(s) {victim} (pid" in message and "exited" in message, message
         for text in later:
-            assert "aborted" in text and f"rank(s) {victim} (pid" in text, text
+            # The group's abort, or the death as a collective that was in flight (a prefetched all-gather, say)
+            # found it first and kept its own error for the call that waits on it.
+            assert ("aborted" in text or "exited before arriving" in text) and f"rank(s) {victim} (pid" in text, text
 
 
 def _kill_mid_allreduce(rank, world, victim):

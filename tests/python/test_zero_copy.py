@@ -273,7 +273,7 @@ def test_no_room_in_dev_shm_falls_back_with_a_warning():
 
 # --- FSDP: flat gradients made in shared memory ------------------------------------------------------------
 
-IN_WIDE = 1024
+IN_WIDE = 2048  # the root's flat gradient exceeds a block's by more than 256 KiB: that part is given back
 
 
 class _WideBlock(nn.Module):
@@ -290,7 +290,7 @@ class _WideBlock(nn.Module):
 
 
 class _WideNet(nn.Module):
-    """Three blocks and a root unit (embed, head) whose flat gradient is the largest (~99K f32): the zero-copy
+    """Three blocks and a root unit (embed, head) whose flat gradient is the largest (~197K f32): the zero-copy
     memory's part past a block's size is given back after every iteration and allocated again for the root."""
 
     def __init__(self, depth: int = 3, d: int = 96) -> None:
@@ -362,7 +362,7 @@ def _fsdp_zero_copy(rank, world, variant):
     loose = variant.startswith("bf16")
     reference = torch_ddp.module.state_dict()
     for key, value in zero_copy.state_dict().items():
-        torch.testing.assert_close(value, reference[key], rtol=2e-2 if loose else 1e-5, atol=2e-3 if loose else 1e-6,
+        torch.testing.assert_close(value, reference[key], rtol=2e-2 if loose else 1e-5, atol=1e-2 if loose else 1e-6,
                                    msg=lambda m, key=key: f"rank {rank}: {key} differs from torch DDP: {m}")
     assert _params_bits(zero_copy) == _params_bits(copying)
     ran = backend.shared_ops() - before if backend is not None else 0
