@@ -49,6 +49,34 @@ def _want_cuda() -> bool:
     return possible
 
 
+def _shared_libstdcxx_link_args() -> list[str]:
+    """Link arguments that keep a static copy of libstdc++ out of `_C`, where the compiler would put one there.
+
+    A compiler that has only a static libstdc++ (seen: a GCC under /opt/gcc on a GPU machine's image) copies
+    the C++ runtime into _C.so. The process then holds two runtimes, torch's and _C's, and they disagree on
+    locale facets: the first error message that formats a number crashed the process instead of raising. Naming
+    the libstdc++.so.6 torch itself runs with on the link line binds every std:: symbol to it; nothing is copied.
+    """
+    import shlex
+    import subprocess
+
+    cxx = shlex.split(os.environ.get("CXX", "c++"))
+    try:
+        found = subprocess.run(cxx + ["-print-file-name=libstdc++.so"], capture_output=True, text=True,
+                               check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return []  # the build itself will say what is wrong with the compiler
+    if os.path.isabs(found) and os.path.exists(found):
+        return []  # the compiler links its shared libstdc++, as usual
+    with open("/proc/self/maps", encoding="utf-8") as maps:  # torch is imported: its libstdc++ is mapped
+        loaded = {line.split()[-1] for line in maps if "/libstdc++.so" in line}
+    if len(loaded) != 1:
+        raise RuntimeError(f"shardkit: the compiler {cxx[0]} has no shared libstdc++ (it would copy one into the "
+                           f"extension, which crashes next to torch's), and torch's could not be found to link "
+                           f"instead (mapped: {sorted(loaded)}); build with a compiler that has one (CXX=...)")
+    return [loaded.pop()]
+
+
 def _nccl_paths() -> tuple[str, str]:
     """Include and library folders of NCCL: the nvidia-nccl wheel torch depends on, else CUDA_HOME."""
     from torch.utils.cpp_extension import CUDA_HOME
@@ -92,7 +120,7 @@ def get_extensions():
     include_dirs = [str(CSRC)]
     library_dirs: list[str] = []
     libraries = ["rt"]
-    extra_link_args: list[str] = []
+    extra_link_args: list[str] = _shared_libstdcxx_link_args()
     if not cuda:
         return [
             CppExtension(
@@ -102,6 +130,7 @@ def get_extensions():
                 define_macros=define_macros,
                 extra_compile_args={"cxx": cxx_flags},
                 libraries=libraries,
+                extra_link_args=extra_link_args,
             )
         ]
     for folder in CUDA_FOLDERS:

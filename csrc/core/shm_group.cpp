@@ -163,7 +163,7 @@ ShmGroup::ShmGroup(const Options& options)
 ShmGroup::~ShmGroup() = default;
 
 SharedBuffer::SharedBuffer(std::unique_ptr<ShmSegment> segment, size_t bytes, size_t stride, int rank, uint32_t id)
-    : segment_(std::move(segment)), bytes_(bytes), stride_(stride), rank_(rank), id_(id) {}
+    : segment_(std::move(segment)), id_(id), bytes_(bytes), stride_(stride), rank_(rank) {}
 
 SharedBuffer::~SharedBuffer() = default;
 

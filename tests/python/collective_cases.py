@@ -58,7 +58,7 @@ def reference_reduce(inputs: list[torch.Tensor], op) -> torch.Tensor:
         stacked = torch.stack(inputs).to(torch.uint8)
         if op in (R.SUM, R.MAX, R.BOR):
             return stacked.amax(0).bool() if stacked.numel() else stacked.sum(0).bool()
-        if op in (R.MIN, R.BAND):
+        if op in (R.MIN, R.BAND, R.PRODUCT):  # a product of bools is their AND
             return stacked.amin(0).bool() if stacked.numel() else stacked.sum(0).bool()
         return (stacked.sum(0) % 2).bool()
     wide = torch.float64 if dtype.is_floating_point else torch.int64

@@ -27,12 +27,15 @@ def _train_until_a_rank_dies(rank, world, victim, wrapper):
     import shardkit
 
     torch.manual_seed(0)
-    # ddp_zero_copy: buckets in shared memory (one host), the middle layer's past the 32 KB small-message size.
-    width = 128 if wrapper == "ddp_zero_copy" else 64
+    # *_zero_copy: buckets / flat gradients in shared memory (one host), the middle layer's past the 32 KB
+    # small-message size, so the victim dies while the survivors wait in the shared-buffer reduction.
+    width = 128 if wrapper.endswith("_zero_copy") else 64
     model = torch.nn.Sequential(torch.nn.Linear(32, width), torch.nn.Tanh(), torch.nn.Linear(width, width),
                                 torch.nn.Tanh(), torch.nn.Linear(width, 4))
-    if wrapper == "fsdp":  # one unit per Linear: all-gathers and reduce-scatters all through backward
+    if wrapper.startswith("fsdp"):  # one unit per Linear: all-gathers and reduce-scatters all through backward
         ddp = shardkit.FullyShardedDataParallel(model, auto_wrap_policy={torch.nn.Linear})
+        if wrapper == "fsdp":
+            ddp._reduce_memory = None  # flat gradients in memory of their own: the copying reduce-scatter
         optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
     else:
         zero_stage = {"ddp": 0, "ddp_zero_copy": 0, "zero1": 1, "zero2": 2}[wrapper]
@@ -58,6 +61,7 @@ def _train_until_a_rank_dies(rank, world, victim, wrapper):
         optimizer.zero_grad()
         if rank == victim:
             steps["n"] += 1
+    zero_copy = getattr(ddp, "_reduce_memory", None) is not None
     start = time.monotonic()
     try:
         ddp(data).square().mean().backward()
@@ -72,10 +76,10 @@ def _train_until_a_rank_dies(rank, world, victim, wrapper):
             later.append("returned normally")
         except RuntimeError as error:
             later.append(str(error))
-    return elapsed, message, later
+    return elapsed, message, later, zero_copy
 
 
-@pytest.mark.parametrize("wrapper", ["ddp", "ddp_zero_copy", "zero1", "zero2", "fsdp"])
+@pytest.mark.parametrize("wrapper", ["ddp", "ddp_zero_copy", "zero1", "zero2", "fsdp", "fsdp_zero_copy"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_rank_killed_mid_backward(ranks, case, wrapper):
     world, hosts, victim = CASES[case]
@@ -87,7 +91,9 @@ def test_rank_killed_mid_backward(ranks, case, wrapper):
             continue
         assert outcome.ok, outcome.error
         assert not isinstance(outcome.value, str), f"rank {outcome.rank}: {outcome.value}"
-        elapsed, message, later = outcome.value
+        elapsed, message, later, zero_copy = outcome.value
+        if wrapper == "fsdp_zero_copy":  # the shared flat-gradient memory applies where the shard group is one host
+            assert zero_copy == (hosts is None), f"rank {outcome.rank}: FSDP zero-copy memory in use: {zero_copy}"
         assert elapsed < 2.0, f"rank {outcome.rank} took {elapsed:.2f} s to notice: {message}"
         assert f"rank(s) {victim} (pid" in message and "exited" in message, message
         for text in later:
