@@ -65,4 +65,17 @@ inline unsigned grid_for(int64_t count, int threads, int64_t max_blocks = 65535)
   return static_cast<unsigned>(blocks < 1 ? 1 : (blocks < max_blocks ? blocks : max_blocks));
 }
 
+// Blocks for a grid-stride loop that fill the device once (every multiprocessor at its most resident threads)
+// and no more than `count` items need: each thread then runs several steps, without waves of short blocks.
+inline unsigned resident_grid_for(int64_t count, int threads) {
+  int device = 0, multiprocessors = 0, threads_per_multiprocessor = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&threads_per_multiprocessor, cudaDevAttrMaxThreadsPerMultiProcessor, device) !=
+          cudaSuccess) {
+    return grid_for(count, threads);  // the launch that follows reports what is wrong with the device
+  }
+  return grid_for(count, threads, int64_t{multiprocessors} * (threads_per_multiprocessor / threads));
+}
+
 }  // namespace shardkit::cuda

@@ -72,10 +72,13 @@ def test_unpack_with_factor_is_the_average_fused_into_the_copy(dtype):
 
 @pytest.mark.parametrize("src_dtype", DTYPES)
 @pytest.mark.parametrize("dst_dtype", DTYPES)
-@pytest.mark.parametrize("numel", [0, 1, 1001, 65_537])
-def test_cast_scale_matches_torch(src_dtype, dst_dtype, numel):
-    src = _random(numel, src_dtype, offset=numel % 5)
-    dst = _poisoned(numel, dst_dtype, offset=3)
+# (elements, src offset, dst offset): misaligned (element by element), and aligned (16-byte vectors) with and
+# without a tail of count % (elements per vector)
+@pytest.mark.parametrize("numel,src_offset,dst_offset", [(0, 0, 0), (1, 1, 3), (1001, 1, 3), (65_537, 2, 3),
+                                                         (65_536, 0, 0), (4_103, 0, 0)])
+def test_cast_scale_matches_torch(src_dtype, dst_dtype, numel, src_offset, dst_offset):
+    src = _random(numel, src_dtype, offset=src_offset)
+    dst = _poisoned(numel, dst_dtype, offset=dst_offset)
     _C.cuda_cast_scale_(dst, src, 0.25)  # a power of two: exact in every dtype, so torch's order does not matter
     compute = torch.float64 if torch.float64 in (src_dtype, dst_dtype) else torch.float32
     assert torch.equal(dst, (src.to(compute) * 0.25).to(dst_dtype))
