@@ -18,7 +18,7 @@ DEEPSPEED    := deepspeed==0.19.8
 TORCH_CPU    := torch==2.13.0
 TORCH_CUDA   := torch==2.14.1
 PIP_FLAGS    := --disable-pip-version-check -q
-TEST_DEPS    := pytest pytest-timeout numpy ninja setuptools wheel transformers==5.23.0 matplotlib==3.11.2
+TEST_DEPS    := pytest pytest-timeout numpy ninja 'setuptools>=77' wheel transformers==5.23.0 matplotlib==3.11.2
 # iproute2 (ip netns, veth) and util-linux (unshare): the namespace hosts of tests/python/test_two_hosts.py
 APT_PACKAGES := libgtest-dev cmake ninja-build g++ iproute2 util-linux
 BUILD_CPP    := build/cpp
@@ -119,7 +119,7 @@ demo: build
 # --- CUDA compile check (no GPU needed) -----------------------------------------------------------------
 $(VENV_CUDA)/.deps: Makefile
 	$(PYTHON) -m venv $(VENV_CUDA)
-	$(VENV_CUDA)/bin/pip install $(PIP_FLAGS) $(TORCH_CUDA) ninja setuptools wheel numpy
+	$(VENV_CUDA)/bin/pip install $(PIP_FLAGS) $(TORCH_CUDA) ninja 'setuptools>=77' wheel numpy
 	touch $@
 
 # Built from a copy of the sources, so its objects never mix with the CPU build's in ./build.

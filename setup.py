@@ -12,7 +12,16 @@ import glob
 import os
 from pathlib import Path
 
+import setuptools
 from setuptools import find_packages, setup
+
+# pyproject.toml's `license = "BSD-3-Clause"` (an SPDX expression) and `license-files` need setuptools 77. With
+# --no-build-isolation pip builds with whatever setuptools the environment has (a Python 3.11 venv starts with
+# 65.5, which torch's `setuptools<82` keeps) and does not check pyproject's build requirements: say so here,
+# rather than let an older setuptools fail on the license field.
+if int(setuptools.__version__.split(".")[0]) < 77:
+    raise SystemExit(f"shardkit's build needs setuptools >= 77 (this environment has {setuptools.__version__}): "
+                     "pip install 'setuptools>=77' wheel, then build again with --no-build-isolation")
 
 ROOT = Path(__file__).parent.resolve()
 CSRC = ROOT / "csrc"
