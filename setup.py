@@ -64,12 +64,18 @@ def _shared_libstdcxx_link_args() -> list[str]:
     A compiler that has only a static libstdc++ (seen: a GCC under /opt/gcc on a GPU machine's image) copies
     the C++ runtime into _C.so. The process then holds two runtimes, torch's and _C's, and they disagree on
     locale facets: the first error message that formats a number crashed the process instead of raising. Naming
-    the libstdc++.so.6 torch itself runs with on the link line binds every std:: symbol to it; nothing is copied.
+    the libstdc++.so.6 torch itself runs with on the link line binds every std:: symbol to it; nothing is copied
+    (seen there: no std:: symbol defined in _C.so). A symbol only a newer static libstdc++ has would still be
+    copied in; the compiler's own shared libstdc++, where it has one, is always preferred.
     """
     import shlex
     import subprocess
+    import sysconfig
 
-    cxx = shlex.split(os.environ.get("CXX", "c++"))
+    import torch  # noqa: F401  (maps the libstdc++ torch runs with into this process)
+
+    # The compiler setuptools links C++ extensions with: $CXX, else the one Python was configured with.
+    cxx = shlex.split(os.environ.get("CXX") or sysconfig.get_config_var("CXX") or "c++")
     try:
         found = subprocess.run(cxx + ["-print-file-name=libstdc++.so"], capture_output=True, text=True,
                                check=True).stdout.strip()
@@ -77,8 +83,11 @@ def _shared_libstdcxx_link_args() -> list[str]:
         return []  # the build itself will say what is wrong with the compiler
     if os.path.isabs(found) and os.path.exists(found):
         return []  # the compiler links its shared libstdc++, as usual
-    with open("/proc/self/maps", encoding="utf-8") as maps:  # torch is imported: its libstdc++ is mapped
-        loaded = {line.split()[-1] for line in maps if "/libstdc++.so" in line}
+    try:
+        with open("/proc/self/maps", encoding="utf-8") as maps:
+            loaded = {line.split()[5] for line in maps if "/libstdc++.so" in line and len(line.split()) >= 6}
+    except OSError:
+        loaded = set()
     if len(loaded) != 1:
         raise RuntimeError(f"shardkit: the compiler {cxx[0]} has no shared libstdc++ (it would copy one into the "
                            f"extension, which crashes next to torch's), and torch's could not be found to link "

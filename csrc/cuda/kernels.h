@@ -4,10 +4,11 @@
 // What they promise (checked against torch references by tests/python/test_cuda_kernels.py, on a GPU):
 //   - scale: data *= factor in place;
 //   - pack / unpack: many tensors <-> one flat buffer in one launch per kMaxPackSegments tensors, 16-byte
-//     accesses where a segment's source, destination and length allow it, byte accesses otherwise; unpack may
-//     scale on the way (the DDP copy-back fused with the 1/N average);
+//     accesses where a segment's source and destination are 16-byte aligned (4-byte where 4-aligned, else
+//     bytes); unpack may scale on the way (the DDP copy-back fused with the 1/N average);
 //   - cast_scale: dst = cast(src * factor) between f32, f64, f16 and bf16, computed in f32 (f64 if either side
 //     is f64) and rounded once -- except f64 -> f16/bf16, which rounds to f32 first, as torch's casts do;
+//     16-byte accesses where src and dst are aligned to them;
 //   - orthogonalize: batched Gram-Schmidt on b matrices of n x r (row-major, r small), one thread block per
 //     matrix, columns in order: column i divided by its norm (+ epsilon when epsilon != 0), then its projection
 //     removed from the columns after it -- torch's PowerSGD _orthogonalize_gram_schmidt, step by step.
