@@ -82,7 +82,9 @@ def batch(rank: int, step: int, micro: int = 0) -> tuple[torch.Tensor, torch.Ten
 
 
 def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return F.mse_loss(out, y)
+    # In f32 (a no-op for f32 outputs): torch 2.11 cannot backward mse_loss of a bf16 output against an f32 target
+    # ("Found dtype Float but expected BFloat16"); 2.13 promotes.
+    return F.mse_loss(out.float(), y)
 
 
 def sgd(params) -> torch.optim.Optimizer:

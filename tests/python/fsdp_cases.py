@@ -20,7 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-from ddp_cases import assert_close, gloo_world
+from ddp_cases import assert_close, gloo_world, loss_fn
 
 D_IN, D, D_OUT = 8, 16, 4
 
@@ -121,15 +121,15 @@ class FsdpPair:
 
     def losses(self, rank: int, step: int, micro: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = batch(rank, step, micro)
-        return F.mse_loss(self.ref(x), y), F.mse_loss(self.dut(x), y)
+        return loss_fn(self.ref(x), y), loss_fn(self.dut(x), y)
 
     def step(self, rank: int, step: int, check: bool = True) -> tuple[float, float]:
         self.ref_opt.zero_grad()
         self.dut_opt.zero_grad()
         x, y = batch(rank, step)
-        ref_loss = F.mse_loss(self.ref(x), y)
+        ref_loss = loss_fn(self.ref(x), y)
         ref_loss.backward()
-        dut_loss = F.mse_loss(self.dut(x), y)
+        dut_loss = loss_fn(self.dut(x), y)
         dut_loss.backward()
         self.ref_opt.step()
         self.dut_opt.step()
