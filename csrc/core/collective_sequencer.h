@@ -26,6 +26,10 @@
 //     (shardkit's backend runs a collective issued from a callback inline on its worker) — is only
 //     stored, and the drain loop picks it up: no recursion, and the mutex is never held while a step
 //     runs.
+// So a step may run on another thread than the one that submitted it, or on the same thread once the code
+// that submitted it has returned: whatever of the submitter's context the step needs (for a CUDA collective,
+// the streams that produced its input) it must carry itself — then_run_in_turn in csrc/compress/futures.h
+// captures the submitter's current streams for it.
 // No thread ever blocks for a turn. It must not: the autograd thread has the next buckets to launch,
 // and a callback thread that waited might be the very thread that has to complete the collective it
 // waits behind (shardkit's worker, gloo's completion threads).
