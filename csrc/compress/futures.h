@@ -73,15 +73,16 @@ inline std::string message_of(const std::exception_ptr& error) {
 // then_run, with the collective issued in `ticket`'s turn of `sequencer` (a ticket the hook reserved, on
 // the autograd thread, before issuing anything): `issue()` starts the collective and returns its Future;
 // when it completes, `step()` runs on the completing thread (and may submit the next ticket). Nothing here
-// waits for a turn.
-// Streams: `issue()` may run on another thread than the one calling this (the sequencer's drainer), whose
-// current streams know nothing of the kernels that produced the collective's input. So the caller's current
-// stream of each of `result`'s devices is taken now and made current around `issue()`: a CUDA collective
-// orders itself after what its caller queued, whichever thread issues it. (Seen on a GPU before this: the
-// drainer issued PowerSGD's Q allreduce on the stream of an earlier callback, before Q was computed.) Any error — `issue`'s, the collective's, `step`'s — completes `result` with it and
+// waits for a turn. Any error — `issue`'s, the collective's, `step`'s — completes `result` with it and
 // fails the sequencer, because a collective that failed or never went out breaks the order for every
 // later ticket. A step abandoned for an earlier failure completes `result` with an error that names it
 // (`what`: "shardkit PowerSGD (rank 0): bucket 4's Q allreduce"), its owner, and the first error.
+// Streams: `issue()` may run on another thread than the one calling this (the sequencer's drainer), or on this
+// thread after the caller has returned, where the current streams know nothing of the kernels that produced
+// the collective's input. So the caller's current stream of each of `result`'s devices is taken now and made
+// current around `issue()`: a CUDA collective orders itself after what its caller queued, whichever thread
+// issues it. (Seen on a GPU before this: the drainer issued PowerSGD's Q allreduce on the stream of an
+// earlier callback, before Q was computed.)
 template <typename Issue, typename Step>
 void then_run_in_turn(const std::shared_ptr<core::CollectiveSequencer>& sequencer, uint64_t ticket,
                       const FuturePtr& result, std::string what, const char* owner, Issue issue, Step step) {
