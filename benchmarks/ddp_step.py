@@ -364,7 +364,6 @@ def rank_main(rank: int, world: int, store: str, run: RunConfig) -> dict[str, An
         progress(f"  round {r + 1}/{run.warmup + run.rounds}{' (warm-up)' if r < run.warmup else ''}")
 
     memory = {key: measure_memory(built[key], batches[-1]) for key in active}
-    phases = profile_phases(built, batches, [k for k in PHASE_KEYS if k in built], gloo)
 
     # Parity: every DDP configuration against (a) here, and every rank against rank 0.
     flat = {k: torch.cat([p.detach().reshape(-1) for p in built[k].module.parameters()]) for k in active}
@@ -385,6 +384,9 @@ def rank_main(rank: int, world: int, store: str, run: RunConfig) -> dict[str, An
         parity[v.key] = {"anchor": anchor, "max_abs_diff_vs_rank0": diffs[0], "max_abs_diff_vs_anchor": diffs[1],
                          "allclose_vs_anchor": diffs[2] == 0.0 and diffs[0] <= 1e-6,
                          "bitwise_vs_anchor": diffs[1] == 0.0 and diffs[0] == 0.0}
+
+    # After the parity check: the profiled steps train (c), (i) and (z) further than the others.
+    phases = profile_phases(built, batches, [k for k in PHASE_KEYS if k in built], gloo)
 
     # Slowest rank per round and phase; the order of the flattened list is the same on every rank.
     flat_samples = [x for k in active for row in samples[k] for x in row]
