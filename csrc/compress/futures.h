@@ -15,7 +15,6 @@
 #include <cstdint>
 #include <exception>
 #include <memory>
-#include <optional>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -94,8 +93,7 @@ void then_run_in_turn(const std::shared_ptr<core::CollectiveSequencer>& sequence
               step = std::move(step)]() mutable {
     FuturePtr done;
     try {
-      std::optional<c10::MultiStreamGuard> on_callers_streams;
-      if (!callers_streams.empty()) on_callers_streams.emplace(callers_streams);
+      const c10::MultiStreamGuard on_callers_streams(callers_streams);  // none (CPU): changes nothing
       done = issue();
     } catch (...) {
       sequencer->fail(std::current_exception());

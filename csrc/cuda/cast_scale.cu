@@ -9,11 +9,17 @@
 namespace shardkit::cuda {
 namespace {
 
+// One element: widened to A, scaled, rounded once to D. Every kernel below computes exactly this.
+template <typename A, typename S, typename D>
+__device__ __forceinline__ D cast_scaled(S value, A factor) {
+  return Store<D>::from(static_cast<A>(to_arith(value)) * factor);
+}
+
 template <typename A, typename S, typename D>
 __global__ void cast_scale_kernel(const S* src, D* dst, int64_t count, A factor) {
   const int64_t stride = static_cast<int64_t>(blockDim.x) * gridDim.x;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count; i += stride) {
-    dst[i] = Store<D>::from(static_cast<A>(to_arith(src[i])) * factor);
+    dst[i] = cast_scaled<A, S, D>(src[i], factor);
   }
 }
 
@@ -37,11 +43,11 @@ __global__ void cast_scale_vector_kernel(const S* src, D* dst, int64_t count, A 
     const Vector<S, N> in = from[i];
     Vector<D, N> out;
 #pragma unroll
-    for (int k = 0; k < N; ++k) out.value[k] = Store<D>::from(static_cast<A>(to_arith(in.value[k])) * factor);
+    for (int k = 0; k < N; ++k) out.value[k] = cast_scaled<A, S, D>(in.value[k], factor);
     to[i] = out;
   }
   for (int64_t i = vectors * N + first; i < count; i += stride) {
-    dst[i] = Store<D>::from(static_cast<A>(to_arith(src[i])) * factor);
+    dst[i] = cast_scaled<A, S, D>(src[i], factor);
   }
 }
 
