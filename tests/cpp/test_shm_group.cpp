@@ -460,6 +460,38 @@ TEST(ShmGroup, AllReduceAverageIsBitwiseSumThenDivide) {
   for (int rank = 0; rank < size; ++rank) EXPECT_EQ(errors[rank], "") << "rank " << rank;
 }
 
+// One rank has nobody to exchange with: allreduce, allreduce_average and reduce form the result in one pass from
+// the input, which must give what the reduction of that one source gives (the slot path's element function) —
+// a bool normalized to 0 or 1, an AVG divided — in place and out of place, on the small size and chunked.
+TEST(ShmGroup, OneRankReducesItsInputAlone) {
+  ShmGroup group(options_for(unique_name(), 0, 1));
+  for (size_t count : {size_t{0}, size_t{1000}, size_t{50021}}) {  // 50021 f32: over the 64 KiB slot
+    std::vector<float> in(count), expected(count);
+    for (size_t i = 0; i < count; ++i) in[i] = std::ldexp(1.0f + static_cast<float>(i % 89) / 89.0f, static_cast<int>(i % 30) - 15);
+    const std::vector<float> original = in;
+    const void* sources[] = {original.data()};
+    shardkit::core::reduce_into(expected.data(), sources, 1, count, DType::F32, ReduceOp::Max);
+    std::vector<float> out(count, -1.0f);
+    group.allreduce(in.data(), out.data(), count, DType::F32, ReduceOp::Max);
+    EXPECT_EQ(out, expected) << count;
+    EXPECT_EQ(in, original) << count;  // out of place: the input is left alone
+    group.allreduce(in.data(), in.data(), count, DType::F32, ReduceOp::Max);
+    EXPECT_EQ(in, expected) << count;
+
+    shardkit::core::divide_in_place(expected.data(), count, DType::F32, 3);
+    group.allreduce_average(in.data(), in.data(), count, DType::F32, 3);
+    EXPECT_EQ(in, expected) << count;
+
+    std::vector<uint8_t> flags(count), flags_expected(count), flags_out(count, 7);
+    for (size_t i = 0; i < count; ++i) flags[i] = static_cast<uint8_t>(i % 3);  // 2 is true: the result holds 1
+    const void* flag_sources[] = {flags.data()};
+    shardkit::core::reduce_into(flags_expected.data(), flag_sources, 1, count, DType::Bool, ReduceOp::Sum);
+    group.reduce(flags.data(), flags_out.data(), count, DType::Bool, ReduceOp::Sum, 0);
+    EXPECT_EQ(flags_out, flags_expected) << count;
+    if (count > 2) EXPECT_EQ(flags_out[2], 1);
+  }
+}
+
 // A rank that cannot make a shared buffer's segment (here: a stale segment of the same name) aborts the group, so
 // the others raise its reason at once instead of waiting out the deadline for a segment that never comes.
 TEST(ShmGroup, SharedBufferFailureReachesEveryRankAtOnce) {
