@@ -10,7 +10,9 @@
 
 #include "comm/backend.h"
 #include "compress/hooks.h"
+#include "comm/failure_notices.h"
 #include "core/flat_layout.h"
+#include "core/liveness.h"
 #include "core/reduce.h"
 #include "ddp/reducer.h"
 #include "fsdp/flat_param.h"
@@ -56,16 +58,22 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("num_hosts", &ProcessGroupShardkit::Config::num_hosts)
       .def_readwrite("host_index", &ProcessGroupShardkit::Config::host_index)
       .def_readwrite("host_of", &ProcessGroupShardkit::Config::host_of)
-      .def_readwrite("local_of", &ProcessGroupShardkit::Config::local_of);
+      .def_readwrite("local_of", &ProcessGroupShardkit::Config::local_of)
+      .def_readwrite("global_ranks", &ProcessGroupShardkit::Config::global_ranks)
+      .def_readwrite("pids", &ProcessGroupShardkit::Config::pids);
+  m.attr("ABORT_KEY") = shardkit::comm::kAbortKey;
+  m.def("process_exited", &shardkit::core::process_exited, py::arg("pid"),
+        "Whether the process `pid` of this machine has exited (gone, or a zombie); False for pid <= 0.");
   py::class_<ProcessGroupShardkit, c10d::Backend, c10::intrusive_ptr<ProcessGroupShardkit>>(m, "ProcessGroupShardkit")
       .def(py::init([](int rank, int size, const ProcessGroupShardkit::Config& config,
                        c10::intrusive_ptr<c10d::Store> store, c10::intrusive_ptr<c10d::Backend> fallback,
-                       c10::intrusive_ptr<c10d::Backend> inter_host) {
+                       c10::intrusive_ptr<c10d::Backend> inter_host, c10::intrusive_ptr<c10d::Store> job_store) {
              return c10::make_intrusive<ProcessGroupShardkit>(rank, size, config, std::move(store),
-                                                              std::move(fallback), std::move(inter_host));
+                                                              std::move(job_store), std::move(fallback),
+                                                              std::move(inter_host));
            }),
            py::arg("rank"), py::arg("size"), py::arg("config"), py::arg("store"), py::arg("fallback"),
-           py::arg("inter_host") = nullptr,
+           py::arg("inter_host") = nullptr, py::arg("job_store") = nullptr,
            py::call_guard<py::gil_scoped_release>())
       // torch's ProcessGroup answers sequence numbers for its built-in backends only; this asks ours.
       .def("_get_sequence_number_for_group", &ProcessGroupShardkit::getSequenceNumberForGroup)

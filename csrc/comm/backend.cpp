@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <numeric>
 
+#include "comm/abort_cascade.h"
 #include "comm/hierarchical_engine.h"
 #include "comm/shm_engine.h"
 #include "compat.h"
@@ -53,12 +54,22 @@ at::Tensor as_bytes(const at::Tensor& tensor) { return tensor.reshape({-1}).view
 
 }  // namespace
 
+namespace {
+
+// The job's rank of group rank r (r itself where the map is missing: a group built without it, in tests).
+int global_rank_of(const ProcessGroupShardkit::Config& config, int r) {
+  return r >= 0 && r < static_cast<int>(config.global_ranks.size()) ? config.global_ranks[r] : r;
+}
+
+}  // namespace
+
 ProcessGroupShardkit::ProcessGroupShardkit(int rank, int size, const Config& config,
                                            c10::intrusive_ptr<c10d::Store> store,
+                                           c10::intrusive_ptr<c10d::Store> job_store,
                                            c10::intrusive_ptr<c10d::Backend> fallback,
                                            c10::intrusive_ptr<c10d::Backend> inter_host)
     : c10d::Backend(rank, size),
-      args_(rank, size),
+      args_(global_rank_of(config, rank), size),
       config_(config),
       timeout_(config.timeout),
       inner_(std::make_shared<InnerBackends>(std::move(fallback), std::move(inter_host))) {
@@ -68,7 +79,19 @@ ProcessGroupShardkit::ProcessGroupShardkit(int rank, int size, const Config& con
   TORCH_CHECK(config.num_hosts == 1 || (static_cast<int>(config.host_of.size()) == size &&
                                         static_cast<int>(config.local_of.size()) == size),
               "shardkit (rank ", rank, "): host maps must have one entry per rank");
+  TORCH_CHECK(config.global_ranks.empty() || static_cast<int>(config.global_ranks.size()) == size,
+              "shardkit (rank ", rank, "): global_ranks must have one entry per rank, got ", config.global_ranks.size());
+  TORCH_CHECK(config.pids.empty() || static_cast<int>(config.pids.size()) == size,
+              "shardkit (rank ", rank, "): pids must have one entry per rank, got ", config.pids.size());
+  std::vector<int> global_ranks(size);
+  for (int r = 0; r < size; ++r) global_ranks[r] = global_rank_of(config, r);
+  notices_ = std::make_shared<FailureNotices>(store, std::move(job_store), rank, global_ranks,
+                                              config.num_hosts > 1 ? config.host_of : std::vector<int>{}, config.pids);
   HostLayout layout{config.host_of, config.local_of};
+  // This host's ranks, in local order (all ranks on one host).
+  std::vector<int> local_members(size);
+  std::iota(local_members.begin(), local_members.end(), 0);
+  if (config.num_hosts > 1) local_members = layout.ranks_of(config.host_index);
   core::ShmGroup::Options options;
   options.name = config.shm_name;
   options.rank = config.local_rank;
@@ -76,7 +99,11 @@ ProcessGroupShardkit::ProcessGroupShardkit(int rank, int size, const Config& con
   options.slot_bytes = config.slot_bytes;
   options.processes_on_machine = config.processes_on_machine;
   options.timeout = config.timeout;
-  if (config.num_hosts > 1) options.rank_names = layout.ranks_of(config.host_index);
+  for (int r : local_members) {
+    options.rank_names.push_back(global_ranks[r]);
+    if (!config.pids.empty()) options.pids.push_back(config.pids[r]);
+  }
+  options.abandoned = [notices = notices_] { return notices->root_cause().value_or(std::string()); };
   std::unique_ptr<core::ShmGroup> local;
   try {
     local = std::make_unique<core::ShmGroup>(options);
@@ -88,23 +115,41 @@ ProcessGroupShardkit::ProcessGroupShardkit(int rank, int size, const Config& con
   } else {
     TORCH_CHECK(config.local_rank != 0 || inner_->has_leaders(), "shardkit (rank ", rank,
                 "): a host leader needs the inter-host backend");
-    engine_ = std::make_unique<HierarchicalEngine>(rank, size, std::move(layout), std::move(local), inner_,
-                                                   std::move(store));
+    engine_ = std::make_unique<HierarchicalEngine>(rank, size, std::move(layout), std::move(local), inner_, notices_);
   }
+  AbortCascade::join(engine_.get());
 #ifdef SHARDKIT_WITH_CUDA
   cuda_ = std::make_unique<CudaRoute>(rank, size, *engine_);
 #endif
 }
 
-ProcessGroupShardkit::~ProcessGroupShardkit() = default;
+ProcessGroupShardkit::~ProcessGroupShardkit() { AbortCascade::leave(engine_.get()); }
 
 void ProcessGroupShardkit::shutdown() {
+  AbortCascade::leave(engine_.get());
   queue_.stop();
 #ifdef SHARDKIT_WITH_CUDA
   cuda_->shutdown();
 #endif
   engine_->shutdown();
   inner_->shutdown();
+}
+
+OpContext ProcessGroupShardkit::context(const char* op, std::chrono::milliseconds timeout) {
+  return OpContext{op, ++executed_, timeout, getRank(), global_rank_of(config_, getRank())};
+}
+
+template <typename Body>
+void ProcessGroupShardkit::run_failing_everywhere(Body&& body) {
+  try {
+    body();
+  } catch (const std::exception& error) {
+    const std::string message = message_of(error);
+    notices_->record_deaths(engine_->exited_peers(), message);
+    engine_->abort(message);  // no-op where the engine aborted itself (the first reason stands)
+    AbortCascade::abort_others(engine_.get(), message);
+    throw;
+  }
 }
 
 std::chrono::milliseconds ProcessGroupShardkit::op_timeout(std::chrono::milliseconds requested) const {
@@ -150,18 +195,18 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::launch(c10d::OpType type, c
   // A CUDA op's body (and the tensors it holds) lives until the op ends on the device: the watchdog keeps it.
   auto shared_body = std::make_shared<Body>(std::move(body));
   auto run = [this, op, timeout = op_timeout(opts.timeout), shared_body, ready, work]() {
-    const OpContext context{op, ++executed_, timeout, getRank()};
+    const OpContext op_context = context(op, timeout);
     if (ready) {  // CUDA tensors: NCCL, or host staging where NCCL cannot serve (comm/nccl/cuda_route.h)
-      cuda_->run(context, *ready, [&](Engine& engine) { (*shared_body)(engine, context); },
+      cuda_->run(op_context, *ready, [&](Engine& engine) { (*shared_body)(engine, op_context); },
                  work, shared_body);
       return;
     }
-    (*shared_body)(route(context), context);
+    run_failing_everywhere([&] { (*shared_body)(route(op_context), op_context); });
   };
 #else
   auto run = [this, op, timeout = op_timeout(opts.timeout), body = std::move(body)]() mutable {
-    const OpContext context{op, ++executed_, timeout, getRank()};
-    body(route(context), context);
+    const OpContext op_context = context(op, timeout);
+    run_failing_everywhere([&] { body(route(op_context), op_context); });
   };
 #endif
   if (compat::is_async_op(opts)) {
@@ -204,9 +249,9 @@ void ProcessGroupShardkit::allreduce_now(at::Tensor& tensor, const c10d::ReduceO
   const ReduceSpec spec = args_.reduce_spec(reduce_op, tensor.scalar_type(), "allreduce");
   ++seq_;
   queue_.run_now([&] {
-    const OpContext context{"allreduce", ++executed_, op_timeout(timeout), getRank()};
-    with_contiguous(tensor, [&](at::Tensor& t) {
-      allreduce_with(spec, t, getSize(), route(context), context);
+    const OpContext op_context = context("allreduce", op_timeout(timeout));
+    run_failing_everywhere([&] {
+      with_contiguous(tensor, [&](at::Tensor& t) { allreduce_with(spec, t, getSize(), route(op_context), op_context); });
     });
   });
 }
@@ -216,9 +261,10 @@ at::Tensor ProcessGroupShardkit::shared_buffer(int64_t bytes) {
   ++seq_;
   at::Tensor out;
   queue_.run_now([&] {
-    const OpContext context{"shared_buffer", ++executed_, op_timeout(c10d::kUnsetTimeout), getRank()};
+    const OpContext context = this->context("shared_buffer", op_timeout(c10d::kUnsetTimeout));
     std::string refused;
-    std::shared_ptr<core::SharedBuffer> buffer = engine_->share_buffer(context, static_cast<size_t>(bytes), &refused);
+    std::shared_ptr<core::SharedBuffer> buffer;
+    run_failing_everywhere([&] { buffer = engine_->share_buffer(context, static_cast<size_t>(bytes), &refused); });
     if (!buffer) {
       if (!refused.empty()) {  // (across hosts there is no shared memory at all: nothing to tell)
         TORCH_WARN(context.where(), "no zero-copy memory of ", bytes, " bytes per rank: ", refused,

@@ -22,6 +22,7 @@
 #include <string>
 
 #include "comm/engine.h"
+#include "comm/failure_notices.h"
 #include "comm/inner_backends.h"
 #include "comm/tensor_args.h"
 #include "comm/work_queue.h"
@@ -44,15 +45,20 @@ class ProcessGroupShardkit : public c10d::Backend {
     int local_size = 1;  // ranks on this host (== size on one host)
     int num_hosts = 1;
     int host_index = 0;          // hosts numbered by their lowest rank
-    std::vector<int> host_of;    // host_of[r]: host index of global rank r
-    std::vector<int> local_of;   // local_of[r]: local rank of global rank r on its host
+    std::vector<int> host_of;    // host_of[r]: host index of group rank r
+    std::vector<int> local_of;   // local_of[r]: local rank of group rank r on its host
+    std::vector<int> global_ranks;  // global_ranks[r]: the job's rank of group rank r (how messages name it)
+    std::vector<int32_t> pids;      // pids[r]: the process of group rank r (exchanged at start-up)
   };
 
-  // Blocks until every local rank has mapped the shared segment (or the timeout passes). `store` is the
-  // group's Store (across hosts it carries the abort notice); `fallback` is gloo over all ranks; `inter_host`
-  // the leaders' gloo group: set on each host's local rank 0 when num_hosts > 1, null otherwise.
+  // Blocks until every local rank has mapped the shared segment; a local peer that exits meanwhile, a failure of
+  // the start-up elsewhere (the Store notice) or the timeout ends the wait with an error naming the rank.
+  // `store` is the group's Store (failure notices, failure_notices.h); `job_store` the world group's, where
+  // deaths are recorded for every group to read (null: the group's own); `fallback` is gloo over all ranks;
+  // `inter_host` the leaders' gloo group: set on each host's local rank 0 when num_hosts > 1, null otherwise.
   ProcessGroupShardkit(int rank, int size, const Config& config, c10::intrusive_ptr<c10d::Store> store,
-                       c10::intrusive_ptr<c10d::Backend> fallback, c10::intrusive_ptr<c10d::Backend> inter_host);
+                       c10::intrusive_ptr<c10d::Store> job_store, c10::intrusive_ptr<c10d::Backend> fallback,
+                       c10::intrusive_ptr<c10d::Backend> inter_host);
   ~ProcessGroupShardkit() override;
 
   const std::string getBackendName() const override { return "shardkit"; }
@@ -144,6 +150,11 @@ class ProcessGroupShardkit : public c10d::Backend {
   // The routing point for host tensors: the engine topology chose when the group was built. Ops on CUDA
   // tensors go to cuda_ instead, which picks NCCL or host staging (comm/nccl/cuda_route.h).
   Engine& route(const OpContext& op);
+  // Runs one op's body; if it fails, records the deaths it saw for the job, aborts this group (peers waiting in
+  // it fail now) and the process's other shardkit groups (abort_cascade.h), then rethrows.
+  template <typename Body>
+  void run_failing_everywhere(Body&& body);
+  OpContext context(const char* op, std::chrono::milliseconds timeout);
   std::chrono::milliseconds op_timeout(std::chrono::milliseconds requested) const;
   void refuse_cuda_point_to_point(const std::vector<at::Tensor>& tensors, const char* op) const;
   // allreduce of a sparse COO tensor (SUM only, like gloo's): every rank's indices and values, gathered.
@@ -153,6 +164,7 @@ class ProcessGroupShardkit : public c10d::Backend {
   Config config_;
   std::chrono::milliseconds timeout_;
   std::shared_ptr<InnerBackends> inner_;
+  std::shared_ptr<FailureNotices> notices_;
   std::unique_ptr<Engine> engine_;
 #ifdef SHARDKIT_WITH_CUDA
   std::unique_ptr<CudaRoute> cuda_;  // ops on CUDA tensors (comm/nccl/cuda_route.h)

@@ -24,6 +24,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/shm_group.h"
@@ -36,13 +37,15 @@ struct OpContext {
   const char* op = "";  // the user's collective ("allreduce", "all_gather_into_tensor", ...)
   uint64_t seq = 0;     // its number in the group (1, 2, ...), in the order collectives run (the same on every rank)
   std::chrono::milliseconds timeout{0};
-  int rank = 0;  // this rank in the group
+  int rank = 0;         // this rank in the group (roots are group ranks too)
+  int global_rank = 0;  // this rank in the job: how messages name it
 
   // The same op, as told to a shared-memory group that runs all of it or one step of it.
   core::CallInfo call(bool step = false) const { return {timeout, op, seq, step}; }
   // "shardkit allreduce #5 (rank 3): "
   std::string where() const {
-    return std::string("shardkit ") + op + " #" + std::to_string(seq) + " (rank " + std::to_string(rank) + "): ";
+    return std::string("shardkit ") + op + " #" + std::to_string(seq) + " (rank " + std::to_string(global_rank) +
+           "): ";
   }
 };
 
@@ -87,10 +90,20 @@ class Engine {
   // Collectives that read their input from such a buffer (for tests and benchmarks).
   virtual uint64_t shared_ops() const { return 0; }
 
+  // Aborts the engine for good from any thread, also while an op runs on it: that op and every later one fail
+  // with `reason`, and so do the peers' (the shm group's abort wakes this host's ranks; other hosts learn through
+  // the closed connections and the group's Store notice). Idempotent: the first reason stands.
+  virtual void abort(const std::string& reason) = 0;
+  // The ranks (global rank, pid) this rank saw exit in the op that failed (core::ShmGroup::exited_peers).
+  virtual std::vector<std::pair<int, int32_t>> exited_peers() const = 0;
+
   // destroy_process_group(): release what the engine alone holds (idempotent; nothing runs afterwards). The
   // backend shuts the shared InnerBackends down itself.
   virtual void shutdown() {}
 };
+
+// An exception's message as a user should read it (a c10::Error's without its C++ backtrace).
+std::string message_of(const std::exception& error);
 
 // The core dtype of a tensor the backend has validated.
 core::DType core_dtype(const at::Tensor& tensor);

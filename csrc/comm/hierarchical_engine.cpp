@@ -10,11 +10,11 @@ namespace shardkit::comm {
 
 namespace {
 
-constexpr const char* kAbortKey = "shardkit/abort";
 // When a gloo step fails (a connection closed), the rank that closed it has usually published why, or its
 // host's other ranks will within their liveness check (~0.2 s): wait this long for that root cause.
 constexpr auto kRootCauseWait = std::chrono::milliseconds(1000);
-constexpr auto kRootCausePoll = std::chrono::milliseconds(20);
+// A leader waiting on gloo checks for an abort this often (in-process at once; the Store's notice at this pace).
+constexpr auto kNoticeEvery = std::chrono::milliseconds(100);
 
 // A failed step of an inner gloo backend (as opposed to one of the host's own shm group).
 struct InnerStepError : std::runtime_error {
@@ -50,11 +50,6 @@ c10d::ReduceOp::RedOpType c10d_op_for_bool(core::ReduceOp op) {
   }
 }
 
-std::string message_of(const std::exception& error) {
-  if (const auto* c10_error = dynamic_cast<const c10::Error*>(&error)) return c10_error->what_without_backtrace();
-  return error.what();
-}
-
 }  // namespace
 
 int HostLayout::num_hosts() const { return host_of.empty() ? 0 : *std::max_element(host_of.begin(), host_of.end()) + 1; }
@@ -68,7 +63,7 @@ std::vector<int> HostLayout::ranks_of(int host) const {
 }
 
 HierarchicalEngine::HierarchicalEngine(int rank, int size, HostLayout layout, std::unique_ptr<core::ShmGroup> local,
-                                       std::shared_ptr<InnerBackends> inner, c10::intrusive_ptr<c10d::Store> store)
+                                       std::shared_ptr<InnerBackends> inner, std::shared_ptr<FailureNotices> notices)
     : rank_(rank),
       size_(size),
       layout_(std::move(layout)),
@@ -77,7 +72,7 @@ HierarchicalEngine::HierarchicalEngine(int rank, int size, HostLayout layout, st
       max_local_size_(0),
       local_(std::move(local)),
       inner_(std::move(inner)),
-      store_(std::move(store)) {
+      notices_(std::move(notices)) {
   for (int h = 0; h < layout_.num_hosts(); ++h) {
     hosts_.push_back(layout_.ranks_of(h));
     max_local_size_ = std::max(max_local_size_, static_cast<int>(hosts_.back().size()));
@@ -86,7 +81,9 @@ HierarchicalEngine::HierarchicalEngine(int rank, int size, HostLayout layout, st
 
 template <typename Steps>
 void HierarchicalEngine::guarded(const OpContext& op, Steps steps) {
-  if (!aborted_.empty()) throw std::runtime_error(op.where() + "group was aborted earlier: " + aborted_);
+  if (const std::string reason = aborted_reason(); !reason.empty()) {
+    throw std::runtime_error(op.where() + "group was aborted earlier: " + reason);
+  }
   try {
     steps();
   } catch (const InnerStepError& error) {
@@ -96,39 +93,76 @@ void HierarchicalEngine::guarded(const OpContext& op, Steps steps) {
   }
 }
 
-std::string HierarchicalEngine::publish_abort(const std::string& reason, bool await_root_cause) {
-  if (!store_) return reason;
-  try {
-    if (await_root_cause) {
-      const auto deadline = std::chrono::steady_clock::now() + kRootCauseWait;
-      while (!store_->check({kAbortKey}) && std::chrono::steady_clock::now() < deadline) {
-        std::this_thread::sleep_for(kRootCausePoll);
-      }
-    }
-    // compareSet writes only when the key is missing (expected ""), and returns what the key holds after.
-    const std::vector<uint8_t> mine(reason.begin(), reason.end());
-    const std::vector<uint8_t> held = store_->compareSet(kAbortKey, {}, mine);
-    return std::string(held.begin(), held.end());
-  } catch (const std::exception&) {
-    return reason;  // the Store may live in a process that died: our own reason is all we know
+std::string HierarchicalEngine::aborted_reason() const {
+  if (!is_aborted_.load(std::memory_order_acquire)) return {};
+  std::lock_guard<std::mutex> lock(abort_mutex_);
+  return aborted_;
+}
+
+bool HierarchicalEngine::abort_here(const std::string& reason) {
+  {
+    std::lock_guard<std::mutex> lock(abort_mutex_);
+    if (is_aborted_.load(std::memory_order_relaxed)) return false;
+    aborted_ = reason;
+    is_aborted_.store(true, std::memory_order_release);
   }
+  local_->abort(reason);  // wakes this host's ranks (no-op if the shm group aborted itself)
+  inner_->close(reason);  // closes the gloo connections: blocked peers on other hosts fail now
+  return true;
+}
+
+void HierarchicalEngine::abort(const std::string& reason) {
+  if (aborted_reason().empty()) notices_->publish(reason);  // first: peers elsewhere read it once woken
+  abort_here(reason);
 }
 
 void HierarchicalEngine::abort_everywhere(const OpContext& op, const std::string& reason, bool await_root_cause) {
-  const std::string first = publish_abort(reason, await_root_cause);
-  const std::string message = first == reason ? reason : op.where() + "group aborted: " + first;
-  aborted_ = message;
-  local_->abort(message);  // wakes this host's ranks (no-op if the shm group aborted itself)
-  inner_->close(message);  // closes the gloo connections: blocked peers on other hosts fail now
+  std::optional<std::string> cause;  // another rank's reason, which this failure only follows from
+  std::string mine = reason;
+  if (await_root_cause) {
+    cause = notices_->await_root_cause(kRootCauseWait);
+    if (!cause) {
+      if (const std::string silent = notices_->silent_ranks(); !silent.empty()) {
+        mine += "; rank(s) " + silent + " went silent: no rank of their host(s) reported a failure within " +
+                std::to_string(kRootCauseWait.count()) + " ms (they exited or were killed, lost the network, or are "
+                "not in this collective)";
+      }
+    }
+  }
+  if (cause) {
+    notices_->publish(*cause);  // changes no notice; marks this rank failed (it has spoken: its host is not silent)
+  } else if (const std::string first = notices_->publish(mine); first != mine) {
+    cause = first;
+  }
+  const std::string message = cause ? op.where() + "group aborted: " + *cause : mine;
+  abort_here(message);
   throw std::runtime_error(message);
 }
 
 void HierarchicalEngine::wait_inner(const OpContext& op, const char* step,
                                     const c10::intrusive_ptr<c10d::Work>& work) {
-  try {
-    work->wait(op.timeout);
-  } catch (const std::exception& error) {
-    throw InnerStepError(op.where() + step + " failed: " + message_of(error));
+  using clock = std::chrono::steady_clock;
+  using std::chrono::milliseconds;
+  const auto deadline = clock::now() + op.timeout;
+  // In slices: a completed op ends a slice at once (the Work's condition variable); between slices, this rank
+  // looks for an abort (another group of the process failed) and for the group's notice (a rank elsewhere did).
+  for (;;) {
+    const auto left = std::chrono::duration_cast<milliseconds>(deadline - clock::now());
+    try {
+      work->wait(std::clamp(left, milliseconds(1), std::chrono::duration_cast<milliseconds>(kNoticeEvery)));
+      return;
+    } catch (const std::exception& error) {
+      // The op's own failure, or the deadline; else only this slice ended.
+      if (work->isCompleted() || clock::now() >= deadline) {
+        throw InnerStepError(op.where() + step + " failed: " + message_of(error));
+      }
+    }
+    if (const std::string reason = aborted_reason(); !reason.empty()) {
+      throw std::runtime_error(op.where() + "group aborted: " + reason);
+    }
+    if (std::optional<std::string> cause = notices_->root_cause()) {
+      throw std::runtime_error(op.where() + "group aborted: " + *cause);
+    }
   }
 }
 

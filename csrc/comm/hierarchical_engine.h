@@ -21,21 +21,26 @@
 //
 // Failure. Any step failing (a local peer died or disagreed, a gloo error, a timeout) aborts the whole
 // group, on every host, within about the time the first rank takes to notice:
-//   1. the reason is published in the group's Store (first writer wins: later failures report it as the
-//      root cause; a rank whose gloo connection was closed waits up to a second for the closer's reason);
+//   1. the reason is published in the group's Store (failure_notices.h; first writer wins: later failures
+//      report it as the root cause). A rank whose gloo connection was closed first waits up to a second for the
+//      closer's reason — the group's notice, or a death of one of its ranks recorded by any group of the job —
+//      and, hearing none, names the ranks of the hosts that went silent (none of their ranks reported);
 //   2. this host's shm group is aborted, waking every local rank that waits in it;
-//   3. the gloo backends are destroyed (InnerBackends::close), which closes their connections: each peer
+//   3. the gloo backends are closed (InnerBackends::close), which closes their connections: each peer
 //      blocked on one (another host's leader, mid inter-host step) fails at once, and goes through 1-3 itself.
-// Messages name the user's op, its number and global ranks.
+// A leader waiting on gloo also looks at the group's notice every kNoticeEvery, so a host whose ranks failed
+// without closing their connections (a process that lingers) still ends the wait. abort() does 1-3 from any
+// thread (the process's abort cascade, abort_cascade.h). Messages name the user's op, its number and global ranks.
 #pragma once
 
-#include <torch/csrc/distributed/c10d/Store.hpp>
-
+#include <atomic>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
 #include "comm/engine.h"
+#include "comm/failure_notices.h"
 #include "comm/inner_backends.h"
 
 namespace shardkit::comm {
@@ -53,9 +58,9 @@ struct HostLayout {
 class HierarchicalEngine : public Engine {
  public:
   // `local` spans this host's ranks (its rank_names are their global ranks); `inner` holds the leaders'
-  // backend on leaders; `store` is the group's Store (for the abort notice; may be null).
+  // backend on leaders; `notices` is the group's (the backend owns it).
   HierarchicalEngine(int rank, int size, HostLayout layout, std::unique_ptr<core::ShmGroup> local,
-                     std::shared_ptr<InnerBackends> inner, c10::intrusive_ptr<c10d::Store> store);
+                     std::shared_ptr<InnerBackends> inner, std::shared_ptr<FailureNotices> notices);
 
   void barrier(const OpContext& op) override;
   void broadcast(const OpContext& op, at::Tensor& data, int root) override;
@@ -68,6 +73,8 @@ class HierarchicalEngine : public Engine {
                       core::ReduceOp reduce) override;
   void alltoall(const OpContext& op, const at::Tensor& input, const std::vector<size_t>& send_counts,
                 at::Tensor& output, const std::vector<size_t>& recv_counts) override;
+  void abort(const std::string& reason) override;
+  std::vector<std::pair<int, int32_t>> exited_peers() const override { return local_->exited_peers(); }
 
  private:
   // Runs one collective's steps; on any failure aborts the group everywhere (see the header) and throws.
@@ -76,10 +83,13 @@ class HierarchicalEngine : public Engine {
   // `await_root_cause`: the failure was a gloo connection another rank closed; give that rank's reason a
   // moment to appear in the Store before publishing this one.
   [[noreturn]] void abort_everywhere(const OpContext& op, const std::string& reason, bool await_root_cause);
-  // Publishes `reason` unless another rank did first; returns the published (root-cause) reason.
-  std::string publish_abort(const std::string& reason, bool await_root_cause);
+  // Steps 2 and 3 of the header, once: false if the engine had aborted already (the first reason stands).
+  bool abort_here(const std::string& reason);
+  // Why the engine aborted; empty while it has not.
+  std::string aborted_reason() const;
   bool leader() const { return local_rank_ == 0; }
-  // Waits for an inner gloo op; its failure becomes an error naming the user's op and the step.
+  // Waits for an inner gloo op; its failure becomes an error naming the user's op and the step. Ends early, with
+  // the reason, when the engine is aborted (from another thread) or the group's notice appears in the Store.
   void wait_inner(const OpContext& op, const char* step, const c10::intrusive_ptr<c10d::Work>& work);
   // The leaders' allreduce of `data` with `reduce` (bool data travels as bytes, with an equivalent op).
   void leaders_allreduce(const OpContext& op, at::Tensor& data, core::ReduceOp reduce);
@@ -93,8 +103,10 @@ class HierarchicalEngine : public Engine {
   int max_local_size_;                   // ranks on the fullest host
   std::unique_ptr<core::ShmGroup> local_;
   std::shared_ptr<InnerBackends> inner_;
-  c10::intrusive_ptr<c10d::Store> store_;
-  std::string aborted_;  // the reason, once this engine has aborted (only the worker thread runs ops)
+  std::shared_ptr<FailureNotices> notices_;
+  mutable std::mutex abort_mutex_;     // guards aborted_: abort() may come from another group's thread
+  std::string aborted_;                // the reason, once this engine has aborted
+  std::atomic<bool> is_aborted_{false};
 };
 
 }  // namespace shardkit::comm

@@ -1,5 +1,7 @@
 #include "comm/inner_backends.h"
 
+#include <thread>
+
 namespace shardkit::comm {
 
 c10::intrusive_ptr<c10d::Backend> InnerBackends::get(const c10::intrusive_ptr<c10d::Backend>& backend,
@@ -32,7 +34,13 @@ void InnerBackends::close(const std::string& reason) {
     all_ranks = std::move(all_ranks_);
     leaders = std::move(leaders_);
   }
-  // Destroyed here, outside the lock, unless an op still holds them (then when it lets go).
+  // Destroyed on a thread of their own: a gloo backend's destructor joins its work threads, and one may still be
+  // blocked in an op this rank gave up on (an abort from another group, a notice from the Store), until the
+  // connection closes or the op's deadline passes. The caller must not wait for that.
+  std::thread([all_ranks = std::move(all_ranks), leaders = std::move(leaders)]() mutable {
+    all_ranks.reset();
+    leaders.reset();
+  }).detach();
 }
 
 void InnerBackends::shutdown() {

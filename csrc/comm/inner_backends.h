@@ -26,8 +26,8 @@ class InnerBackends {
   c10::intrusive_ptr<c10d::Backend> leaders(const std::string& where);
   bool has_leaders();
 
-  // Drops both backends (destroyed once no op holds them any more); later calls fail with `reason`.
-  // Idempotent: the first reason stands.
+  // Drops both backends (destroyed in the background once no op holds them any more: the caller never waits for
+  // an op in flight); later calls fail with `reason`. Idempotent: the first reason stands.
   void close(const std::string& reason);
   // destroy_process_group(): shuts both down and drops them.
   void shutdown();

@@ -27,6 +27,8 @@ class ShmEngine : public Engine {
                 at::Tensor& output, const std::vector<size_t>& recv_counts) override;
   std::shared_ptr<core::SharedBuffer> share_buffer(const OpContext& op, size_t bytes, std::string* refused) override;
   uint64_t shared_ops() const override { return group_->shared_ops(); }
+  void abort(const std::string& reason) override { group_->abort(reason); }
+  std::vector<std::pair<int, int32_t>> exited_peers() const override { return group_->exited_peers(); }
 
  private:
   std::unique_ptr<core::ShmGroup> group_;

@@ -4,7 +4,6 @@
 
 #include <sched.h>
 #include <sys/statvfs.h>
-#include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -18,6 +17,7 @@
 #include <stdexcept>
 
 #include "core/futex.h"
+#include "core/liveness.h"
 #include "core/shm_segment.h"
 
 namespace shardkit::core {
@@ -49,25 +49,6 @@ int usable_cores() {
 constexpr auto kLivenessEvery = std::chrono::milliseconds(200);
 
 size_t round_up(size_t value, size_t to) { return (value + to - 1) / to * to; }
-
-// A peer is gone when its pid no longer exists or is a zombie (exited, not yet reaped by its parent —
-// common when the ranks are siblings under one launcher).
-bool process_exited(int32_t pid) {
-  if (kill(pid, 0) != 0) return errno == ESRCH;
-  char path[64];
-  std::snprintf(path, sizeof(path), "/proc/%d/stat", pid);
-  FILE* stat = std::fopen(path, "r");
-  if (stat == nullptr) return false;
-  char state = '?';
-  // Format: "pid (comm) state ..."; comm may contain spaces and parentheses, so find the last ')'.
-  char line[512];
-  if (std::fgets(line, sizeof(line), stat) != nullptr) {
-    const char* close = std::strrchr(line, ')');
-    if (close != nullptr && close[1] == ' ') state = close[2];
-  }
-  std::fclose(stat);
-  return state == 'Z' || state == 'X';
-}
 
 inline void cpu_relax() {
 #if defined(__x86_64__) || defined(__i386__)
@@ -120,7 +101,8 @@ ShmGroup::ShmGroup(const Options& options)
       slot_bytes_(round_up(options.slot_bytes, kPage)),
       timeout_(options.timeout),
       op_timeout_(options.timeout),
-      rank_names_(options.rank_names),
+      peers_{options.rank_names, options.pids},
+      starting_(options.abandoned),
       oversubscribed_(std::max(options.size, options.processes_on_machine) > usable_cores()) {
   if (size_ < 1 || rank_ < 0 || rank_ >= size_) {
     throw std::invalid_argument("shardkit shm: invalid rank " + std::to_string(rank_) + " for group size " +
@@ -129,15 +111,19 @@ ShmGroup::ShmGroup(const Options& options)
   pending_.reserve(size_);
   sources_.resize(size_);
   if (slot_bytes_ < kPage) throw std::invalid_argument("shardkit shm: slot_bytes must be positive");
-  if (!rank_names_.empty() && static_cast<int>(rank_names_.size()) != size_) {
-    throw std::invalid_argument("shardkit shm: rank_names has " + std::to_string(rank_names_.size()) +
+  if (!peers_.names.empty() && static_cast<int>(peers_.names.size()) != size_) {
+    throw std::invalid_argument("shardkit shm: rank_names has " + std::to_string(peers_.names.size()) +
+                                " entries for a group of size " + std::to_string(size_));
+  }
+  if (!peers_.pids.empty() && static_cast<int>(peers_.pids.size()) != size_) {
+    throw std::invalid_argument("shardkit shm: pids has " + std::to_string(peers_.pids.size()) +
                                 " entries for a group of size " + std::to_string(size_));
   }
   const size_t header_bytes = round_up(sizeof(GroupHeader), kPage);
   const size_t control_bytes = round_up(sizeof(RankControl) * size_, kPage);
   const size_t total = header_bytes + control_bytes + slot_bytes_ * 2 * size_;
   segment_ = std::make_unique<ShmSegment>(options.name, total, rank_, size_, offsetof(GroupHeader, attached),
-                                          timeout_);
+                                          timeout_, AttachWatch{peers_, starting_});
   uint8_t* base = segment_->data();
   header_ = reinterpret_cast<GroupHeader*>(base);
   controls_ = reinterpret_cast<RankControl*>(base + header_bytes);
@@ -150,7 +136,13 @@ ShmGroup::ShmGroup(const Options& options)
   controls_[rank_].pid = static_cast<int32_t>(getpid());
   // The first sync publishes rank 0's header fields and every pid; then check that all ranks laid the
   // segment out alike (a mismatch means ranks were started with different slot sizes).
-  barrier();
+  try {
+    barrier(CallInfo{timeout_, "start-up sync", 1, false});
+  } catch (...) {
+    segment_->unlink_name();  // the creator may have died before every rank attached: it never will
+    throw;
+  }
+  starting_ = nullptr;
   if (header_->magic != kMagic || header_->size != static_cast<uint32_t>(size_) ||
       header_->slot_bytes != slot_bytes_) {
     throw std::runtime_error("shardkit shm (" + rank_name(rank_) + "): segment '" + options.name +
@@ -197,8 +189,12 @@ std::shared_ptr<SharedBuffer> ShmGroup::share_buffer(size_t bytes, const CallInf
   const uint32_t id = ++shared_made_;
   std::unique_ptr<ShmSegment> segment;
   try {
+    PeerNames peers{peers_.names, {}};
+    for (int r = 0; r < size_; ++r) peers.pids.push_back(pid_of(r));
     segment = std::make_unique<ShmSegment>(segment_->name() + ".buf" + std::to_string(id), total, rank_, size_, 0,
-                                           op_timeout_, [this] { return aborted() ? abort_message() : std::string(); });
+                                           op_timeout_, AttachWatch{std::move(peers), [this] {
+                                             return aborted() ? abort_message() : std::string();
+                                           }});
   } catch (const std::exception& error) {
     fail(std::string(error.what()), where(header));
   }
@@ -249,8 +245,9 @@ void ShmGroup::fail(const std::string& message, const std::string& where) {
   throw std::runtime_error("shardkit " + mine + ": group aborted: " + abort_message());
 }
 
-int ShmGroup::rank_number(int r) const {
-  return r >= 0 && r < static_cast<int>(rank_names_.size()) ? rank_names_[r] : r;
+int32_t ShmGroup::pid_of(int r) const {
+  const int32_t given = peers_.pid(r);
+  return given > 0 ? given : controls_[r].pid;
 }
 
 std::string ShmGroup::rank_name(int r) const { return "rank " + std::to_string(rank_number(r)); }
@@ -377,13 +374,17 @@ void ShmGroup::sync(const OpHeader& header) {
       next_liveness = now + kLivenessEvery;
       std::string dead;
       for (int peer : pending) {
-        int32_t pid = controls_[peer].pid;
-        if (pid > 0 && process_exited(pid)) {
+        const int32_t pid = pid_of(peer);
+        if (process_exited(pid)) {
           dead += (dead.empty() ? "" : ", ") + std::to_string(rank_number(peer)) + " (pid " + std::to_string(pid) + ")";
+          exited_.emplace_back(rank_number(peer), pid);
         }
       }
       if (!dead.empty()) {
         fail("shardkit " + where(header) + ": rank(s) " + dead + " exited before arriving", where(header));
+      }
+      if (starting_) {  // the first sync of the constructor: the start-up may have failed on another host
+        if (const std::string why = starting_(); !why.empty()) fail(why, where(header));
       }
     }
     if (now >= deadline) {

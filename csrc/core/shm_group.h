@@ -26,6 +26,11 @@
 // within about a second, naming the op, its sequence number and the missing ranks. After an abort the
 // group refuses further collectives with the same message but can still be destroyed cleanly.
 //
+// Start-up: the constructor maps the segment (ShmSegment's attach protocol) and syncs once ("start-up sync").
+// Both waits watch the peers' pids the caller knows already (Options::pids) and ask Options::abandoned, so a rank
+// that dies before it has even mapped the segment, or a start-up that failed on another host, ends them in well
+// under a second, naming the rank; whoever gives up removes the segment's name from /dev/shm.
+//
 // One rank: allreduce, allreduce_average and reduce form the result in one pass from the input to the output,
 // skipping the slot and the copy back (a world-1 1 MB allreduce: 24–28 µs instead of 163–166 µs); the other ops
 // still go through the slot.
@@ -50,11 +55,14 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <type_traits>
 #include <vector>
 
+#include "core/liveness.h"
 #include "core/types.h"
 
 namespace shardkit::core {
@@ -143,9 +151,16 @@ class ShmGroup {
     int size = 1;
     size_t slot_bytes = size_t{1} << 20;  // per rank and buffer; collectives of any size are chunked
     std::chrono::milliseconds timeout{std::chrono::minutes(30)};  // default deadline of every wait
-    // How messages name the ranks: rank_names[r] for this group's rank r (e.g. its rank in a process group
-    // spanning several hosts). Empty: the group's own numbering.
+    // How messages name the ranks: rank_names[r] for this group's rank r (its global rank in the job). Empty: the
+    // group's own numbering.
     std::vector<int> rank_names;
+    // pids[r]: the process of this group's rank r, where the caller knows it before the segment exists (the
+    // backend exchanges them at start-up): a rank that dies before it has mapped the segment and written its pid
+    // there is then still seen to be gone. Empty: each rank's pid as it writes it into its control block.
+    std::vector<int32_t> pids;
+    // Asked while the constructor waits (segment attach, first sync): a non-empty answer ends the start-up with a
+    // std::runtime_error carrying it (the start-up failed on another rank, maybe on another host).
+    std::function<std::string()> abandoned;
     // Busy processes expected on this machine (e.g. torchrun's LOCAL_WORLD_SIZE, which also counts ranks of
     // other groups, or of simulated hosts); waits spin less when they outnumber the cores. 0: the group size.
     int processes_on_machine = 0;
@@ -205,6 +220,10 @@ class ShmGroup {
                 void* out, const std::vector<size_t>& recv_counts, const std::vector<size_t>& recv_offsets,
                 DType dtype, const CallInfo& call = {});
 
+  // The ranks (rank_names, pid) this rank saw exit while it waited for them, in the op that failed: what the
+  // backend records as deaths for the job (empty when the failure was not a death, or another rank saw it first).
+  const std::vector<std::pair<int, int32_t>>& exited_peers() const { return exited_; }
+
   // True once the group is aborted (disagreement, timeout, dead peer, or abort()); the message says why.
   bool aborted() const;
   std::string abort_message() const;
@@ -225,7 +244,9 @@ class ShmGroup {
   [[noreturn]] void fail(const std::string& message, const std::string& where = "");
   // How messages number this group's rank r (rank_names[r]; r itself without names or out of range), and
   // name it ("rank 3").
-  int rank_number(int r) const;
+  int rank_number(int r) const { return peers_.name(r); }
+  // The pid of rank r: as the caller gave it, else as r wrote it into its control block (0: not yet).
+  int32_t pid_of(int r) const;
   std::string rank_name(int r) const;
   std::string where(const OpHeader& header) const;  // "allreduce #3 (f32 x 16, sum) (rank 0)"
   void check_peer_header(int peer, const OpHeader& mine, uint64_t target);
@@ -253,7 +274,9 @@ class ShmGroup {
   size_t slot_bytes_;
   std::chrono::milliseconds timeout_;     // default deadline
   std::chrono::milliseconds op_timeout_;  // the running op's deadline (from its CallInfo)
-  std::vector<int> rank_names_;
+  PeerNames peers_;  // names and (caller-given) pids of the group's ranks
+  std::function<std::string()> starting_;  // Options::abandoned, while the constructor runs; empty afterwards
+  std::vector<std::pair<int, int32_t>> exited_;
   bool oversubscribed_;  // more busy processes than usable cores: waits spin less (see WaitPolicy)
   std::unique_ptr<ShmSegment> segment_;
   GroupHeader* header_ = nullptr;

@@ -21,21 +21,36 @@ namespace {
 }  // namespace
 
 ShmSegment::ShmSegment(const std::string& name, size_t bytes, int rank, int size,
-                       size_t attach_counter_offset, std::chrono::milliseconds timeout,
-                       const std::function<std::string()>& abandoned)
+                       size_t attach_counter_offset, std::chrono::milliseconds timeout, const AttachWatch& watch)
     : name_(name), bytes_(bytes), creator_(rank == 0) {
   using clock = std::chrono::steady_clock;
   const auto deadline = clock::now() + timeout;
-  auto give_up_if_abandoned = [&] {
-    if (!abandoned) return;
-    const std::string why = abandoned();
-    if (why.empty()) return;
+  const std::string me = "shardkit shm (rank " + std::to_string(watch.peers.name(rank)) + ")";
+  std::vector<int> peers;
+  for (int r = 0; r < size; ++r) {
+    if (r != rank) peers.push_back(r);
+  }
+  // Ends the attach protocol on this rank: the mapping goes, and so does the name, whoever created it (a
+  // creator that died left it; one that gave up removed it already: unlinking again is harmless).
+  auto give_up = [&](const std::string& why) {
     if (base_ != nullptr) {
       munmap(base_, bytes_);
       base_ = nullptr;
     }
-    if (creator_) unlink_name();
+    unlink_name();
     throw std::runtime_error(why);
+  };
+  auto next_watch = clock::now();
+  auto watch_peers = [&](const char* waiting_for) {
+    const auto now = clock::now();
+    if (now < next_watch) return;
+    next_watch = now + kWatchEvery;
+    if (const std::string dead = watch.peers.exited(peers); !dead.empty()) {
+      give_up(me + ": rank(s) " + dead + " exited during start-up, while " + waiting_for + " segment '" + name + "'");
+    }
+    if (watch.abandoned) {
+      if (const std::string why = watch.abandoned(); !why.empty()) give_up(why);
+    }
   };
   int fd = -1;
   if (creator_) {
@@ -64,11 +79,10 @@ ShmSegment::ShmSegment(const std::string& name, size_t bytes, int rank, int size
       } else if (errno != ENOENT) {
         fail(rank, name, "cannot open", errno);
       }
-      give_up_if_abandoned();
+      watch_peers("waiting for local rank 0 to make");
       if (clock::now() > deadline) {
-        throw std::runtime_error("shardkit shm (rank " + std::to_string(rank) + "): segment '" + name +
-                                 "' did not appear within " + std::to_string(timeout.count()) +
-                                 " ms (did local rank 0 start?)");
+        give_up(me + ": segment '" + name + "' did not appear within " + std::to_string(timeout.count()) +
+                " ms (did local rank 0 start?)");
       }
       std::this_thread::sleep_for(std::chrono::microseconds(200));
     }
@@ -86,15 +100,11 @@ ShmSegment::ShmSegment(const std::string& name, size_t bytes, int rank, int size
   attached->fetch_add(1, std::memory_order_acq_rel);
   if (creator_) {
     while (attached->load(std::memory_order_acquire) < static_cast<uint32_t>(size)) {
-      give_up_if_abandoned();
+      watch_peers("the host's ranks attached");
       if (clock::now() > deadline) {
-        uint32_t seen = attached->load();
-        munmap(base_, bytes_);
-        base_ = nullptr;
-        unlink_name();
-        throw std::runtime_error("shardkit shm (rank 0): only " + std::to_string(seen) + " of " +
-                                 std::to_string(size) + " local ranks attached to segment '" + name +
-                                 "' within " + std::to_string(timeout.count()) + " ms");
+        give_up("shardkit shm (rank " + std::to_string(watch.peers.name(0)) + "): only " +
+                std::to_string(attached->load()) + " of " + std::to_string(size) +
+                " local ranks attached to segment '" + name + "' within " + std::to_string(timeout.count()) + " ms");
       }
       std::this_thread::sleep_for(std::chrono::microseconds(100));
     }

@@ -7,6 +7,12 @@
 // failure). After that the memory lives only as long as some rank maps it, so a crash — kill -9 included —
 // leaves nothing behind.
 //
+// Start-up is bounded: while a rank waits (for the segment to appear, for the ranks to attach) it watches its
+// peers' pids and asks `AttachWatch::abandoned`; a peer that exits, or an answer that the start-up failed
+// elsewhere, ends the wait within kWatchEvery with an error naming the rank. Whoever gives up also removes the
+// name from /dev/shm, so nothing stays there whichever rank dies when (the creator included); only if every rank
+// of the host dies inside the attach window can the name outlive them.
+//
 // The creator reserves the segment's pages (posix_fallocate): /dev/shm (tmpfs) charges pages only when they are
 // first touched, so a segment past its free space would otherwise kill a rank with SIGBUS at some later write;
 // reserved, it fails here, with a message.
@@ -19,29 +25,42 @@
 #include <functional>
 #include <string>
 
+#include "core/liveness.h"
+
 namespace shardkit::core {
+
+// What a rank watches while it waits in the attach protocol.
+struct AttachWatch {
+  PeerNames peers;  // the ranks of the group (this one included): their names for messages, their pids to watch
+  // Asked while waiting: a non-empty answer ends the wait with a std::runtime_error carrying it (the group was
+  // aborted, or its start-up failed on another rank or host).
+  std::function<std::string()> abandoned;
+};
 
 class ShmSegment {
  public:
   // Local rank 0 creates `name` (must start with '/') of `bytes` bytes; ranks 1..size-1 open it, retrying
   // until it appears. Every rank then increments `attach_counter_offset`'s atomic<uint32_t>, and rank 0
   // waits for `size` attachments and unlinks. Throws std::runtime_error (naming the rank and the segment)
-  // if anything fails or `timeout` passes first.
-  // `abandoned`, if set, is asked while waiting (for the segment to appear, for the ranks to attach): a
-  // non-empty answer ends the wait with a std::runtime_error carrying it (a group aborted by another rank).
+  // if anything fails, a watched peer exits, `watch.abandoned` answers, or `timeout` passes first.
   ShmSegment(const std::string& name, size_t bytes, int rank, int size, size_t attach_counter_offset,
-             std::chrono::milliseconds timeout, const std::function<std::string()>& abandoned = {});
+             std::chrono::milliseconds timeout, const AttachWatch& watch = {});
   ~ShmSegment();
 
   ShmSegment(const ShmSegment&) = delete;
   ShmSegment& operator=(const ShmSegment&) = delete;
 
+  // How often a waiting rank checks its peers' pids and asks `abandoned`.
+  static constexpr std::chrono::milliseconds kWatchEvery{20};
+
   uint8_t* data() const { return base_; }
   size_t size() const { return bytes_; }
   const std::string& name() const { return name_; }
+  // Removes the name from /dev/shm now, from any rank (idempotent): for a start-up that failed after this rank
+  // attached, where the creator may be dead and will not remove it.
+  void unlink_name();
 
  private:
-  void unlink_name();
 
   std::string name_;
   size_t bytes_ = 0;

@@ -3,7 +3,8 @@
 ``dist.init_process_group("shardkit")`` calls :func:`_create_backend` once per group. It groups the ranks
 by host through the group's Store, agrees one shared-memory segment name per host, builds the inner gloo
 backends (all ranks: point-to-point and non-hierarchical ops across hosts; host leaders: the inter-host
-step of hierarchical ops), and constructs the C++ ``ProcessGroupShardkit``.
+step of hierarchical ops), and constructs the C++ ``ProcessGroupShardkit``. Every wait of that start-up is
+bounded by a failure or death anywhere in it (``_startup.py``).
 
 Environment:
   SHARDKIT_SHM_SLOT_BYTES   bytes per rank and buffer in the shared segment (default 1 MiB); collectives
@@ -26,13 +27,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import _C, _exchange
+from . import _C, _exchange, _startup
 
 BACKEND_NAME = "shardkit"
 _DEFAULT_SLOT_BYTES = 1 << 20
 # Each group's host topology by group name, as its creator computed it: host_topology() reads it, so tests
 # (e.g. the two-host namespace test) can check how ranks were grouped without a hook into the C++ backend.
 _TOPOLOGIES: dict[str, "HostTopology"] = {}
+# The default group's Store while it lives: every shardkit group of the job records deaths there, so that a group
+# whose connection to a dead rank dropped can name it though the rank that saw it die is in another group.
+_JOB_STORE: dist.Store | None = None
 
 
 def _slot_bytes() -> int:
@@ -102,29 +106,42 @@ class HostTopology:
         return [rank for rank, local in enumerate(self.local_of) if local == 0]
 
 
-def _exchange_host_ids(store: dist.Store, rank: int, size: int) -> list[str]:
-    store.set(f"shardkit/host/{rank}", host_id())
-    return [store.get(f"shardkit/host/{r}").decode() for r in range(size)]
-
-
-def _agree_segment_name(store: dist.Store, local_rank: int, host_index: int, group_id: str) -> str:
+def _agree_segment_name(watch: _startup.StartupWatch, local_rank: int, host_index: int, group_id: str) -> str:
     """Each host's first rank draws a name unique to this job, group and host; its peers read it."""
     key = f"shardkit/shm_name/{host_index}"
     if local_rank == 0:
         tag = _name_part(os.environ.get("SHARDKIT_SHM_TAG", ""), 32)
         name = f"/shardkit-{tag + '-' if tag else ''}{os.getpid()}-{secrets.token_hex(6)}-{group_id or 'default'}-h{host_index}"
-        store.set(key, name)
+        watch.store.set(key, name)
         return name
-    return store.get(key).decode()
+    return watch.get(key, "waiting for the host's first rank to name the shared-memory segment").decode()
 
 
 def _create_backend(options: "dist.distributed_c10d._DistributedBackendOptions", pg_options) -> dist.Backend:
     if pg_options is not None:
         raise ValueError(f"the shardkit backend takes no pg_options, got {pg_options!r}")
+    global _JOB_STORE
     store, rank, size = options.store, options.group_rank, options.group_size
     timeout = options.timeout if isinstance(options.timeout, timedelta) else timedelta(seconds=options.timeout)
+    # The default group is told no ranks: its ranks are the job's. Its Store is where every group of the job
+    # records deaths (csrc/comm/failure_notices.h).
+    global_ranks = list(options.global_ranks_in_group) or list(range(size))
+    if not options.global_ranks_in_group:
+        _JOB_STORE = store
+    watch = _startup.StartupWatch(store, rank, global_ranks, timeout)
+    try:
+        backend = _start(options, watch, global_ranks, timeout)
+    except BaseException as error:  # noqa: BLE001 - whatever ends the start-up, the peers must hear of it
+        raise watch.failed(error) from error
+    finally:
+        watch.finished = True
+    return backend
+
+
+def _start(options, watch: _startup.StartupWatch, global_ranks: list[int], timeout: timedelta) -> dist.Backend:
+    store, rank, size = options.store, options.group_rank, options.group_size
     group_id = _name_part(str(options.group_id), 40)
-    topology = HostTopology.from_host_ids(_exchange_host_ids(store, rank, size))
+    topology = HostTopology.from_host_ids(watch.exchange_hosts(host_id(), size))
     _TOPOLOGIES[str(options.group_id)] = topology
 
     config = _C.BackendConfig()
@@ -134,19 +151,25 @@ def _create_backend(options: "dist.distributed_c10d._DistributedBackendOptions",
     config.host_index = topology.host_of[rank]
     config.host_of = topology.host_of
     config.local_of = topology.local_of
-    config.shm_name = _agree_segment_name(store, config.local_rank, config.host_index, group_id)
+    config.global_ranks = global_ranks
+    config.pids = [watch.pids[r] for r in range(size)]
+    config.shm_name = _agree_segment_name(watch, config.local_rank, config.host_index, group_id)
     config.slot_bytes = _slot_bytes()
     # torchrun's count of ranks on this machine: with simulated hosts (or several jobs' groups) more
     # processes compete for the cores than this host's group holds, and waits should spin less.
     config.processes_on_machine = _env_int("LOCAL_WORLD_SIZE", 0)
     config.timeout = timeout
 
-    fallback = dist.ProcessGroupGloo(dist.PrefixStore("shardkit/gloo", store), rank, size, timeout)
+    fallback = dist.ProcessGroupGloo(
+        _startup.WatchedStore(dist.PrefixStore("shardkit/gloo", store), watch, "the inner gloo backend"),
+        rank, size, timeout)
     inter_host = None
     if topology.num_hosts > 1 and config.local_rank == 0:
-        inter_host = dist.ProcessGroupGloo(dist.PrefixStore("shardkit/inter", store), config.host_index,
-                                           topology.num_hosts, timeout)
-    return _C.ProcessGroupShardkit(rank, size, config, store, fallback, inter_host)
+        inter_host = dist.ProcessGroupGloo(
+            _startup.WatchedStore(dist.PrefixStore("shardkit/inter", store), watch, "the host leaders' gloo backend"),
+            config.host_index, topology.num_hosts, timeout)
+    job_store = _JOB_STORE if _JOB_STORE is not None else store
+    return _C.ProcessGroupShardkit(rank, size, config, store, fallback, inter_host, job_store)
 
 
 def host_topology(group: dist.ProcessGroup | None = None) -> HostTopology:

@@ -512,3 +512,97 @@ TEST(ShmGroup, SharedBufferFailureReachesEveryRankAtOnce) {
         << "rank " << rank << ": " << errors[rank];
   }
 }
+
+namespace {
+
+// Runs body(rank, pids) in `size` forked processes that first learn each other's pids (as the backend's start-up
+// exchange tells them) through anonymous shared memory; returns each exit status.
+std::vector<int> run_processes_knowing_pids(int size, const std::function<int(int, std::vector<int32_t>)>& body) {
+  auto* table = static_cast<std::atomic<int32_t>*>(
+      mmap(nullptr, sizeof(std::atomic<int32_t>) * size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0));
+  for (int r = 0; r < size; ++r) new (&table[r]) std::atomic<int32_t>(0);
+  auto codes = run_processes(size, [&](int rank) {
+    table[rank].store(static_cast<int32_t>(getpid()));
+    std::vector<int32_t> pids(size, 0);
+    for (int r = 0; r < size; ++r) {
+      while ((pids[r] = table[r].load()) == 0) std::this_thread::sleep_for(std::chrono::microseconds(100));
+    }
+    return body(rank, pids);
+  });
+  munmap(table, sizeof(std::atomic<int32_t>) * size);
+  return codes;
+}
+
+bool segment_exists(const std::string& name) {
+  const int fd = shm_open(name.c_str(), O_RDONLY, 0600);
+  if (fd < 0) return false;
+  close(fd);
+  return true;
+}
+
+// Exit codes of a surviving rank: 0 it raised in time naming the dead rank; 4 the message lacks it; 5 too late;
+// 6 the start-up succeeded. A survivor stays alive a while after it raised (as a process raising into Python
+// does), so that no other survivor sees it gone and names it too.
+int expect_start_up_to_fail_naming(const ShmGroup::Options& options, const std::string& dead) {
+  const auto start = std::chrono::steady_clock::now();
+  int code = 6;
+  try {
+    ShmGroup group(options);
+  } catch (const std::exception& error) {
+    const auto waited = std::chrono::steady_clock::now() - start;
+    code = waited < std::chrono::seconds(2) ? 0 : 5;
+    if (std::string(error.what()).find("rank(s) " + dead + " (pid") == std::string::npos) {
+      std::fprintf(stderr, "unexpected message: %s\n", error.what());
+      code = 4;
+    }
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  return code;
+}
+
+}  // namespace
+
+TEST(ShmGroupStartUp, APeerThatDiesBeforeAttachingIsNamedWithinTwoSeconds) {
+  const std::string name = unique_name();
+  auto codes = run_processes_knowing_pids(3, [&](int rank, std::vector<int32_t> pids) {
+    if (rank == 2) _exit(0);  // dies in the attach window: the creator waits for it, the others in the first sync
+    ShmGroup::Options options = options_for(name, rank, 3);
+    options.pids = pids;
+    options.rank_names = {10, 11, 12};
+    return expect_start_up_to_fail_naming(options, "12");
+  });
+  EXPECT_EQ(codes, (std::vector<int>{0, 0, 0}));
+  EXPECT_FALSE(segment_exists(name));
+}
+
+TEST(ShmGroupStartUp, ACreatorThatDiesWhileTheOthersAttachLeavesNothingInDevShm) {
+  const std::string name = unique_name();
+  auto codes = run_processes_knowing_pids(3, [&](int rank, std::vector<int32_t> pids) {
+    ShmGroup::Options options = options_for(name, rank, 3);
+    options.pids = pids;
+    if (rank == 0) {
+      // The creator dies once it has made the segment and waits for the others to attach: it never unlinks it.
+      options.abandoned = []() -> std::string { _exit(0); };
+      ShmGroup group(options);
+      return 7;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(100 * rank));  // attach after the creator is gone
+    return expect_start_up_to_fail_naming(options, "0");
+  });
+  EXPECT_EQ(codes, (std::vector<int>{0, 0, 0}));
+  EXPECT_FALSE(segment_exists(name));
+}
+
+TEST(ShmGroupStartUp, AFailureElsewhereEndsEveryWaitWithItsReason) {
+  // Rank 0 never starts (its creation failed, say); the others wait for the segment until told why.
+  const std::string name = unique_name();
+  auto errors = run_threads(3, [&](int rank) {
+    if (rank == 0) return;
+    ShmGroup::Options options = options_for(name, rank, 3);
+    options.abandoned = [] { return std::string("rank 0 failed: cannot reserve 4 MB (No space left on device)"); };
+    ShmGroup group(options);
+  });
+  EXPECT_EQ(errors[1], "rank 0 failed: cannot reserve 4 MB (No space left on device)");
+  EXPECT_EQ(errors[2], "rank 0 failed: cannot reserve 4 MB (No space left on device)");
+  EXPECT_FALSE(segment_exists(name));
+}

@@ -1,6 +1,7 @@
 """A rank dies (SIGKILL) in the middle of training or of a collective: every survivor raises within 2 s,
-naming the dead rank, on one host and across hosts; every later backward raises too; /dev/shm stays clean
-(the conftest fixture checks it after every test)."""
+naming the dead rank by its global rank, on one host and across hosts — also where the dead rank was its host's
+only one, under HYBRID_SHARD (whose groups are subgroups), and in a subgroup; every later backward raises too;
+/dev/shm stays clean (the conftest fixture checks it after every test)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ CASES = {
     "w4": (4, None, 2),
     "2x2hosts-nonleader": (4, [0, 0, 1, 1], 1),
     "2x2hosts-leader": (4, [0, 0, 1, 1], 2),
+    # Its host's only rank: nobody shares its host to see its pid go; the leaders' connection to it drops.
+    "2+1hosts-lone": (3, [0, 0, 1], 2),
 }
 
 
@@ -33,7 +36,10 @@ def _train_until_a_rank_dies(rank, world, victim, wrapper):
     model = torch.nn.Sequential(torch.nn.Linear(32, width), torch.nn.Tanh(), torch.nn.Linear(width, width),
                                 torch.nn.Tanh(), torch.nn.Linear(width, 4))
     if wrapper.startswith("fsdp"):  # one unit per Linear: all-gathers and reduce-scatters all through backward
-        ddp = shardkit.FullyShardedDataParallel(model, auto_wrap_policy={torch.nn.Linear})
+        # HYBRID_SHARD: shard groups of each host's ranks, replicate groups across hosts (subgroups of the world).
+        strategy = shardkit.fsdp.ShardingStrategy.HYBRID_SHARD if wrapper == "fsdp_hybrid" else None
+        ddp = shardkit.FullyShardedDataParallel(model, auto_wrap_policy={torch.nn.Linear},
+                                                **({"sharding_strategy": strategy} if strategy else {}))
         if wrapper == "fsdp":
             ddp._reduce_memory = None  # flat gradients in memory of their own: the copying reduce-scatter
         optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
@@ -79,10 +85,12 @@ def _train_until_a_rank_dies(rank, world, victim, wrapper):
     return elapsed, message, later, zero_copy
 
 
-@pytest.mark.parametrize("wrapper", ["ddp", "ddp_zero_copy", "zero1", "zero2", "fsdp", "fsdp_zero_copy"])
+@pytest.mark.parametrize("wrapper", ["ddp", "ddp_zero_copy", "zero1", "zero2", "fsdp", "fsdp_zero_copy", "fsdp_hybrid"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_rank_killed_mid_backward(ranks, case, wrapper):
     world, hosts, victim = CASES[case]
+    if wrapper == "fsdp_hybrid" and not case.startswith("2x2hosts"):
+        pytest.skip("HYBRID_SHARD needs the same number of ranks on every host, and several hosts to differ from FULL_SHARD")
     outcomes = ranks.launch(_train_until_a_rank_dies, world, victim, wrapper, timeout=90, pg_timeout=60,
                             env=topology_env(hosts))
     assert outcomes[victim].exitcode == -signal.SIGKILL, outcomes[victim].error
@@ -94,6 +102,9 @@ def test_rank_killed_mid_backward(ranks, case, wrapper):
         elapsed, message, later, zero_copy = outcome.value
         if wrapper == "fsdp_zero_copy":  # the shared flat-gradient memory applies where the shard group is one host
             assert zero_copy == (hosts is None), f"rank {outcome.rank}: FSDP zero-copy memory in use: {zero_copy}"
+        if case == "2+1hosts-lone":  # no survivor saw it exit: it is named as its host gone silent
+            assert f"rank(s) {victim} (pid" in message and "went silent" in message, message
+            continue
         assert elapsed < 2.0, f"rank {outcome.rank} took {elapsed:.2f} s to notice: {message}"
         assert f"rank(s) {victim} (pid" in message and "exited" in message, message
         for text in later:
@@ -129,4 +140,35 @@ def test_rank_killed_mid_allreduce(ranks, case):
         # ("shardkit allreduce #2 (rank 3): group aborted: ..." or, from the shm wait itself,
         # "shardkit allreduce #2 (f32 x 300000, sum) (rank 0): ...")
         assert message.startswith("shardkit allreduce #2 (") and f"(rank {outcome.rank})" in message, message
-        assert f"rank(s) {victim} (pid" in message and "exited before arriving" in message, message
+        how = "went silent" if case == "2+1hosts-lone" else "exited before arriving"
+        assert f"rank(s) {victim} (pid" in message and how in message, message
+
+
+def _kill_mid_subgroup_allreduce(rank, world):
+    # Groups of odd and even ranks: in the odd one, global rank 3 is group rank 1.
+    odd, even = dist.new_group([1, 3]), dist.new_group([0, 2])
+    mine = odd if rank % 2 else even
+    dist.all_reduce(torch.ones(1000), group=mine)
+    if rank == 3:
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(300_000), group=mine)
+        dist.all_reduce(torch.ones(300_000))  # the even ranks learn of it here: in the world group
+    except RuntimeError as error:
+        return time.monotonic() - start, str(error)
+    return None
+
+
+@pytest.mark.parametrize("hosts", [None, [0, 1, 0, 1]], ids=["one-host", "2x2hosts"])
+def test_a_death_in_a_subgroup_is_named_by_global_rank_everywhere(ranks, hosts):
+    outcomes = ranks.launch(_kill_mid_subgroup_allreduce, 4, timeout=90, pg_timeout=60, env=topology_env(hosts))
+    assert outcomes[3].exitcode == -signal.SIGKILL
+    for outcome in outcomes[:3]:
+        assert outcome.ok and outcome.value is not None, outcome.error
+        elapsed, message = outcome.value
+        assert elapsed < 2.0, f"rank {outcome.rank} took {elapsed:.2f} s to notice: {message}"
+        assert f"(rank {outcome.rank})" in message, message  # itself by its global rank too
+        assert "rank(s) 3 (pid" in message, message
+        assert "rank(s) 1 (pid" not in message, message  # never the group's own number
+

@@ -27,6 +27,9 @@ class HostStagedEngine final : public Engine {
                       core::ReduceOp reduce) override;
   void alltoall(const OpContext& op, const at::Tensor& input, const std::vector<size_t>& send_counts,
                 at::Tensor& output, const std::vector<size_t>& recv_counts) override;
+  // The host engine's: staging is a way of using it.
+  void abort(const std::string& reason) override { host_.abort(reason); }
+  std::vector<std::pair<int, int32_t>> exited_peers() const override { return host_.exited_peers(); }
 
  private:
   Engine& host_;  // the group's shared-memory or hierarchical engine; the backend owns it

@@ -48,7 +48,9 @@ class NcclEngine final : public Engine {
   std::string health() const;
   // Aborts the communicator (any thread), keeping `reason` as the group's failure if it is the first. The
   // failure is recorded before NCCL is told, so an op that NCCL cuts short is seen failed, never done.
-  void abort(const std::string& reason);
+  void abort(const std::string& reason) override;
+  // NCCL reports errors, not which peer exited.
+  std::vector<std::pair<int, int32_t>> exited_peers() const override { return {}; }
 
   void barrier(const OpContext& op) override;
   void broadcast(const OpContext& op, at::Tensor& data, int root) override;

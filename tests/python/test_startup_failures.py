@@ -1,0 +1,139 @@
+"""Start-up is bounded: a rank that dies or fails anywhere in ``init_process_group("shardkit")`` makes every peer
+raise within 2 s naming it and why, and nothing stays in /dev/shm (the conftest fixture checks it after every
+test). Before, the peers waited out the whole init timeout (30 minutes by default), and a creator that died left
+its segment behind; a /dev/shm too small for the segment failed rank 0 and left the others waiting.
+
+Run as a script (``python test_startup_failures.py WORLD``) it is the ranks of the small-/dev/shm case: it starts
+WORLD ranks and prints one JSON line per rank, then one with what /dev/shm holds afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import harness  # noqa: E402
+
+INIT_TIMEOUT = timedelta(seconds=60)  # what the peers used to wait out; the test's deadline is below it
+
+
+def _kill_myself() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _die_in_start_up(rank: int, victim: int, how: str) -> None:
+    """Arranges this rank's part of the case: the victim dies at its point of the start-up, the others maybe
+    attach late (so that the creator is inside its attach wait when it dies)."""
+    from shardkit import _C
+
+    construct = _C.ProcessGroupShardkit
+    if rank == victim and how == "before_attach":
+        # Dies where the C++ start-up would begin: after the host exchange and the gloo rendezvous, before it
+        # made (creator) or opened (the others) the segment.
+        _C.ProcessGroupShardkit = lambda *args, **kwargs: _kill_myself()
+    elif rank == victim and how == "creator_after_create":
+        # Dies once its segment exists (the name carries its pid), while it waits for the others to attach.
+        mark = f"-{os.getpid()}-"
+
+        def watch() -> None:
+            while not any(mark in name for name in os.listdir("/dev/shm")):
+                time.sleep(0.0005)
+            _kill_myself()
+
+        threading.Thread(target=watch, daemon=True).start()
+    elif how == "creator_after_create":
+        def late(*args, **kwargs):
+            time.sleep(0.5)
+            return construct(*args, **kwargs)
+
+        _C.ProcessGroupShardkit = late
+
+
+def _init_timed(rank: int, world: int, store_path: str, victim: int, how: str):
+    import torch.distributed as dist
+
+    import shardkit  # noqa: F401 - registers the backend
+
+    _die_in_start_up(rank, victim, how)
+    start = time.monotonic()
+    try:
+        dist.init_process_group("shardkit", init_method=f"file://{store_path}", rank=rank, world_size=world,
+                                timeout=INIT_TIMEOUT)
+    except Exception as error:  # noqa: BLE001 - the test reads the message
+        return time.monotonic() - start, f"{type(error).__name__}: {error}"
+    return None
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["before_attach", "creator_after_create"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_rank_dying_in_start_up_is_named_by_every_peer_within_2s(ranks, tmp_path: Path, world: int, how: str):
+    victims = [0] if how == "creator_after_create" else [0, world - 1]
+    for victim in victims:
+        store = str(tmp_path / f"store-{victim}")
+        outcomes = ranks.launch(_init_timed, world, store, victim, how, backend=None, timeout=45)
+        assert outcomes[victim].exitcode == -signal.SIGKILL, outcomes[victim].error
+        for outcome in outcomes:
+            if outcome.rank == victim:
+                continue
+            assert outcome.ok, outcome.error
+            assert outcome.value is not None, f"rank {outcome.rank}: the start-up succeeded without rank {victim}"
+            elapsed, message = outcome.value
+            assert elapsed < 2.0, f"rank {outcome.rank} took {elapsed:.2f} s: {message}"
+            assert f"rank(s) {victim} (pid" in message and "exited" in message and "start-up" in message, message
+            assert message.startswith(("RuntimeError: shardkit", "StartupFailed: shardkit")), message
+
+
+def _init_in_a_small_dev_shm(rank: int, world: int, store_path: str):
+    return _init_timed(rank, world, store_path, victim=-1, how="none")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_dev_shm_without_room_for_the_segment_fails_every_rank_within_2s(world: int):
+    from test_two_hosts import UNSHARE, _namespaces_unavailable, _run
+
+    why = _namespaces_unavailable()
+    if why:
+        pytest.skip(f"no mount namespace for a small /dev/shm: {why}")
+    # 1 MB: less than one rank's slots (the segment takes 2 x ranks x 1 MiB and a header).
+    shell = 'mount -t tmpfs -o size=1m,mode=1777 shardkit-shm /dev/shm && exec "$@"'
+    result = _run([*UNSHARE, "sh", "-c", shell, "sh", sys.executable, __file__, str(world)], timeout=100)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    by_rank = {line["rank"]: line for line in lines if "rank" in line}
+    assert sorted(by_rank) == list(range(world)), result.stdout + result.stderr[-3000:]
+    for rank, line in by_rank.items():
+        assert line["error"] is not None, f"rank {rank} started in a /dev/shm without room: {line}"
+        elapsed, message = line["error"]
+        assert elapsed < 2.0, f"rank {rank} took {elapsed:.2f} s: {message}"
+        assert "No space left on device" in message and "rank 0" in message, message
+        if rank:  # the others hear rank 0's reason
+            assert "the group's start-up failed" in message, message
+    left = next(line["dev_shm"] for line in lines if "dev_shm" in line)
+    assert left == [], f"/dev/shm after the failed start-up: {left}"
+
+
+def _script(world: int) -> None:
+    """The small-/dev/shm case's ranks (run inside its mount namespace): one JSON line each, then /dev/shm."""
+    workdir = Path(tempfile.mkdtemp())
+    outcomes = harness.launch(_init_in_a_small_dev_shm, world, str(workdir / "store"), backend=None,
+                              workdir=workdir, timeout=60)
+    for outcome in outcomes:
+        print(json.dumps({"rank": outcome.rank, "error": outcome.value, "failure": outcome.error}), flush=True)
+    print(json.dumps({"dev_shm": sorted(os.listdir("/dev/shm"))}), flush=True)
+
+
+if __name__ == "__main__":
+    _script(int(sys.argv[1]))
