@@ -11,6 +11,7 @@
 #include "comm/backend.h"
 #include "compress/hooks.h"
 #include "comm/failure_notices.h"
+#include "core/collective_identity.h"
 #include "core/flat_layout.h"
 #include "core/liveness.h"
 #include "core/reduce.h"
@@ -62,6 +63,8 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("global_ranks", &ProcessGroupShardkit::Config::global_ranks)
       .def_readwrite("pids", &ProcessGroupShardkit::Config::pids);
   m.attr("ABORT_KEY") = shardkit::comm::kAbortKey;
+  m.def("describe_identity", &shardkit::core::describe_identity, py::arg("identity"),
+        "What a collective identity stands for in this process ('FSDP unit ...', or that it is unknown).");
   m.def("process_exited", &shardkit::core::process_exited, py::arg("pid"),
         "Whether the process `pid` of this machine has exited (gone, or a zombie); False for pid <= 0.");
   py::class_<ProcessGroupShardkit, c10d::Backend, c10::intrusive_ptr<ProcessGroupShardkit>>(m, "ProcessGroupShardkit")
@@ -215,6 +218,7 @@ PYBIND11_MODULE(_C, m) {
            py::arg("param_dtype") = std::nullopt, py::arg("reduce_dtype") = std::nullopt,
            py::arg("compute_device") = std::nullopt)
       .def_property_readonly("layout", &FlatParamHandle::layout, py::return_value_policy::reference_internal)
+      .def_property_readonly("identity", &FlatParamHandle::identity)
       .def_property_readonly("shard", &FlatParamHandle::shard)
       .def_property_readonly("compute_dtype", &FlatParamHandle::compute_dtype)
       .def_property_readonly("reduce_dtype", &FlatParamHandle::reduce_dtype)

@@ -7,6 +7,7 @@
 #include "comm/hierarchical_engine.h"
 #include "comm/shm_engine.h"
 #include "compat.h"
+#include "core/collective_identity.h"
 #include "core/reduce.h"
 #include "profile_span.h"
 #ifdef SHARDKIT_WITH_CUDA
@@ -135,8 +136,8 @@ void ProcessGroupShardkit::shutdown() {
   inner_->shutdown();
 }
 
-OpContext ProcessGroupShardkit::context(const char* op, std::chrono::milliseconds timeout) {
-  return OpContext{op, ++executed_, timeout, getRank(), global_rank_of(config_, getRank())};
+OpContext ProcessGroupShardkit::context(const char* op, std::chrono::milliseconds timeout, uint64_t identity) {
+  return OpContext{op, ++executed_, timeout, getRank(), global_rank_of(config_, getRank()), identity};
 }
 
 template <typename Body>
@@ -172,6 +173,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::launch(c10d::OpType type, c
                                                             const OpOptions& opts, Body body,
                                                             const std::vector<at::Tensor>& inputs) {
   const uint64_t issued = ++seq_;
+  const uint64_t identity = core::current_identity();  // on the issuing thread: the op may run on the worker's
   const bool cuda = any_cuda(outputs) || any_cuda(inputs);
 #ifdef SHARDKIT_WITH_CUDA
   std::shared_ptr<CudaReady> ready;  // CUDA ops: what the caller's stream queued before the op
@@ -194,8 +196,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::launch(c10d::OpType type, c
 #ifdef SHARDKIT_WITH_CUDA
   // A CUDA op's body (and the tensors it holds) lives until the op ends on the device: the watchdog keeps it.
   auto shared_body = std::make_shared<Body>(std::move(body));
-  auto run = [this, op, timeout = op_timeout(opts.timeout), shared_body, ready, work]() {
-    const OpContext op_context = context(op, timeout);
+  auto run = [this, op, timeout = op_timeout(opts.timeout), identity, shared_body, ready, work]() {
+    const OpContext op_context = context(op, timeout, identity);
     if (ready) {  // CUDA tensors: NCCL, or host staging where NCCL cannot serve (comm/nccl/cuda_route.h)
       cuda_->run(op_context, *ready, [&](Engine& engine) { (*shared_body)(engine, op_context); },
                  work, shared_body);
@@ -204,8 +206,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::launch(c10d::OpType type, c
     run_failing_everywhere([&] { (*shared_body)(route(op_context), op_context); });
   };
 #else
-  auto run = [this, op, timeout = op_timeout(opts.timeout), body = std::move(body)]() mutable {
-    const OpContext op_context = context(op, timeout);
+  auto run = [this, op, timeout = op_timeout(opts.timeout), identity, body = std::move(body)]() mutable {
+    const OpContext op_context = context(op, timeout, identity);
     run_failing_everywhere([&] { body(route(op_context), op_context); });
   };
 #endif
@@ -249,7 +251,7 @@ void ProcessGroupShardkit::allreduce_now(at::Tensor& tensor, const c10d::ReduceO
   const ReduceSpec spec = args_.reduce_spec(reduce_op, tensor.scalar_type(), "allreduce");
   ++seq_;
   queue_.run_now([&] {
-    const OpContext op_context = context("allreduce", op_timeout(timeout));
+    const OpContext op_context = context("allreduce", op_timeout(timeout), core::current_identity());
     run_failing_everywhere([&] {
       with_contiguous(tensor, [&](at::Tensor& t) { allreduce_with(spec, t, getSize(), route(op_context), op_context); });
     });
@@ -261,7 +263,7 @@ at::Tensor ProcessGroupShardkit::shared_buffer(int64_t bytes) {
   ++seq_;
   at::Tensor out;
   queue_.run_now([&] {
-    const OpContext context = this->context("shared_buffer", op_timeout(c10d::kUnsetTimeout));
+    const OpContext context = this->context("shared_buffer", op_timeout(c10d::kUnsetTimeout), core::current_identity());
     std::string refused;
     std::shared_ptr<core::SharedBuffer> buffer;
     run_failing_everywhere([&] { buffer = engine_->share_buffer(context, static_cast<size_t>(bytes), &refused); });

@@ -129,6 +129,7 @@ class ProcessGroupShardkit : public c10d::Backend {
   at::Tensor shared_buffer(int64_t bytes);
   // Collectives that read their input from a shared buffer on this group (for tests and benchmarks).
   uint64_t shared_ops() const { return engine_->shared_ops(); }
+
   // What carries this group's CUDA collectives: "nccl", "host shared memory: <why>", "undecided: ..." before
   // the first one, or why there is no CUDA support in this build.
   std::string cuda_route() const;
@@ -154,7 +155,8 @@ class ProcessGroupShardkit : public c10d::Backend {
   // it fail now) and the process's other shardkit groups (abort_cascade.h), then rethrows.
   template <typename Body>
   void run_failing_everywhere(Body&& body);
-  OpContext context(const char* op, std::chrono::milliseconds timeout);
+  // The op as it runs: numbered in run order, named by the global rank, with the identity it was issued under.
+  OpContext context(const char* op, std::chrono::milliseconds timeout, uint64_t identity);
   std::chrono::milliseconds op_timeout(std::chrono::milliseconds requested) const;
   void refuse_cuda_point_to_point(const std::vector<at::Tensor>& tensors, const char* op) const;
   // allreduce of a sparse COO tensor (SUM only, like gloo's): every rank's indices and values, gathered.

@@ -39,9 +39,10 @@ struct OpContext {
   std::chrono::milliseconds timeout{0};
   int rank = 0;         // this rank in the group (roots are group ranks too)
   int global_rank = 0;  // this rank in the job: how messages name it
+  uint64_t identity = 0;  // the part of a model the op moves, as its issuer named it (core/collective_identity.h)
 
   // The same op, as told to a shared-memory group that runs all of it or one step of it.
-  core::CallInfo call(bool step = false) const { return {timeout, op, seq, step}; }
+  core::CallInfo call(bool step = false) const { return {timeout, op, seq, step, identity}; }
   // "shardkit allreduce #5 (rank 3): "
   std::string where() const {
     return std::string("shardkit ") + op + " #" + std::to_string(seq) + " (rank " + std::to_string(global_rank) +

@@ -3,8 +3,14 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <cstring>
 #include <stdexcept>
 #include <thread>
+#include <type_traits>
+
+#include <torch/csrc/distributed/c10d/debug.h>
+
+#include "core/collective_identity.h"
 
 namespace shardkit::comm {
 
@@ -70,6 +76,7 @@ HierarchicalEngine::HierarchicalEngine(int rank, int size, HostLayout layout, st
       host_(layout_.host_of.at(rank)),
       local_rank_(layout_.local_of.at(rank)),
       max_local_size_(0),
+      detail_(c10d::debug_level() == c10d::DebugLevel::Detail),
       local_(std::move(local)),
       inner_(std::move(inner)),
       notices_(std::move(notices)) {
@@ -80,11 +87,12 @@ HierarchicalEngine::HierarchicalEngine(int rank, int size, HostLayout layout, st
 }
 
 template <typename Steps>
-void HierarchicalEngine::guarded(const OpContext& op, Steps steps) {
+void HierarchicalEngine::guarded(const OpContext& op, std::optional<LeaderStep> step, Steps steps) {
   if (const std::string reason = aborted_reason(); !reason.empty()) {
     throw std::runtime_error(op.where() + "group was aborted earlier: " + reason);
   }
   try {
+    if (step && leader() && (op.identity != 0 || detail_)) agree_across_hosts(op, *step);
     steps();
   } catch (const InnerStepError& error) {
     abort_everywhere(op, error.what(), /*await_root_cause=*/true);
@@ -166,6 +174,57 @@ void HierarchicalEngine::wait_inner(const OpContext& op, const char* step,
   }
 }
 
+namespace {
+
+// What the host leaders compare before an op's inter-host steps. Fixed-size, so that leaders in different ops
+// still pair this exchange (whatever their payloads' sizes, which gloo would pair silently or wait on), and no
+// implicit padding (compared with memcmp).
+struct Fingerprint {
+  uint64_t seq = 0;       // the op's number in the group
+  uint64_t identity = 0;  // the part of a model it moves
+  uint64_t count = 0;     // elements, as the engine's op counts them
+  uint32_t kind = 0;      // core::OpKind
+  uint32_t dtype = 0;     // core::DType
+  char label[24] = {};    // the user's collective
+};
+static_assert(std::has_unique_object_representations_v<Fingerprint>, "Fingerprint must have no implicit padding");
+
+std::string describe(const Fingerprint& f) {
+  std::string text = std::string(f.label, strnlen(f.label, sizeof(f.label))) + " #" + std::to_string(f.seq);
+  if (static_cast<core::OpKind>(f.kind) != core::OpKind::Barrier) {
+    text += std::string(" (") + core::dtype_name(static_cast<core::DType>(f.dtype)) + " x " + std::to_string(f.count) + ")";
+  }
+  if (f.identity != 0) text += " for " + core::describe_identity(f.identity);
+  return text;
+}
+
+}  // namespace
+
+void HierarchicalEngine::agree_across_hosts(const OpContext& op, const LeaderStep& step) {
+  Fingerprint mine;
+  mine.seq = op.seq;
+  mine.identity = op.identity;
+  mine.count = step.count;
+  mine.kind = static_cast<uint32_t>(step.kind);
+  mine.dtype = static_cast<uint32_t>(step.dtype);
+  std::strncpy(mine.label, op.op, sizeof(mine.label) - 1);
+  const int64_t hosts = static_cast<int64_t>(hosts_.size());
+  at::Tensor in = at::empty({static_cast<int64_t>(sizeof(Fingerprint))}, at::kByte);
+  std::memcpy(in.data_ptr(), &mine, sizeof(Fingerprint));
+  at::Tensor everyone = at::empty({hosts * static_cast<int64_t>(sizeof(Fingerprint))}, at::kByte);
+  c10d::AllgatherOptions options;
+  options.timeout = op.timeout;
+  wait_inner(op, "the host leaders' agreement check (gloo)",
+             inner_->leaders(op.where())->_allgather_base(everyone, in, options));
+  const auto* theirs = static_cast<const Fingerprint*>(everyone.data_ptr());
+  for (int64_t h = 0; h < hosts; ++h) {
+    if (std::memcmp(&theirs[h], &mine, sizeof(Fingerprint)) == 0) continue;
+    throw std::runtime_error("shardkit: ranks disagree on collective #" + std::to_string(op.seq) + ": rank " +
+                             std::to_string(op.global_rank) + " called " + describe(mine) + " but rank " +
+                             std::to_string(notices_->global_rank(hosts_[h].front())) + " called " + describe(theirs[h]));
+  }
+}
+
 void HierarchicalEngine::leaders_allreduce(const OpContext& op, at::Tensor& data, core::ReduceOp reduce) {
   const bool is_bool = data.scalar_type() == at::kBool;
   std::vector<at::Tensor> payload{is_bool ? data.view(at::kByte) : data};
@@ -177,7 +236,7 @@ void HierarchicalEngine::leaders_allreduce(const OpContext& op, at::Tensor& data
 }
 
 void HierarchicalEngine::barrier(const OpContext& op) {
-  guarded(op, [&] {
+  guarded(op, LeaderStep{core::OpKind::Barrier, 0, core::DType::U8}, [&] {
     local_->barrier(op.call(true));
     if (leader()) {
       c10d::BarrierOptions options;
@@ -189,7 +248,7 @@ void HierarchicalEngine::barrier(const OpContext& op) {
 }
 
 void HierarchicalEngine::broadcast(const OpContext& op, at::Tensor& data, int root) {
-  guarded(op, [&] {
+  guarded(op, LeaderStep{core::OpKind::Broadcast, numel_of(data), core_dtype(data)}, [&] {
     const int root_host = layout_.host_of[root];
     const core::DType dtype = core_dtype(data);
     if (host_ == root_host) local_->broadcast(data.data_ptr(), numel_of(data), dtype, layout_.local_of[root], op.call(true));
@@ -206,7 +265,7 @@ void HierarchicalEngine::broadcast(const OpContext& op, at::Tensor& data, int ro
 }
 
 void HierarchicalEngine::allreduce(const OpContext& op, at::Tensor& data, core::ReduceOp reduce) {
-  guarded(op, [&] {
+  guarded(op, LeaderStep{core::OpKind::AllReduce, numel_of(data), core_dtype(data)}, [&] {
     const core::DType dtype = core_dtype(data);
     local_->reduce(data.data_ptr(), data.data_ptr(), numel_of(data), dtype, reduce, 0, op.call(true));
     if (leader() && data.numel() > 0) leaders_allreduce(op, data, reduce);
@@ -215,7 +274,7 @@ void HierarchicalEngine::allreduce(const OpContext& op, at::Tensor& data, core::
 }
 
 void HierarchicalEngine::reduce(const OpContext& op, at::Tensor& data, core::ReduceOp reduce, int root) {
-  guarded(op, [&] {
+  guarded(op, LeaderStep{core::OpKind::Reduce, numel_of(data), core_dtype(data)}, [&] {
     const core::DType dtype = core_dtype(data);
     const int root_host = layout_.host_of[root];
     // The leader's partial result goes to a scratch buffer unless the leader is root: every rank's
@@ -242,7 +301,7 @@ void HierarchicalEngine::reduce(const OpContext& op, at::Tensor& data, core::Red
 }
 
 void HierarchicalEngine::allgather(const OpContext& op, const at::Tensor& input, at::Tensor& output) {
-  guarded(op, [&] {
+  guarded(op, LeaderStep{core::OpKind::AllGather, numel_of(input), core_dtype(input)}, [&] {
     const core::DType dtype = core_dtype(input);
     const int64_t n = input.numel();
     const int64_t block = static_cast<int64_t>(max_local_size_) * n;  // a host's share, padded to the largest host
@@ -275,7 +334,7 @@ void HierarchicalEngine::allgather(const OpContext& op, const at::Tensor& input,
 
 void HierarchicalEngine::reduce_scatter(const OpContext& op, const at::Tensor& input, at::Tensor& output,
                                         core::ReduceOp reduce) {
-  guarded(op, [&] {
+  guarded(op, LeaderStep{core::OpKind::ReduceScatter, numel_of(output), core_dtype(output)}, [&] {
     const core::DType dtype = core_dtype(input);
     const int64_t n = output.numel();
     at::Tensor partial;
@@ -298,7 +357,7 @@ void HierarchicalEngine::reduce_scatter(const OpContext& op, const at::Tensor& i
 }
 
 void HierarchicalEngine::gather(const OpContext& op, const at::Tensor& input, at::Tensor& output, int root) {
-  guarded(op, [&] {
+  guarded(op, std::nullopt, [&] {
     std::vector<at::Tensor> inputs{as_bytes(input)};
     std::vector<std::vector<at::Tensor>> outputs;
     if (rank_ == root) outputs.push_back(as_bytes(output).chunk(size_));
@@ -310,7 +369,7 @@ void HierarchicalEngine::gather(const OpContext& op, const at::Tensor& input, at
 }
 
 void HierarchicalEngine::scatter(const OpContext& op, const at::Tensor& input, at::Tensor& output, int root) {
-  guarded(op, [&] {
+  guarded(op, std::nullopt, [&] {
     std::vector<at::Tensor> outputs{as_bytes(output)};
     std::vector<std::vector<at::Tensor>> inputs;
     if (rank_ == root) inputs.push_back(as_bytes(input).chunk(size_));
@@ -323,7 +382,7 @@ void HierarchicalEngine::scatter(const OpContext& op, const at::Tensor& input, a
 
 void HierarchicalEngine::alltoall(const OpContext& op, const at::Tensor& input, const std::vector<size_t>& send_counts,
                                   at::Tensor& output, const std::vector<size_t>& recv_counts) {
-  guarded(op, [&] {
+  guarded(op, std::nullopt, [&] {
     const int64_t elem = static_cast<int64_t>(input.element_size());
     std::vector<int64_t> send_bytes, recv_bytes;
     for (size_t count : send_counts) send_bytes.push_back(static_cast<int64_t>(count) * elem);

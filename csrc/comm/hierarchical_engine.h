@@ -17,7 +17,11 @@
 //   gather, scatter, alltoall: gloo over all ranks (a hierarchy saves nothing on CPU), as raw bytes, so
 //                    uneven all-to-all works and gloo's dtype coverage does not matter.
 // Every host runs the same sequence of shm ops for a given collective, so the shm agreement check still
-// holds inside each host; gloo checks sizes between hosts.
+// holds inside each host. Between hosts gloo checks nothing (different sizes pair silently, or wait): before
+// the inter-host steps of an op that carries a collective identity (an FSDP unit's, a DDP bucket's;
+// core/collective_identity.h) — of every op under TORCH_DISTRIBUTED_DEBUG=DETAIL — the leaders all-gather a
+// fixed-size fingerprint (number, kind, dtype, count, identity, name) and compare it: ranks in different ops fail
+// there, naming both. It costs one small gloo all-gather among the leaders per such op.
 //
 // Failure. Any step failing (a local peer died or disagreed, a gloo error, a timeout) aborts the whole
 // group, on every host, within about the time the first rank takes to notice:
@@ -36,6 +40,7 @@
 #include <atomic>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -77,9 +82,19 @@ class HierarchicalEngine : public Engine {
   std::vector<std::pair<int, int32_t>> exited_peers() const override { return local_->exited_peers(); }
 
  private:
-  // Runs one collective's steps; on any failure aborts the group everywhere (see the header) and throws.
+  // The op as the leaders compare it (Fingerprint in the .cpp): what the engine's op is and counts.
+  struct LeaderStep {
+    core::OpKind kind;
+    size_t count;
+    core::DType dtype;
+  };
+  // Runs one collective's steps, after the leaders' agreement check where `step` is given (the ops with
+  // inter-host steps among leaders) and due; on any failure aborts the group everywhere (see the header) and
+  // throws.
   template <typename Steps>
-  void guarded(const OpContext& op, Steps steps);
+  void guarded(const OpContext& op, std::optional<LeaderStep> step, Steps steps);
+  // The leaders' fingerprint exchange (see the header); throws naming both sides where a leader's differs.
+  void agree_across_hosts(const OpContext& op, const LeaderStep& step);
   // `await_root_cause`: the failure was a gloo connection another rank closed; give that rank's reason a
   // moment to appear in the Store before publishing this one.
   [[noreturn]] void abort_everywhere(const OpContext& op, const std::string& reason, bool await_root_cause);
@@ -101,6 +116,7 @@ class HierarchicalEngine : public Engine {
   int local_rank_;
   std::vector<std::vector<int>> hosts_;  // hosts_[h]: global ranks of host h, in local order
   int max_local_size_;                   // ranks on the fullest host
+  bool detail_;                          // TORCH_DISTRIBUTED_DEBUG=DETAIL: every leaders' op is fingerprinted
   std::unique_ptr<core::ShmGroup> local_;
   std::shared_ptr<InnerBackends> inner_;
   std::shared_ptr<FailureNotices> notices_;

@@ -16,6 +16,7 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "core/collective_identity.h"
 #include "core/futex.h"
 #include "core/liveness.h"
 #include "core/shm_segment.h"
@@ -266,6 +267,7 @@ OpHeader ShmGroup::begin(OpKind kind, size_t count, DType dtype, int root, Reduc
   header.reduce_op = op;
   header.is_step = call.is_step ? 1 : 0;
   header.label_seq = call.op != nullptr ? call.seq : header.seq;
+  header.identity = call.identity;
   std::strncpy(header.label, call.op != nullptr ? call.op : op_kind_name(kind), kOpLabelBytes - 1);
   op_timeout_ = call.timeout.count() > 0 ? call.timeout : timeout_;
   if (aborted()) {
@@ -295,6 +297,7 @@ std::string ShmGroup::describe(const OpHeader& h) const {
     if (h.shared) out << ", in shared buffer " << h.shared_id << " at byte " << h.shared_offset;
   }
   out << ")";
+  if (h.identity != 0) out << " for " << describe_identity(h.identity);
   return out.str();
 }
 

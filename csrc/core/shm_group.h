@@ -16,8 +16,8 @@
 // its reads of round t — so a single sync per round is enough. The large allreduce adds one sync inside
 // its round (reduce-scatter step, then all-gather step) and writes only disjoint sub-slices in between.
 //
-// Agreement: the op header (sequence number, op, dtype, count, root, reduce op, and the caller's label and
-// number of the collective) travels with each arrival.
+// Agreement: the op header (sequence number, op, dtype, count, root, reduce op, the caller's label and number
+// of the collective, and the part of a model it moves: collective_identity.h) travels with each arrival.
 // Each waiting rank compares every peer's header with its own; a mismatch aborts the group with a message
 // naming both sides, on every rank (the abort flag lives in the segment, and all waits check it).
 //
@@ -128,6 +128,7 @@ struct OpHeader {
   uint32_t divide_by = 1;  // an allreduce whose every result element is divided by this (AVG)
   uint32_t pad2 = 0;
   uint64_t label_seq = 0;             // the caller's collective number (CallInfo::seq)
+  uint64_t identity = 0;              // the part of a model the caller's collective moves (CallInfo::identity)
   char label[kOpLabelBytes] = {};     // the caller's collective name (CallInfo::op), NUL-padded
 };
 // Headers are compared with memcmp across processes: no byte of one may be padding (indeterminate).
@@ -141,6 +142,7 @@ struct CallInfo {
   const char* op = nullptr;              // the user's collective; null: this op's own name
   uint64_t seq = 0;                      // the user's collective number; 0 with op null: this group's count
   bool is_step = false;                  // this op is one step of `op` (messages say which step)
+  uint64_t identity = 0;                 // core::current_identity() where `op` was issued (collective_identity.h)
 };
 
 class ShmGroup {

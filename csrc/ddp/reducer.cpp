@@ -7,6 +7,7 @@
 #include <limits>
 
 #include "core/bucket_assignment.h"
+#include "core/collective_identity.h"
 #include "profile_span.h"
 #ifdef SHARDKIT_WITH_CUDA
 #include "cuda/cuda_ops.h"
@@ -103,6 +104,12 @@ void Reducer::build_buckets(const std::vector<std::vector<size_t>>& assignment) 
       slots[index] = {b, position};
     }
     if (shards_) bucket.owners = shards_->owner_ranges(bucket.members, bucket.offsets, bucket.lengths);
+    std::string members;
+    for (size_t index : bucket.members) members += names_[index] + ",";
+    bucket.identity = core::identity_of("DDP bucket " + std::to_string(b) + " of " + std::to_string(assignment.size()) +
+                                            " (" + std::to_string(bucket.members.size()) + " parameters, " +
+                                            std::to_string(total) + " elements)",
+                                        members);
   }
   const bool zero_copy = place_in_shared_buffer(buckets);
   for (Bucket& bucket : buckets) {
@@ -345,6 +352,9 @@ void Reducer::launch_ready_buckets() {
 void Reducer::launch(size_t bucket_index) {
   SHARDKIT_PROFILE_SPAN("shardkit::ddp.bucket[" + std::to_string(bucket_index) + "]");
   Bucket& bucket = buckets_[bucket_index];
+  // The reducer's own collectives carry the bucket's identity; a comm hook's carry none: a hook may issue some from
+  // a future callback, which runs here (inline) on one rank and on a worker thread on another.
+  core::IdentityScope identity(comm_hook_ ? 0 : bucket.identity);
   bucket.averaged = false;
   if (comm_hook_) {
     std::vector<c10::IntArrayRef> sizes;

@@ -114,6 +114,7 @@ class Reducer {
     size_t pending = 0;                // members whose gradient has not arrived in this backward
     std::vector<GradientShards::OwnerRange> owners;  // ZeRO-2: each rank's share of the buffer
     bool averaged = false;             // launched as an AVG allreduce: the result is divided already
+    uint64_t identity = 0;             // what its collectives carry (core/collective_identity.h)
 
     size_t numel() const { return offsets.back() + lengths.back(); }
     // The reduction in flight: the allreduce's or the hook's future, or under ZeRO-2 one `reduce` per owner.

@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "compat.h"
+#include "core/collective_identity.h"
 #include "core/shm_segment.h"
 #include "fsdp/cast.h"
 
@@ -62,6 +63,12 @@ FlatParamHandle::FlatParamHandle(const std::vector<at::Tensor>& params,
   reduce_dtype_ = options_.reduce_dtype.value_or(compute_dtype_);
   const int64_t element = static_cast<int64_t>(c10::elementSize(compute_dtype_));
   layout_ = core::FlatLayout(std::move(numels), shard_world(), std::max<int64_t>(1, options_.alignment_bytes / element));
+  std::string shapes;
+  for (const auto& shape : shapes_) shapes += c10::str(c10::IntArrayRef(shape));
+  identity_ = core::identity_of("FSDP unit '" + options_.label + "' (" + std::to_string(params.size()) +
+                                    " parameters, " + std::to_string(layout_.param_numel()) + " " +
+                                    c10::toString(first.scalar_type()) + " elements)",
+                                shapes);
 
   if (options_.compute_device) {
     offload_ = std::make_unique<HostOffload>(*options_.compute_device, where("cpu_offload"));
@@ -117,6 +124,7 @@ int64_t FlatParamHandle::full_bytes() const {
 
 void FlatParamHandle::unshard_start() {
   if (state_ != State::kSharded) return;
+  core::IdentityScope identity(identity_);
   restore_storage(full_, static_cast<size_t>(full_bytes()));
   const int64_t S = layout_.shard_numel();
   at::Tensor mine = full_.narrow(0, rank_ * S, S);
@@ -239,6 +247,7 @@ at::Tensor FlatParamHandle::flatten_gradients(const std::vector<std::optional<at
 
 void FlatParamHandle::reduce_start(at::Tensor flat_grad, const std::optional<at::Tensor>& memory) {
   TORCH_CHECK(!pending_.has_value(), where("reduce-scatter"), "the previous reduction was not finished");
+  core::IdentityScope identity(identity_);
   TORCH_CHECK(flat_grad.dim() == 1 && flat_grad.numel() == layout_.padded_numel(), where("reduce-scatter"),
               "expected a flat gradient of ", layout_.padded_numel(), " elements, got shape ", flat_grad.sizes());
   at::NoGradGuard no_grad;
@@ -335,6 +344,7 @@ void FlatParamHandle::accumulate_unsynced(const at::Tensor& flat_grad) {
 
 std::vector<at::Tensor> FlatParamHandle::gather_full_precision() {
   at::NoGradGuard no_grad;
+  core::IdentityScope identity(identity_);
   // Offloaded: gathered on the compute device (this rank's slice copied there first, waited for).
   at::Tensor buffer = at::empty({layout_.padded_numel()}, shard_.options().device(full_device()));
   const int64_t S = layout_.shard_numel();

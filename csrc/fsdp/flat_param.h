@@ -58,7 +58,8 @@
 //
 // Errors name the unit (`label`), the rank and the offending value. Collectives are issued on the calling
 // thread in call order; the caller (the autograd thread, in hook order) keeps that order the same on
-// every rank.
+// every rank. Each carries the handle's identity (core/collective_identity.h: the unit's label, its parameters'
+// count, shapes and dtype), so ranks that pair different units' collectives fail instead of mixing them.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -93,6 +94,8 @@ class FlatParamHandle {
                   c10::intrusive_ptr<c10d::ProcessGroup> replicate_group, Options options);
 
   const core::FlatLayout& layout() const { return layout_; }
+  // What this handle's collectives carry (core::IdentityScope), the same on every rank that built the same unit.
+  uint64_t identity() const { return identity_; }
   const at::Tensor& shard() const { return shard_; }
   // Per parameter: the user-visible sharded value (see the header comment).
   std::vector<at::Tensor> shard_views() const;
@@ -170,6 +173,7 @@ class FlatParamHandle {
 
   std::vector<std::vector<int64_t>> shapes_;
   core::FlatLayout layout_;
+  uint64_t identity_ = 0;
   c10::intrusive_ptr<c10d::ProcessGroup> shard_group_;
   c10::intrusive_ptr<c10d::ProcessGroup> replicate_group_;
   Options options_;

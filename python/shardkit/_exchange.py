@@ -54,6 +54,16 @@ def gather_object(obj: Any, dst: int, group: dist.ProcessGroup | None = None) ->
     return _unpickle_all(received, sizes)
 
 
+def all_gather_ints(values: list[int], group: dist.ProcessGroup | None = None) -> list[list[int]]:
+    """Every rank's ``values`` (the same count on every rank, each fitting int64), in group-rank order: one
+    all-gather of int64s (a collective), on the device torch's object collectives use."""
+    device = _get_object_coll_device(group)
+    mine = torch.tensor(values, dtype=torch.int64, device=device)
+    everyone = torch.empty(mine.numel() * dist.get_world_size(group), dtype=torch.int64, device=device)
+    all_gather_single(everyone, mine, group=group)
+    return everyone.view(-1, mine.numel()).tolist()
+
+
 def _padded_payload(obj: Any, device: str, group: dist.ProcessGroup | None) -> tuple[torch.Tensor, list[int]]:
     """Steps 1, 2 and 3's padding: this rank's pickle as a uint8 tensor as long as the largest rank's, and
     every rank's size."""

@@ -55,6 +55,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import _C, _exchange, _profiling, fsdp_optim_state, zero_state_dict
+from ._collective_identity import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, CollectiveLedger, backend_checks_identity
 from .backend import host_groups
 from .fsdp_state_dict import (FullStateDictConfig, ShardedStateDictConfig, StateDictType, full_state_dict,
                               sharded_state_dict)
@@ -229,7 +230,13 @@ class FullyShardedDataParallel(nn.Module):
         self._summoned = False
         self._gathered_bytes = 0
         self.peak_gathered_bytes = 0  # the most bytes of full buffers (compute dtype) alive at once
-        self.collective_counts = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
+        # "identity_checks": backwards that ended with the identity check of the groups no op header checks.
+        self.collective_counts = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0, "identity_checks": 0}
+        on_cpu = self._offload_device is None and devices == {"cpu"}
+        self._shard_ledger, self._replicate_ledger = (
+            CollectiveLedger(group, role, "shardkit FSDP")
+            if group is not None and not backend_checks_identity(group, on_cpu) else None
+            for group, role in ((self._shard_group, "shard group"), (self._replicate_group, "replicate group")))
         self._state_dict_type = StateDictType.FULL_STATE_DICT
         self._state_dict_config: FullStateDictConfig | ShardedStateDictConfig = FullStateDictConfig()
 
@@ -594,6 +601,10 @@ class FullyShardedDataParallel(nn.Module):
             self._finish_reductions()  # at most one reduction in flight besides this one
             if memory is not None and not made_in_memory:  # reduce_start makes the reduce-dtype cast in it
                 memory = self._resident_reduce_memory(group.handle.reduce_input_bytes, unit)
+            if self._shard_ledger is not None:
+                self._shard_ledger.record(REDUCE_SCATTER, group.handle.identity)
+            if self._replicate_ledger is not None:
+                self._replicate_ledger.record(ALL_REDUCE, group.handle.identity)
             with _profiling.span("shardkit::fsdp.reduce_scatter", unit.name or "(root)"):
                 group.handle.reduce_start(grad, memory)
             self._pending.append(group)
@@ -611,6 +622,10 @@ class FullyShardedDataParallel(nn.Module):
     def _end_of_backward(self) -> None:
         """The autograd callback queued by the first pre-backward hook: runs once backward has finished."""
         self._orders_frozen = True
+        ledgers = [ledger for ledger in (self._shard_ledger, self._replicate_ledger) if ledger is not None]
+        for ledger in ledgers:  # before the gradients are final, so no optimizer steps with another unit's
+            ledger.verify()
+        self.collective_counts["identity_checks"] += bool(ledgers)
         self._end_iteration()
 
     def _start_iteration(self) -> None:
@@ -674,6 +689,8 @@ class FullyShardedDataParallel(nn.Module):
     def _start_gather(self, unit: _Unit) -> None:
         for g in unit.groups:
             if not g.handle.allocated:
+                if self._shard_ledger is not None:
+                    self._shard_ledger.record(ALL_GATHER, g.handle.identity)
                 with _profiling.span("shardkit::fsdp.all_gather", unit.name or "(root)"):
                     g.handle.unshard_start()
                 self._gathered_bytes += g.handle.full_bytes
