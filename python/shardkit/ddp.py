@@ -23,7 +23,7 @@ from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.nn.parallel import DistributedDataParallel as _TorchDDP
 
-from . import _C, _exchange, _flat, _profiling, zero_state_dict
+from . import _C, _agreement, _flat, _profiling, zero_state_dict
 from .fsdp_state_dict import FullStateDictConfig, ShardedStateDictConfig, StateDictType
 from .hooks import check_state_group
 
@@ -136,8 +136,15 @@ class DistributedDataParallel(_TorchDDP):
         if not named:
             raise RuntimeError("shardkit DDP: the module has no parameter that requires a gradient (and is not in "
                                "_ddp_params_and_buffers_to_ignore): there is nothing to reduce")
-        if init_sync:
-            self._verify_same_parameters_everywhere(named)
+        if init_sync:  # the first collective; with init_sync=False, as in torch, construction communicates nothing
+            self._verify_same_arguments_and_parameters_everywhere(
+                {"zero_stage": repr(zero_stage), "gradient_as_bucket_view": repr(gradient_as_bucket_view),
+                 "bucket_cap_mb": repr(bucket_cap_mb), "find_unused_parameters": repr(find_unused_parameters),
+                 "forward_sync_buffers": repr(self.forward_sync_buffers),
+                 "the initial buffer broadcast": repr(init_sync_buffers),
+                 "process_group": _agreement.describe_group(self.process_group),
+                 "the parameters' device type": self.device.type},
+                named)
         spaces = []
         if zero_stage:
             # The ZeRO partition: per dtype one FlatLayout over the trainable parameters in module order, each
@@ -194,11 +201,20 @@ class DistributedDataParallel(_TorchDDP):
             raise ValueError(f"device_ids must be [the module's device] ({device}), got {device_ids!r}")
         return [device]
 
-    def _verify_same_parameters_everywhere(self, named: list[tuple[str, torch.Tensor]]) -> None:
+    def _verify_same_arguments_and_parameters_everywhere(self, arguments: dict[str, str],
+                                                         named: list[tuple[str, torch.Tensor]]) -> None:
+        """Construction's first collective: every rank's communication arguments (printable values: they decide
+        the buckets and which collectives reduce them) and its parameters (names, shapes, dtypes) go to every rank
+        in one exchange (shardkit._agreement). Raises on every rank, naming the ranks and values, where any differ:
+        ranks that went on would pair different collectives."""
         mine = [(name, tuple(p.shape), str(p.dtype)) for name, p in named]
-        everyone = _exchange.all_gather_object(mine, self.process_group)
-        rank = dist.get_rank(self.process_group)
-        for other_rank, theirs in enumerate(everyone):
+        me = dist.get_rank()
+        everyone = _agreement.gather((arguments, mine), _agreement.exchange_groups([self.process_group]))
+        problems = _agreement.disagreements({rank: theirs[0] for rank, theirs in everyone.items()})
+        if problems:
+            raise RuntimeError(f"shardkit DDP (rank {me}): {'; '.join(problems)}; pass the same arguments on every "
+                               "rank")
+        for other_rank, (_, theirs) in sorted(everyone.items()):
             if theirs == mine:
                 continue
             for position in range(max(len(mine), len(theirs))):
@@ -206,8 +222,20 @@ class DistributedDataParallel(_TorchDDP):
                 b = theirs[position] if position < len(theirs) else None
                 if a != b:
                     raise RuntimeError(
-                        f"shardkit DDP (rank {rank}): parameters differ across ranks at position {position}: "
-                        f"rank {rank} has {_describe(a)} but rank {other_rank} has {_describe(b)}")
+                        f"shardkit DDP (rank {me}): parameters differ across ranks at position {position}: "
+                        f"rank {me} has {_describe(a)} but rank {other_rank} has {_describe(b)}")
+
+    def _verify_same_comm_hook_everywhere(self, hook: str) -> None:
+        """A collective at registration (every rank registers its hook at the same point, as torch requires): ranks
+        whose buckets a different hook reduces would pair different collectives, so where ``hook`` (the hook's
+        printable name) differs every rank raises naming the ranks and hooks. A rank that registers none while the
+        others do cannot be told here: its next collective meets their exchange, and the backend's own check of
+        the op fails (on shardkit's backend, naming both ops)."""
+        everyone = _agreement.gather({"the comm hook": hook}, _agreement.exchange_groups([self.process_group]))
+        problems = _agreement.disagreements(everyone)
+        if problems:
+            raise RuntimeError(f"shardkit DDP (rank {dist.get_rank()}) register_comm_hook: {'; '.join(problems)}; "
+                               "register the same hook on every rank")
 
     def _broadcast_from_rank0(self, tensors: list[torch.Tensor], src: int = 0) -> None:
         if tensors:
@@ -422,6 +450,7 @@ class DistributedDataParallel(_TorchDDP):
         if not callable(hook):
             raise TypeError(f"hook must be callable, got {hook!r}")
         check_state_group(state, self.process_group, "shardkit DDP register_comm_hook")
+        self._verify_same_comm_hook_everywhere(f"{_qualified_name(hook)} (state: {type(state).__name__})")
         self.reducer.register_comm_hook(state, hook)
 
 
@@ -483,6 +512,13 @@ def _refuse_unsupported(**arguments: Any) -> None:
     for name, value in arguments.items():
         if value is not None:
             raise NotImplementedError(f"shardkit DDP does not support torch DDP's {name} (got {value!r})")
+
+
+def _qualified_name(function: Any) -> str:
+    """'module.qualname' of a function (a functools.partial by its function), else its repr."""
+    function = getattr(function, "func", function)
+    name = getattr(function, "__qualname__", None)
+    return f"{getattr(function, '__module__', '?')}.{name}" if name else repr(function)
 
 
 def _describe(entry) -> str:

@@ -1,20 +1,26 @@
-"""Configurations a torch user expects to work.
+"""Configurations a torch user expects to work, and ranks that disagree.
 
 1. A root unit that owns no parameter (``auto_wrap_policy={nn.Linear}`` on a Sequential of Linears and
    activations; torch FSDP handles it): full and sharded state dicts, ``get_state_dict`` / ``set_state_dict``,
    FSDP1's ``optim_state_dict`` / ``optim_state_dict_to_load``, and a DCP round trip that loads bitwise the saved
    values, after which training continues bitwise as the run that never saved.
+2. Ranks that pass FSDP or DDP arguments that change communication differently (a sharding strategy, mixed
+   precision, offload, a process group, use_orig_params, a prefetch; DDP's zero_stage, gradient_as_bucket_view,
+   bucket_cap_mb, a comm hook) get, on every rank, one error naming the ranks and values, raised before anything
+   that depends on them; launched with a hard timeout, so a hang fails fast.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
-from ddp_cases import adamw, batch, loss_fn, mlp
+from ddp_cases import adamw, batch, error_of, loss_fn, mlp
 
 
 def _bits(value):
@@ -87,3 +93,103 @@ def test_a_root_without_parameters_saves_loads_and_resumes_bitwise(ranks, tmp_pa
         never_saved, resumed, third = r["after"]
         assert resumed == never_saved, f"rank {rank}: training after the DCP load differs from the run that went on"
         assert third == never_saved, f"rank {rank}: training after loading the full state dicts differs"
+
+
+# --- 2. ranks that disagree -------------------------------------------------------------------------------------
+def _strategy_per_rank(rank: int, world: int) -> None:
+    import shardkit
+    from shardkit.fsdp import ShardingStrategy
+
+    strategy = ShardingStrategy.FULL_SHARD if rank == 0 else ShardingStrategy.HYBRID_SHARD
+    shardkit.FullyShardedDataParallel(mlp(), sharding_strategy=strategy)
+
+
+@pytest.mark.timeout(90)
+def test_ranks_with_different_sharding_strategies_both_raise_naming_ranks_and_values(ranks):
+    for outcome in ranks.launch(_strategy_per_rank, 2, timeout=60, pg_timeout=20):
+        assert outcome.finished, f"rank {outcome.rank} hung: {outcome.error}"
+        assert outcome.error is not None, f"rank {outcome.rank}: FSDP was built from different strategies"
+        assert outcome.error.strip().splitlines()[-1] == (
+            f"RuntimeError: shardkit FSDP (rank {outcome.rank}): ranks disagree on sharding_strategy: rank 0 "
+            "FULL_SHARD, rank 1 HYBRID_SHARD; pass the same arguments on every rank"), outcome.error
+
+
+def _fsdp_arguments_per_rank(rank: int, world: int) -> dict[str, str]:
+    """One FSDP construction per argument, rank 1 passing another value than rank 0; every one must fail on both
+    ranks (so they stay in step for the next)."""
+    import shardkit
+    from shardkit.fsdp import CPUOffload, MixedPrecision
+
+    gloo = dist.new_group(backend="gloo")  # a collective: both ranks make it, rank 1 passes it
+    other = rank == 1
+    cases = {
+        "mixed_precision": {"mixed_precision": MixedPrecision(param_dtype=torch.bfloat16) if other else None},
+        "cpu_offload": {"cpu_offload": CPUOffload(offload_params=other)},
+        "use_orig_params": {"use_orig_params": not other},
+        "process_group": {"process_group": gloo if other else None},
+        "forward_prefetch": {"forward_prefetch": other},
+    }
+    return {name: error_of(lambda: shardkit.FullyShardedDataParallel(mlp(), **kwargs), RuntimeError, rank)
+            for name, kwargs in cases.items()}
+
+
+@pytest.mark.timeout(120)
+def test_ranks_with_other_fsdp_arguments_fail_alike_naming_ranks_and_values(ranks):
+    for rank, messages in enumerate(ranks.run(_fsdp_arguments_per_rank, 2, timeout=90, pg_timeout=20)):
+        def disagreement(name: str) -> str:
+            message = messages[name]
+            assert message.startswith(f"shardkit FSDP (rank {rank}): ranks disagree on {name}: "), message
+            assert message.endswith("; pass the same arguments on every rank"), message
+            return message
+
+        assert "rank 0 MixedPrecision(), rank 1 MixedPrecision(param_dtype=torch.bfloat16)" in disagreement(
+            "mixed_precision")
+        cpu_offload = disagreement("cpu_offload")
+        assert "rank 0 CPUOffload(), rank 1 CPUOffload(offload_params=True)" in cpu_offload, cpu_offload
+        assert "ranks disagree on the compute device type: rank 0 cpu, rank 1 cuda" in cpu_offload, cpu_offload
+        assert "rank 0 True, rank 1 False" in disagreement("use_orig_params")
+        assert re.search(r"rank 0 group '0' over ranks \[0, 1\] \(shardkit\), rank 1 group '\d+' over ranks \[0, 1\] "
+                         r"\(gloo\)", disagreement("process_group")), messages["process_group"]
+        assert "rank 0 False, rank 1 True" in disagreement("forward_prefetch")
+
+
+def test_hybrid_shard_pairs_that_do_not_fit_together_are_named():
+    """(shard, replicate) pairs differ by rank; each member of a rank's shard group must name the same group."""
+    from shardkit._agreement import mismatched_pairs
+
+    fitting = {0: ([0, 1], [0, 2]), 1: ([0, 1], [1, 3]), 2: ([2, 3], [0, 2]), 3: ([2, 3], [1, 3])}
+    assert mismatched_pairs(fitting) == []
+    shifted = {**fitting, 1: ([1, 2], [1, 3])}
+    assert mismatched_pairs(shifted) == ["ranks disagree on process_group: rank 0's shard group holds ranks [0, 1], "
+                                            "but rank 1's holds ranks [1, 2]"]
+
+
+def _ddp_arguments_per_rank(rank: int, world: int) -> dict[str, str]:
+    import shardkit
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    other = rank == 1
+    cases = {"zero_stage": {"zero_stage": 1 if other else 0},
+             "gradient_as_bucket_view": {"gradient_as_bucket_view": other},
+             "bucket_cap_mb": {"bucket_cap_mb": 1 if other else None}}
+    messages = {name: error_of(lambda: shardkit.DistributedDataParallel(mlp(), **kwargs), RuntimeError, rank)
+                for name, kwargs in cases.items()}
+    model = shardkit.DistributedDataParallel(mlp())
+    hook = default_hooks.fp16_compress_hook if other else default_hooks.allreduce_hook
+    messages["the comm hook"] = error_of(lambda: model.register_comm_hook(None, hook), RuntimeError, rank)
+    return messages
+
+
+@pytest.mark.timeout(120)
+def test_ddp_ranks_with_different_communication_arguments_fail_alike(ranks):
+    hooks = "torch.distributed.algorithms.ddp_comm_hooks.default_hooks"
+    want = {"zero_stage": "rank 0 0, rank 1 1", "gradient_as_bucket_view": "rank 0 False, rank 1 True",
+            "bucket_cap_mb": "rank 0 None, rank 1 1",
+            "the comm hook": f"rank 0 {hooks}.allreduce_hook (state: NoneType), rank 1 {hooks}.fp16_compress_hook "
+                             "(state: NoneType)"}
+    for rank, messages in enumerate(ranks.run(_ddp_arguments_per_rank, 2, timeout=90, pg_timeout=20)):
+        for name, values in want.items():
+            where = " register_comm_hook" if name == "the comm hook" else ""
+            end = "register the same hook on every rank" if where else "pass the same arguments on every rank"
+            assert messages[name] == f"shardkit DDP (rank {rank}){where}: ranks disagree on {name}: {values}; {end}", (
+                messages[name])
