@@ -24,6 +24,7 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.nn.parallel import DistributedDataParallel as _TorchDDP
 
 from . import _C, _agreement, _flat, _profiling, zero_state_dict
+from .backend import shared_buffer, warn_zero_copy_unavailable, zero_copy_unavailable
 from .fsdp_state_dict import FullStateDictConfig, ShardedStateDictConfig, StateDictType
 from .hooks import check_state_group
 
@@ -162,7 +163,7 @@ class DistributedDataParallel(_TorchDDP):
         self.reducer = _C.Reducer([p for _, p in named], [name for name, _ in named], self.process_group,
                                   cap_bytes, first_bytes, find_unused_parameters, gradient_as_bucket_view,
                                   shard_gradients=zero_stage == 2,
-                                  zero_copy_backend=self._zero_copy_backend(gradient_as_bucket_view, zero_stage))
+                                  shared_buffer=self._zero_copy_buckets(gradient_as_bucket_view, zero_stage))
         self._zero_partition: _flat.ZeroPartition | None = None
         if zero_stage:
             self._zero_partition = self._own_partition(named, spaces)
@@ -173,16 +174,21 @@ class DistributedDataParallel(_TorchDDP):
         self._state_dict_config: FullStateDictConfig | ShardedStateDictConfig | None = None
 
     # --- construction ---------------------------------------------------------------------------------
-    def _zero_copy_backend(self, gradient_as_bucket_view: bool, zero_stage: int):
-        """The group's shardkit CPU backend where zero-copy buckets may apply (the reducer asks it for shared
-        memory, which the backend gives only where the group lives on one host); None otherwise."""
-        if not gradient_as_bucket_view or zero_stage == 2:
+    def _zero_copy_buckets(self, gradient_as_bucket_view: bool, zero_stage: int) -> Callable[[int], Any] | None:
+        """Where the reducer takes its CPU buckets' memory from (``nbytes -> uint8 tensor or None``, a collective
+        it calls whenever it builds buckets), or None: ordinary buckets. ``gradient_as_bucket_view=True`` is what
+        asks for zero-copy buckets (README), so there a ZeroCopyUnavailableWarning says why they cannot be had: the
+        group's backend is not shardkit's, the group spans hosts (warned here, once), no room in /dev/shm (warned by
+        shardkit.backend.shared_buffer at each refusal). Nothing is asked nor said for CUDA modules (the memory
+        is the host's) or zero_stage=2 (which refuses the flag)."""
+        if not gradient_as_bucket_view or zero_stage == 2 or self.device.type != "cpu":
             return None
-        try:
-            backend = self.process_group._get_backend(torch.device("cpu"))
-        except RuntimeError:  # a group without a CPU backend
+        who, what = "shardkit DDP", "the gradient buckets gradient_as_bucket_view=True asked for"
+        why = zero_copy_unavailable(self.process_group)
+        if why is not None:
+            warn_zero_copy_unavailable(who, what, why, stacklevel=2)  # attributed to the DDP's constructor call
             return None
-        return backend if isinstance(backend, _C.ProcessGroupShardkit) else None
+        return functools.partial(shared_buffer, group=self.process_group, who=who, what=what)
 
     @staticmethod
     def _check_devices(module: nn.Module, device_ids):

@@ -46,7 +46,6 @@ import contextlib
 import dataclasses
 import enum
 import math
-import warnings
 import weakref
 from typing import Any, Callable, Iterator
 
@@ -55,7 +54,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import _C, _agreement, _profiling, fsdp_optim_state, zero_state_dict
-from .backend import host_groups
+from .backend import host_groups, shared_buffer, warn_zero_copy_unavailable, zero_copy_unavailable
 from .fsdp_state_dict import (FullStateDictConfig, ShardedStateDictConfig, StateDictType, full_state_dict,
                               sharded_state_dict)
 from .fsdp_state_dict import load as load_state_dict_into
@@ -277,21 +276,17 @@ class FullyShardedDataParallel(nn.Module):
         gradient it reduce-scatters, in which each backward makes the gradient it reduces next (one at a time:
         the previous reduction is finished first), so that the reduce-scatter reads the peers' gradients where
         they lie instead of copying them through the group's slots. Only on a shardkit group on one host, for
-        host parameters and a shard group of several ranks; else None (ordinary memory, same results)."""
+        host parameters and a shard group of several ranks; else None (ordinary memory, same results). Nobody
+        asked for it, so only a refusal where it applies is worth a ZeroCopyUnavailableWarning: no room in
+        /dev/shm (shardkit.backend.shared_buffer warns, on every rank)."""
         if self._shard_group is None or self._offload_device is not None:
             return None
         if any(p.device.type != "cpu" for _, p in managed):
             return None
         sizes = [g.handle.reduce_input_bytes for u in self._units for g in u.groups if g.trainable]
-        if not sizes:
+        if not sizes or zero_copy_unavailable(self._shard_group) is not None:  # gloo, or a group across hosts
             return None
-        try:
-            backend = self._shard_group._get_backend(torch.device("cpu"))
-        except RuntimeError:  # a group without a CPU backend
-            return None
-        if not isinstance(backend, _C.ProcessGroupShardkit):
-            return None
-        return backend.shared_buffer(max(sizes))
+        return shared_buffer(max(sizes), self._shard_group, who="shardkit FSDP", what="the flat gradients")
 
     def _resident_plan(self) -> tuple[int, int]:
         """(bytes of the zero-copy memory kept resident between iterations, bytes resident now). Every unit but
@@ -635,10 +630,8 @@ class FullyShardedDataParallel(nn.Module):
             return memory
         self._release_reduce_memory(whatever_is_resident=True)  # what this rank did get goes back
         name = unit.name or "(root)"
-        warnings.warn(f"shardkit FSDP (rank {self.rank}): no zero-copy memory for the flat gradient of unit "
-                      f"'{name}' ({needed} bytes) this iteration: "
-                      f"{why or 'another rank of the shard group has no room in /dev/shm'}; it is reduced from "
-                      "ordinary memory")
+        warn_zero_copy_unavailable("shardkit FSDP", f"the flat gradient of unit '{name}' ({needed} bytes) this "
+                                   "iteration", why or "another rank of the shard group has no room in /dev/shm")
         return None
 
     def _release_reduce_memory(self, whatever_is_resident: bool = False) -> None:

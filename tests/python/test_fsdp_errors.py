@@ -1,4 +1,4 @@
-"""Configurations a torch user expects to work, and ranks that disagree.
+"""Configurations a torch user expects to work, ranks that disagree, and zero-copy memory that cannot be had.
 
 1. A root unit that owns no parameter (``auto_wrap_policy={nn.Linear}`` on a Sequential of Linears and
    activations; torch FSDP handles it): full and sharded state dicts, ``get_state_dict`` / ``set_state_dict``,
@@ -8,11 +8,17 @@
    precision, offload, a process group, use_orig_params, a prefetch; DDP's zero_stage, gradient_as_bucket_view,
    bucket_cap_mb, a comm hook) get, on every rank, one error naming the ranks and values, raised before anything
    that depends on them; launched with a hard timeout, so a hang fails fast.
+3. Zero-copy memory that cannot be had is said through Python's warnings (shardkit.ZeroCopyUnavailableWarning,
+   which users can filter): no room in /dev/shm (simulated: the backend's refusal), for FSDP and DDP; a group
+   across hosts or on gloo where DDP's gradient_as_bucket_view=True asked for zero-copy buckets; nothing where
+   nobody asked (FSDP on gloo or across hosts, DDP without the flag). Real /dev/shm exhaustion is checked by
+   test_zero_copy.py's namespace test.
 """
 
 from __future__ import annotations
 
 import re
+import warnings
 from pathlib import Path
 
 import pytest
@@ -193,3 +199,70 @@ def test_ddp_ranks_with_different_communication_arguments_fail_alike(ranks):
             end = "register the same hook on every rank" if where else "pass the same arguments on every rank"
             assert messages[name] == f"shardkit DDP (rank {rank}){where}: ranks disagree on {name}: {values}; {end}", (
                 messages[name])
+
+
+# --- 3. zero-copy memory that cannot be had ---------------------------------------------------------------------
+def _zero_copy_warnings(rank: int, world: int, case: str) -> list[str]:
+    """The ZeroCopyUnavailableWarning messages while wrapping a model and training it one step; ``no_room``: the
+    backend refuses every shared buffer as where /dev/shm is full (on every rank, as the real refusal)."""
+    import shardkit
+    from shardkit import _C
+
+    if case == "no_room":
+        _C.ProcessGroupShardkit.shared_buffer = lambda self, nbytes: (
+            None, f"/dev/shm has 4096 bytes free and the buffer needs {nbytes + 8192}")
+    gloo = dist.new_group(backend="gloo")
+    wrappers = {
+        "fsdp": lambda m: shardkit.FullyShardedDataParallel(m),
+        "fsdp_gloo": lambda m: shardkit.FullyShardedDataParallel(m, process_group=gloo),
+        "ddp": lambda m: shardkit.DistributedDataParallel(m, gradient_as_bucket_view=True),
+        "ddp_gloo": lambda m: shardkit.DistributedDataParallel(m, process_group=gloo, gradient_as_bucket_view=True),
+        "ddp_without_the_flag": lambda m: shardkit.DistributedDataParallel(m),
+    }
+    caught_by_wrapper = {}
+    for name, wrap in wrappers.items():
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model = wrap(mlp())
+            for step in range(2):  # DDP rebuilds its buckets before the second backward: new memory is asked for
+                loss_fn(model(batch(rank, step)[0]), batch(rank, step)[1]).backward()
+        caught_by_wrapper[name] = [str(w.message) for w in caught
+                                   if issubclass(w.category, shardkit.ZeroCopyUnavailableWarning)]
+    with warnings.catch_warnings(record=True) as caught:  # what users do to silence them
+        warnings.simplefilter("always")
+        warnings.filterwarnings("ignore", category=shardkit.ZeroCopyUnavailableWarning)
+        shardkit.DistributedDataParallel(mlp(), process_group=gloo, gradient_as_bucket_view=True)
+    caught_by_wrapper["ignored"] = [str(w.message) for w in caught]
+    return caught_by_wrapper
+
+
+@pytest.mark.timeout(120)
+def test_no_room_in_dev_shm_is_a_python_warning_for_fsdp_and_ddp(ranks):
+    assert issubclass(__import__("shardkit").ZeroCopyUnavailableWarning, UserWarning)
+    for rank, caught in enumerate(ranks.run(_zero_copy_warnings, 2, "no_room", timeout=90)):
+        (fsdp,) = caught["fsdp"]
+        assert re.fullmatch(rf"shardkit FSDP \(rank {rank}\): no zero-copy memory for the flat gradients \(\d+ bytes "
+                            r"per rank\): /dev/shm has 4096 bytes free and the buffer needs \d+; ordinary memory is "
+                            "used, with the same results", fsdp), fsdp
+        assert len(caught["ddp"]) == 2, caught["ddp"]  # at construction and at the bucket rebuild
+        for ddp in caught["ddp"]:
+            assert re.fullmatch(rf"shardkit DDP \(rank {rank}\): no zero-copy memory for the gradient buckets "
+                                r"gradient_as_bucket_view=True asked for \(\d+ bytes per rank\): /dev/shm has 4096 "
+                                r"bytes free and the buffer needs \d+; ordinary memory is used, with the same results",
+                                ddp), ddp
+        assert caught["fsdp_gloo"] == caught["ddp_without_the_flag"] == caught["ignored"] == []
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("hosts", ["one", "two"])
+def test_ddp_says_why_its_zero_copy_buckets_do_not_apply_and_fsdp_stays_silent(ranks, hosts):
+    env = [{"SHARDKIT_HOST_ID": "h0"}, {"SHARDKIT_HOST_ID": "h1"}] if hosts == "two" else None
+    for rank, caught in enumerate(ranks.run(_zero_copy_warnings, 2, "as_is", timeout=90, env=env)):
+        ending = "; ordinary memory is used, with the same results"
+        asked = f"shardkit DDP (rank {rank}): no zero-copy memory for the gradient buckets gradient_as_bucket_view=True"
+        on_gloo = f"{asked} asked for: the group's backend is gloo, not shardkit's{ending}"
+        assert caught["ddp_gloo"] == [on_gloo], caught
+        across_hosts = f"{asked} asked for: the group's ranks are on 2 hosts, which share no memory{ending}"
+        assert caught["ddp"] == ([across_hosts] if hosts == "two" else []), caught
+        # Nobody asked FSDP for zero-copy memory: where it does not apply (gloo, hosts) that is no news.
+        assert caught["fsdp"] == caught["fsdp_gloo"] == caught["ddp_without_the_flag"] == caught["ignored"] == []
