@@ -282,10 +282,12 @@ def rank_main(rank: int, world: int, store: str, cfg: BenchConfig) -> dict[str, 
 def compare_zero_copy(world: int, cfg: BenchConfig, barrier: Callable[[], None], gloo: Any,
                       progress: Callable[..., None]) -> list[dict[str, Any]]:
     """shardkit's f32 allreduce of an ordinary tensor against the same allreduce of a tensor in a shared buffer
-    (``backend.shared_buffer``: the peers' buffers are reduced where they lie, no copy through the slots — what
-    DDP's zero-copy buckets use), repetitions interleaved, at the sizes past the small-message limit (32 KiB)."""
+    (``shardkit.backend.shared_buffer``: the peers' buffers are reduced where they lie, no copy through the slots —
+    what DDP's zero-copy buckets use), repetitions interleaved, at the sizes past the small-message limit (32 KiB)."""
+    from shardkit.backend import shared_buffer
+
     sizes = [s for s in cfg.sizes if s > 32 * 1024]
-    shared = dist.group.WORLD._get_backend(torch.device("cpu")).shared_buffer(max(sizes)) if sizes else None
+    shared = shared_buffer(max(sizes)) if sizes else None
     if shared is None:
         return []
     out = []

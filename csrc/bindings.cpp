@@ -87,10 +87,16 @@ PYBIND11_MODULE(_C, m) {
            },
            py::arg("tensor"), py::arg("op"), py::arg("timeout_s") = 0.0, py::call_guard<py::gil_scoped_release>(),
            "A synchronous allreduce on the calling thread, without a Work (shardkit.all_reduce_).")
-      .def("shared_buffer", &ProcessGroupShardkit::shared_buffer, py::arg("nbytes"),
-           py::call_guard<py::gil_scoped_release>(),
-           "Collective: nbytes of host memory (a uint8 tensor) from which allreduce and reduce_scatter_tensor "
-           "read their input zero-copy, or None where the group spans hosts.")
+      .def("shared_buffer",
+           [](ProcessGroupShardkit& self, int64_t nbytes) -> std::pair<at::Tensor, std::string> {
+             std::string refused;
+             at::Tensor buffer = self.shared_buffer(nbytes, &refused);
+             return {buffer, refused};
+           },
+           py::arg("nbytes"), py::call_guard<py::gil_scoped_release>(),
+           "Collective: (nbytes of host memory as a uint8 tensor from which allreduce and reduce_scatter_tensor "
+           "read their input zero-copy, ''), or (None, why) where /dev/shm has not the room, or (None, '') where "
+           "the group spans hosts. shardkit.backend.shared_buffer() warns where there is none.")
       .def("shared_ops", &ProcessGroupShardkit::shared_ops,
            "Collectives (allreduce, reduce_scatter) that read their input from a shared buffer.")
       .def("cuda_route", &ProcessGroupShardkit::cuda_route,
@@ -101,15 +107,20 @@ PYBIND11_MODULE(_C, m) {
       .def(py::init([](std::vector<at::Tensor> params, std::vector<std::string> names,
                        c10::intrusive_ptr<c10d::ProcessGroup> process_group, size_t bucket_bytes_cap,
                        size_t first_bucket_bytes, bool find_unused_parameters, bool gradient_as_bucket_view,
-                       bool shard_gradients, c10::intrusive_ptr<ProcessGroupShardkit> zero_copy_backend) {
+                       bool shard_gradients, py::object shared_buffer) {
              Reducer::Options options;
-             if (zero_copy_backend) {
-               // A collective that waits for the group's queue: without the GIL, whose holder a queued op's Python
-               // callback may need (the reducer calls it at construction, from Python, and in backward, without).
-               options.shared_buffer = [backend = zero_copy_backend](int64_t bytes) {
-                 if (!PyGILState_Check()) return backend->shared_buffer(bytes);
-                 py::gil_scoped_release release;
-                 return backend->shared_buffer(bytes);
+             if (!shared_buffer.is_none()) {
+               // `shared_buffer(nbytes)` -> uint8 tensor or None, a Python function (shardkit.backend.shared_buffer:
+               // it warns where there is none), called with the GIL taken here: the reducer calls it from Python
+               // calls that released it. That function's collective releases the GIL again while it waits.
+               auto provide = std::shared_ptr<py::object>(new py::object(std::move(shared_buffer)), [](py::object* f) {
+                 py::gil_scoped_acquire gil;
+                 delete f;
+               });
+               options.shared_buffer = [provide](int64_t bytes) {
+                 py::gil_scoped_acquire gil;
+                 py::object memory = (*provide)(bytes);
+                 return memory.is_none() ? at::Tensor() : memory.cast<at::Tensor>();
                };
              }
              options.bucket_bytes_cap = bucket_bytes_cap;
@@ -121,7 +132,7 @@ PYBIND11_MODULE(_C, m) {
            }),
            py::arg("params"), py::arg("names"), py::arg("process_group"), py::arg("bucket_bytes_cap"),
            py::arg("first_bucket_bytes"), py::arg("find_unused_parameters"), py::arg("gradient_as_bucket_view"),
-           py::arg("shard_gradients") = false, py::arg("zero_copy_backend") = nullptr)
+           py::arg("shard_gradients") = false, py::arg("shared_buffer") = py::none())
       .def("prepare_for_backward", &Reducer::prepare_for_backward, py::call_guard<py::gil_scoped_release>())
       .def("set_divisor_for_this_backward", &Reducer::set_divisor_for_this_backward, py::arg("ranks"))
       // Released: a Python comm hook run on the zero buckets takes the GIL from the hook's thread.

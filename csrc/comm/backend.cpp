@@ -258,22 +258,15 @@ void ProcessGroupShardkit::allreduce_now(at::Tensor& tensor, const c10d::ReduceO
   });
 }
 
-at::Tensor ProcessGroupShardkit::shared_buffer(int64_t bytes) {
+at::Tensor ProcessGroupShardkit::shared_buffer(int64_t bytes, std::string* refused) {
   TORCH_CHECK(bytes >= 0, args_.where("shared_buffer"), "the size must be at least 0 bytes, got ", bytes);
   ++seq_;
   at::Tensor out;
   queue_.run_now([&] {
     const OpContext context = this->context("shared_buffer", op_timeout(c10d::kUnsetTimeout), core::current_identity());
-    std::string refused;
     std::shared_ptr<core::SharedBuffer> buffer;
-    run_failing_everywhere([&] { buffer = engine_->share_buffer(context, static_cast<size_t>(bytes), &refused); });
-    if (!buffer) {
-      if (!refused.empty()) {  // (across hosts there is no shared memory at all: nothing to tell)
-        TORCH_WARN(context.where(), "no zero-copy memory of ", bytes, " bytes per rank: ", refused,
-                   "; ordinary memory is used");
-      }
-      return;
-    }
+    run_failing_everywhere([&] { buffer = engine_->share_buffer(context, static_cast<size_t>(bytes), refused); });
+    if (!buffer) return;  // the caller tells the user why (python/shardkit/backend.py warns)
     // The tensor (and every view of it) keeps this rank's mapping alive.
     out = at::from_blob(
         buffer->mine(), {bytes}, [buffer](void*) mutable { buffer.reset(); }, at::TensorOptions().dtype(at::kByte));

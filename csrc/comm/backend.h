@@ -124,9 +124,11 @@ class ProcessGroupShardkit : public c10d::Backend {
   // uint8 tensor, that the group's ranks map from one another (Engine::share_buffer). An allreduce of a tensor
   // lying in it (a view of it, dtype and shape free) runs in place from the peers' buffers, and a reduce-scatter
   // whose input lies in it reads the peers' inputs there, without the copies through the group's slots; results
-  // are the same bits as elsewhere. Undefined where the group's engine has
-  // no shared memory (ranks on several hosts): every rank gets the same answer. Ordered behind queued ops.
-  at::Tensor shared_buffer(int64_t bytes);
+  // are the same bits as elsewhere. Undefined where the group's engine has no shared memory (ranks on several
+  // hosts), or, with the reason in `*refused` (if given), where /dev/shm has not the room: every rank gets the
+  // same answer. Nothing is logged here: the Python caller warns (shardkit.backend.shared_buffer). Ordered behind
+  // queued ops.
+  at::Tensor shared_buffer(int64_t bytes, std::string* refused = nullptr);
   // Collectives that read their input from a shared buffer on this group (for tests and benchmarks).
   uint64_t shared_ops() const { return engine_->shared_ops(); }
 

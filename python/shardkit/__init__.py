@@ -9,15 +9,15 @@ import torch  # noqa: F401  (loads libtorch before the extension)
 
 from . import _C, fsdp, hooks, wrap
 from . import state_dict  # noqa: E402  (after fsdp and ddp, which it wraps)
-from .backend import all_reduce_, register_backend
+from .backend import ZeroCopyUnavailableWarning, all_reduce_, register_backend
 from .ddp import DistributedDataParallel
 from .fsdp import FullyShardedDataParallel
 from .strategy import auto
 from .zero import ZeroRedundancyOptimizer
 
 __version__ = "0.1.0"
-__all__ = ["DistributedDataParallel", "FullyShardedDataParallel", "ZeroRedundancyOptimizer", "__version__",
-           "all_reduce_", "auto",
+__all__ = ["DistributedDataParallel", "FullyShardedDataParallel", "ZeroCopyUnavailableWarning",
+           "ZeroRedundancyOptimizer", "__version__", "all_reduce_", "auto",
            "fsdp", "hooks", "register_backend", "state_dict", "wrap"]
 
 register_backend()

@@ -23,7 +23,8 @@ from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.nn.parallel import DistributedDataParallel as _TorchDDP
 
-from . import _C, _exchange, _flat, _profiling, zero_state_dict
+from . import _C, _agreement, _flat, _profiling, zero_state_dict
+from .backend import shared_buffer, warn_zero_copy_unavailable, zero_copy_unavailable
 from .fsdp_state_dict import FullStateDictConfig, ShardedStateDictConfig, StateDictType
 from .hooks import check_state_group
 
@@ -136,8 +137,15 @@ class DistributedDataParallel(_TorchDDP):
         if not named:
             raise RuntimeError("shardkit DDP: the module has no parameter that requires a gradient (and is not in "
                                "_ddp_params_and_buffers_to_ignore): there is nothing to reduce")
-        if init_sync:
-            self._verify_same_parameters_everywhere(named)
+        if init_sync:  # the first collective; with init_sync=False, as in torch, construction communicates nothing
+            self._verify_same_arguments_and_parameters_everywhere(
+                {"zero_stage": repr(zero_stage), "gradient_as_bucket_view": repr(gradient_as_bucket_view),
+                 "bucket_cap_mb": repr(bucket_cap_mb), "find_unused_parameters": repr(find_unused_parameters),
+                 "forward_sync_buffers": repr(self.forward_sync_buffers),
+                 "the initial buffer broadcast": repr(init_sync_buffers),
+                 "process_group": _agreement.describe_group(self.process_group),
+                 "the parameters' device type": self.device.type},
+                named)
         spaces = []
         if zero_stage:
             # The ZeRO partition: per dtype one FlatLayout over the trainable parameters in module order, each
@@ -155,7 +163,7 @@ class DistributedDataParallel(_TorchDDP):
         self.reducer = _C.Reducer([p for _, p in named], [name for name, _ in named], self.process_group,
                                   cap_bytes, first_bytes, find_unused_parameters, gradient_as_bucket_view,
                                   shard_gradients=zero_stage == 2,
-                                  zero_copy_backend=self._zero_copy_backend(gradient_as_bucket_view, zero_stage))
+                                  shared_buffer=self._zero_copy_buckets(gradient_as_bucket_view, zero_stage))
         self._zero_partition: _flat.ZeroPartition | None = None
         if zero_stage:
             self._zero_partition = self._own_partition(named, spaces)
@@ -166,16 +174,21 @@ class DistributedDataParallel(_TorchDDP):
         self._state_dict_config: FullStateDictConfig | ShardedStateDictConfig | None = None
 
     # --- construction ---------------------------------------------------------------------------------
-    def _zero_copy_backend(self, gradient_as_bucket_view: bool, zero_stage: int):
-        """The group's shardkit CPU backend where zero-copy buckets may apply (the reducer asks it for shared
-        memory, which the backend gives only where the group lives on one host); None otherwise."""
-        if not gradient_as_bucket_view or zero_stage == 2:
+    def _zero_copy_buckets(self, gradient_as_bucket_view: bool, zero_stage: int) -> Callable[[int], Any] | None:
+        """Where the reducer takes its CPU buckets' memory from (``nbytes -> uint8 tensor or None``, a collective
+        it calls whenever it builds buckets), or None: ordinary buckets. ``gradient_as_bucket_view=True`` is what
+        asks for zero-copy buckets (README), so there a ZeroCopyUnavailableWarning says why they cannot be had: the
+        group's backend is not shardkit's, the group spans hosts (warned here, once), no room in /dev/shm (warned by
+        shardkit.backend.shared_buffer at each refusal). Nothing is asked nor said for CUDA modules (the memory
+        is the host's) or zero_stage=2 (which refuses the flag)."""
+        if not gradient_as_bucket_view or zero_stage == 2 or self.device.type != "cpu":
             return None
-        try:
-            backend = self.process_group._get_backend(torch.device("cpu"))
-        except RuntimeError:  # a group without a CPU backend
+        who, what = "shardkit DDP", "the gradient buckets gradient_as_bucket_view=True asked for"
+        why = zero_copy_unavailable(self.process_group)
+        if why is not None:
+            warn_zero_copy_unavailable(who, what, why, stacklevel=2)  # attributed to the DDP's constructor call
             return None
-        return backend if isinstance(backend, _C.ProcessGroupShardkit) else None
+        return functools.partial(shared_buffer, group=self.process_group, who=who, what=what)
 
     @staticmethod
     def _check_devices(module: nn.Module, device_ids):
@@ -194,11 +207,20 @@ class DistributedDataParallel(_TorchDDP):
             raise ValueError(f"device_ids must be [the module's device] ({device}), got {device_ids!r}")
         return [device]
 
-    def _verify_same_parameters_everywhere(self, named: list[tuple[str, torch.Tensor]]) -> None:
+    def _verify_same_arguments_and_parameters_everywhere(self, arguments: dict[str, str],
+                                                         named: list[tuple[str, torch.Tensor]]) -> None:
+        """Construction's first collective: every rank's communication arguments (printable values: they decide
+        the buckets and which collectives reduce them) and its parameters (names, shapes, dtypes) go to every rank
+        in one exchange (shardkit._agreement). Raises on every rank, naming the ranks and values, where any differ:
+        ranks that went on would pair different collectives."""
         mine = [(name, tuple(p.shape), str(p.dtype)) for name, p in named]
-        everyone = _exchange.all_gather_object(mine, self.process_group)
-        rank = dist.get_rank(self.process_group)
-        for other_rank, theirs in enumerate(everyone):
+        me = dist.get_rank()
+        everyone = _agreement.gather((arguments, mine), _agreement.exchange_groups([self.process_group]))
+        problems = _agreement.disagreements({rank: theirs[0] for rank, theirs in everyone.items()})
+        if problems:
+            raise RuntimeError(f"shardkit DDP (rank {me}): {'; '.join(problems)}; pass the same arguments on every "
+                               "rank")
+        for other_rank, (_, theirs) in sorted(everyone.items()):
             if theirs == mine:
                 continue
             for position in range(max(len(mine), len(theirs))):
@@ -206,8 +228,20 @@ class DistributedDataParallel(_TorchDDP):
                 b = theirs[position] if position < len(theirs) else None
                 if a != b:
                     raise RuntimeError(
-                        f"shardkit DDP (rank {rank}): parameters differ across ranks at position {position}: "
-                        f"rank {rank} has {_describe(a)} but rank {other_rank} has {_describe(b)}")
+                        f"shardkit DDP (rank {me}): parameters differ across ranks at position {position}: "
+                        f"rank {me} has {_describe(a)} but rank {other_rank} has {_describe(b)}")
+
+    def _verify_same_comm_hook_everywhere(self, hook: str) -> None:
+        """A collective at registration (every rank registers its hook at the same point, as torch requires): ranks
+        whose buckets a different hook reduces would pair different collectives, so where ``hook`` (the hook's
+        printable name) differs every rank raises naming the ranks and hooks. A rank that registers none while the
+        others do cannot be told here: its next collective meets their exchange, and the backend's own check of
+        the op fails (on shardkit's backend, naming both ops)."""
+        everyone = _agreement.gather({"the comm hook": hook}, _agreement.exchange_groups([self.process_group]))
+        problems = _agreement.disagreements(everyone)
+        if problems:
+            raise RuntimeError(f"shardkit DDP (rank {dist.get_rank()}) register_comm_hook: {'; '.join(problems)}; "
+                               "register the same hook on every rank")
 
     def _broadcast_from_rank0(self, tensors: list[torch.Tensor], src: int = 0) -> None:
         if tensors:
@@ -422,6 +456,7 @@ class DistributedDataParallel(_TorchDDP):
         if not callable(hook):
             raise TypeError(f"hook must be callable, got {hook!r}")
         check_state_group(state, self.process_group, "shardkit DDP register_comm_hook")
+        self._verify_same_comm_hook_everywhere(f"{_qualified_name(hook)} (state: {type(state).__name__})")
         self.reducer.register_comm_hook(state, hook)
 
 
@@ -483,6 +518,13 @@ def _refuse_unsupported(**arguments: Any) -> None:
     for name, value in arguments.items():
         if value is not None:
             raise NotImplementedError(f"shardkit DDP does not support torch DDP's {name} (got {value!r})")
+
+
+def _qualified_name(function: Any) -> str:
+    """'module.qualname' of a function (a functools.partial by its function), else its repr."""
+    function = getattr(function, "func", function)
+    name = getattr(function, "__qualname__", None)
+    return f"{getattr(function, '__module__', '?')}.{name}" if name else repr(function)
 
 
 def _describe(entry) -> str:

@@ -46,7 +46,6 @@ import contextlib
 import dataclasses
 import enum
 import math
-import warnings
 import weakref
 from typing import Any, Callable, Iterator
 
@@ -54,9 +53,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import _C, _exchange, _profiling, fsdp_optim_state, zero_state_dict
+from . import _C, _agreement, _profiling, fsdp_optim_state, zero_state_dict
 from ._collective_identity import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, CollectiveLedger, backend_checks_identity
-from .backend import host_groups
+from .backend import host_groups, shared_buffer, warn_zero_copy_unavailable, zero_copy_unavailable
 from .fsdp_state_dict import (FullStateDictConfig, ShardedStateDictConfig, StateDictType, full_state_dict,
                               sharded_state_dict)
 from .fsdp_state_dict import load as load_state_dict_into
@@ -153,14 +152,32 @@ class FullyShardedDataParallel(nn.Module):
         super().__init__()
         _refuse_wrapped(module)
         self.cpu_offload = cpu_offload or CPUOffload()
+        mixed_precision = mixed_precision or MixedPrecision()
+        ignored = {id(p) for m in (ignored_modules or []) for p in m.parameters()}
+        managed = [(n, p) for n, p in module.named_parameters() if id(p) not in ignored]
+        unit_modules = choose_units(module, as_policy(auto_wrap_policy), {id(m) for m in ignored_modules or []})
+        owners = assign_parameters(module, unit_modules, ignored)
+        # The first collective, before any that depends on the arguments (HYBRID_SHARD's group creation included)
+        # and before the refusals below: ranks that disagree all raise saying so, and ranks that agree refuse alike.
+        _verify_same_arguments_and_layout_everywhere(
+            {"sharding_strategy": getattr(sharding_strategy, "name", repr(sharding_strategy)),
+             "process_group": _agreement.describe_groups(process_group),
+             "mixed_precision": _agreement.non_default_fields(mixed_precision),
+             "cpu_offload": _agreement.non_default_fields(self.cpu_offload),
+             "use_orig_params": repr(use_orig_params),
+             "backward_prefetch": getattr(backward_prefetch, "name", repr(backward_prefetch)),
+             "forward_prefetch": repr(forward_prefetch),
+             "limit_all_gathers": repr(limit_all_gathers),
+             "sync_module_states": repr(sync_module_states),
+             "the compute device type": _compute_device_type(device_id, self.cpu_offload, managed)},
+            _layout(owners), _agreement.pair_members(process_group), process_group)
         if self.cpu_offload.offload_params:
-            _refuse_offload_without_cuda()  # before any collective: every rank fails alike
+            _refuse_offload_without_cuda()
         if not use_orig_params:
             raise NotImplementedError("shardkit FSDP: use_orig_params=False is not supported: the original parameters "
                                       "are always what the model exposes (FSDP1's use_orig_params=True)")
         if not isinstance(sharding_strategy, ShardingStrategy):
             raise TypeError(f"sharding_strategy must be a shardkit.fsdp.ShardingStrategy, got {sharding_strategy!r}")
-        mixed_precision = mixed_precision or MixedPrecision()
         if mixed_precision.keep_low_precision_grads:
             raise NotImplementedError("shardkit FSDP: MixedPrecision(keep_low_precision_grads=True) is not supported; "
                                       "gradients are returned in the parameters' dtype")
@@ -181,10 +198,8 @@ class FullyShardedDataParallel(nn.Module):
                 raise ValueError(f"shardkit FSDP (rank {self.rank}): device_id={device_id!r} ({target}), but parameter "
                                  f"'{elsewhere[0]}' is on {elsewhere[1]}; pass the module's own device as device_id, "
                                  "or keep the module on the CPU and let FSDP move it")
-            module.to(target)
+            module.to(target)  # in place: `managed` holds the same parameters
 
-        ignored = {id(p) for m in (ignored_modules or []) for p in m.parameters()}
-        managed = [(n, p) for n, p in module.named_parameters() if id(p) not in ignored]
         if not managed:
             raise ValueError(f"shardkit FSDP (rank {self.rank}): the module has no parameters to shard "
                              f"({type(module).__name__}{', all ignored' if ignored else ''})")
@@ -196,9 +211,6 @@ class FullyShardedDataParallel(nn.Module):
         # copy them into pinned shards).
         self._offload_device = (_offload_device(device_id, managed, self.rank) if self.cpu_offload.offload_params
                                 else None)
-        unit_modules = choose_units(module, as_policy(auto_wrap_policy), {id(m) for m in ignored_modules or []})
-        owners = assign_parameters(module, unit_modules, ignored)
-        self._verify_same_layout_everywhere(owners)  # the first collective: before any that depends on it
         if sync_module_states:
             self._broadcast_from_rank0([p.detach() for _, p in managed] + [b.detach() for b in module.buffers()])
         if mixed_precision.buffer_dtype is not None:
@@ -271,21 +283,17 @@ class FullyShardedDataParallel(nn.Module):
         gradient it reduce-scatters, in which each backward makes the gradient it reduces next (one at a time:
         the previous reduction is finished first), so that the reduce-scatter reads the peers' gradients where
         they lie instead of copying them through the group's slots. Only on a shardkit group on one host, for
-        host parameters and a shard group of several ranks; else None (ordinary memory, same results)."""
+        host parameters and a shard group of several ranks; else None (ordinary memory, same results). Nobody
+        asked for it, so only a refusal where it applies is worth a ZeroCopyUnavailableWarning: no room in
+        /dev/shm (shardkit.backend.shared_buffer warns, on every rank)."""
         if self._shard_group is None or self._offload_device is not None:
             return None
         if any(p.device.type != "cpu" for _, p in managed):
             return None
         sizes = [g.handle.reduce_input_bytes for u in self._units for g in u.groups if g.trainable]
-        if not sizes:
+        if not sizes or zero_copy_unavailable(self._shard_group) is not None:  # gloo, or a group across hosts
             return None
-        try:
-            backend = self._shard_group._get_backend(torch.device("cpu"))
-        except RuntimeError:  # a group without a CPU backend
-            return None
-        if not isinstance(backend, _C.ProcessGroupShardkit):
-            return None
-        return backend.shared_buffer(max(sizes))
+        return shared_buffer(max(sizes), self._shard_group, who="shardkit FSDP", what="the flat gradients")
 
     def _resident_plan(self) -> tuple[int, int]:
         """(bytes of the zero-copy memory kept resident between iterations, bytes resident now). Every unit but
@@ -304,32 +312,6 @@ class FullyShardedDataParallel(nn.Module):
         if memory.numel() - kept < _GIVE_BACK_MIN_BYTES:  # not worth page faults and an allreduce per iteration
             kept = memory.numel()
         return kept, memory.numel()
-
-    def _verify_same_layout_everywhere(self, owners: dict[str, list[tuple[str, nn.Parameter]]]) -> None:
-        mine = [(unit, [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in params])
-                for unit, params in owners.items()]
-        everyone = _exchange.all_gather_object((self._offload_device is not None, mine), self.process_group)
-        offloading = [r for r, (offloaded, _) in enumerate(everyone) if offloaded]
-        if offloading and len(offloading) != len(everyone):
-            # Offloaded ranks gather CUDA tensors, the others host tensors: the collectives would not match.
-            raise RuntimeError(f"shardkit FSDP (rank {self.rank}): cpu_offload=CPUOffload(offload_params=True) on "
-                               f"rank(s) {offloading} only; pass the same cpu_offload on every rank")
-        everyone = [layout for _, layout in everyone]
-        reference = everyone[0]
-        differing = [r for r, theirs in enumerate(everyone) if theirs != reference]
-        if not differing:
-            return
-        theirs = everyone[differing[0]]
-        for position in range(max(len(reference), len(theirs))):
-            a = reference[position] if position < len(reference) else None
-            b = theirs[position] if position < len(theirs) else None
-            if a != b:
-                unit = (a or b)[0] or "(root)"
-                raise RuntimeError(
-                    f"shardkit FSDP (rank {self.rank}): unit '{unit}' differs between ranks: rank 0 has "
-                    f"{_describe_unit(a)}, rank{'s' if len(differing) > 1 else ''} "
-                    f"{', '.join(map(str, differing))} {'have' if len(differing) > 1 else 'has'} "
-                    f"{_describe_unit(b)}; wrap the same model with the same policy on every rank")
 
     def _broadcast_from_rank0(self, tensors: list[torch.Tensor]) -> None:
         # Replicas first, then inside each shard group: every rank ends with global rank 0's values.
@@ -663,10 +645,8 @@ class FullyShardedDataParallel(nn.Module):
             return memory
         self._release_reduce_memory(whatever_is_resident=True)  # what this rank did get goes back
         name = unit.name or "(root)"
-        warnings.warn(f"shardkit FSDP (rank {self.rank}): no zero-copy memory for the flat gradient of unit "
-                      f"'{name}' ({needed} bytes) this iteration: "
-                      f"{why or 'another rank of the shard group has no room in /dev/shm'}; it is reduced from "
-                      "ordinary memory")
+        warn_zero_copy_unavailable("shardkit FSDP", f"the flat gradient of unit '{name}' ({needed} bytes) this "
+                                   "iteration", why or "another rank of the shard group has no room in /dev/shm")
         return None
 
     def _release_reduce_memory(self, whatever_is_resident: bool = False) -> None:
@@ -876,6 +856,54 @@ def _offload_device(device_id: int | torch.device | None, managed: list[tuple[st
                          f"{device} (device_id={device_id!r}), but parameter '{name}' is on {where}; keep the module "
                          "on the CPU (or on the compute device)")
     return device
+
+
+def _verify_same_arguments_and_layout_everywhere(arguments: dict[str, str], layout: list, members: Any,
+                                                  process_group: Any) -> None:
+    """The wrapper's first collective: every rank's communication arguments (printable values), its groups'
+    members (``members``: _agreement.pair_members) and its units' layout (_layout) go to every rank in one exchange
+    (shardkit._agreement), issued alike whatever the arguments. Raises the same error on every rank, naming the
+    ranks and the values, where any differ: ranks that went on would pair different collectives."""
+    me = dist.get_rank()
+    given = process_group if isinstance(process_group, tuple) else (process_group,)
+    everyone = _agreement.gather((arguments, members, layout), _agreement.exchange_groups(given))
+    problems = _agreement.disagreements({rank: theirs[0] for rank, theirs in everyone.items()})
+    problems += _agreement.mismatched_pairs({rank: theirs[1] for rank, theirs in everyone.items()})
+    if problems:
+        raise RuntimeError(f"shardkit FSDP (rank {me}): {'; '.join(problems)}; pass the same arguments on every rank")
+    layouts = {rank: theirs[2] for rank, theirs in everyone.items()}
+    first = min(layouts)
+    reference = layouts[first]
+    differing = [rank for rank, theirs in sorted(layouts.items()) if theirs != reference]
+    if not differing:
+        return
+    theirs = layouts[differing[0]]
+    for position in range(max(len(reference), len(theirs))):
+        a = reference[position] if position < len(reference) else None
+        b = theirs[position] if position < len(theirs) else None
+        if a != b:
+            unit = (a or b)[0] or "(root)"
+            raise RuntimeError(
+                f"shardkit FSDP (rank {me}): unit '{unit}' differs between ranks: rank {first} has "
+                f"{_describe_unit(a)}, {_agreement.name_ranks(differing)} {'have' if len(differing) > 1 else 'has'} "
+                f"{_describe_unit(b)}; wrap the same model with the same policy on every rank")
+
+
+def _layout(owners: dict[str, list[tuple[str, nn.Parameter]]]) -> list:
+    """The units as ranks compare them: (unit, [(name, shape, dtype, requires_grad) of each parameter])."""
+    return [(unit, [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in params])
+            for unit, params in owners.items()]
+
+
+def _compute_device_type(device_id: int | torch.device | None, cpu_offload: CPUOffload,
+                         managed: list[tuple[str, nn.Parameter]]) -> str:
+    """Where the units will compute, as ranks compare it ("cpu", "cuda"): ranks on different device types would
+    run their collectives on different engines."""
+    if cpu_offload.offload_params:
+        return "cuda"
+    if device_id is not None:
+        return "cuda" if isinstance(device_id, int) else torch.device(device_id).type
+    return managed[0][1].device.type if managed else "cpu"
 
 
 def _describe_unit(entry) -> str:

@@ -80,11 +80,12 @@ def state_dict_to_load(where: str, optim: "Optimizer", names: dict[int, str], sp
 
 
 def optim_state_dict(model: "FullyShardedDataParallel", optim: "Optimizer") -> dict[str, Any]:
-    flat = [(g.params, space) for g, space in spaces(model)]
-    return state_dict_of(optim, {id(p): name for name, p in model.named_parameters()}, flat,
+    flat = spaces(model)  # at least one (FSDP refuses a module without parameters), not necessarily the root's
+    return state_dict_of(optim, {id(p): name for name, p in model.named_parameters()},
+                         [(g.params, space) for g, space in flat],
                          sharded=model._state_dict_type == StateDictType.SHARDED_STATE_DICT,
                          rank0_only=getattr(model._state_dict_config, "rank0_only", False),
-                         group=model.process_group, device=model._units[0].groups[0].handle.shard.device)
+                         group=model.process_group, device=flat[0][0].handle.shard.device)
 
 
 def optim_state_dict_to_load(model: "FullyShardedDataParallel", optim: "Optimizer",

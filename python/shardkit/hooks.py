@@ -242,6 +242,8 @@ def register(ddp_model: torch.nn.Module, state: Any, kind: str) -> None:
     impl = state._impl if powersgd else None
     group = _group(ddp_model.process_group if powersgd else state)
     if is_shardkit:
+        ddp_model._verify_same_comm_hook_everywhere(f"shardkit.hooks.register(kind={kind!r}) "
+                                                    f"(state: {type(state).__name__})")
         ddp_model.reducer.register_native_comm_hook(kind, impl, group)
     else:
         _C.register_native_comm_hook_on_torch_reducer(ddp_model.reducer, kind, impl, group)

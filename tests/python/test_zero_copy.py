@@ -1,6 +1,6 @@
 """Zero-copy: collectives that read their input from the group's shared memory, bitwise equal to the copying path.
 
-A shardkit group on one host can hand out shared buffers (``backend.shared_buffer(nbytes)``): memory every
+A shardkit group on one host can hand out shared buffers (``shardkit.backend.shared_buffer(nbytes)``): memory every
 rank maps from every other, in which an allreduce reads the peers' data where it lies instead of copying it
 through the group's slots (csrc/core/shm_group.h, "Shared buffers"). shardkit's DDP puts its buckets there
 with ``gradient_as_bucket_view=True``.
@@ -61,7 +61,7 @@ def _shared_vs_copying(rank, world):
     backend = _cpu_backend()
     guard = 64  # bytes before and after the tensor that must stay as they were
     largest = max(SIZES) * 8 + 2 * guard
-    shared = backend.shared_buffer(largest)
+    shared, _ = backend.shared_buffer(largest)  # None (and no reason) across hosts
     if shared is None:  # ranks on several hosts: no shared memory; the caller checks the topology says so
         return None
     assert shared.dtype == torch.uint8 and shared.numel() == largest
@@ -98,7 +98,7 @@ def _reduce_scatter_shared_vs_copying(rank, world):
     backend = _cpu_backend()
     guard = 64
     per_rank = max(SIZES) // world + 1
-    shared = backend.shared_buffer(per_rank * world * 8 + 2 * guard)
+    shared, _ = backend.shared_buffer(per_rank * world * 8 + 2 * guard)
     if shared is None:
         return None
     before = backend.shared_ops()
@@ -151,14 +151,14 @@ def _message_of(call) -> str | None:
 
 
 def _one_rank_shared(rank, world):
-    shared = _cpu_backend().shared_buffer(1 << 20)
+    shared, _ = _cpu_backend().shared_buffer(1 << 20)
     n = 100_000
     tensor = shared[: n * 4].view(torch.float32) if rank == 0 else torch.ones(n)
     return _message_of(lambda: dist.all_reduce(tensor))
 
 
 def _one_rank_shared_reduce_scatter(rank, world):
-    shared = _cpu_backend().shared_buffer(1 << 20)
+    shared, _ = _cpu_backend().shared_buffer(1 << 20)
     n = 50_000
     source = shared[: n * world * 4].view(torch.float32) if rank == 0 else torch.ones(n * world)
     return _message_of(lambda: dist.reduce_scatter_tensor(torch.empty(n), source))
@@ -248,8 +248,9 @@ def test_ddp_on_a_gloo_group_keeps_ordinary_buckets(ranks):
 
 def test_no_room_in_dev_shm_falls_back_with_a_warning():
     """Two ranks in a mount namespace whose /dev/shm is a 24 MB tmpfs (room for the group's own segment, not for
-    64 MB per rank): the buffer is refused on every rank, with a warning naming the sizes, a zero-copy DDP
-    trains on ordinary buckets and FSDP on ordinary flat gradients; and FSDP carries on, warning, when /dev/shm
+    64 MB per rank): the buffer is refused on every rank, a zero-copy DDP trains on ordinary buckets and FSDP on
+    ordinary flat gradients, each with a ZeroCopyUnavailableWarning naming the sizes and the room (a Python warning,
+    nothing on stderr); and FSDP carries on, warning, when /dev/shm
     fills up between two iterations after its memory was given back. Without the check the first write past the room would kill a rank (SIGBUS)."""
     from test_two_hosts import UNSHARE, _namespaces_unavailable, _run
 
@@ -267,8 +268,15 @@ def test_no_room_in_dev_shm_falls_back_with_a_warning():
         assert r["fsdp_falls_back"], r
         assert r["fsdp_when_full"] == {"released": True, "same_grads": True, "zero_copy_again": True,
                                        "warned": True}, r
-    # The warning (c10's, on stderr), once per rank, with the sizes.
-    assert result.stderr.count("no zero-copy memory of 67108864 bytes per rank: /dev/shm has") == 2, result.stderr
+        # A Python ZeroCopyUnavailableWarning per refusal, naming the user, the rank, the sizes and /dev/shm's room.
+        rank = r["rank"]
+        assert [w.split(": /dev/shm has ")[0] for w in r["warned"]] == [
+            f"shardkit.backend.shared_buffer (rank {rank}): no zero-copy memory for the buffer "
+            "(67108864 bytes per rank)",
+            f"shardkit DDP (rank {rank}): no zero-copy memory for the gradient buckets gradient_as_bucket_view=True "
+            "asked for (16789504 bytes per rank)",
+            f"shardkit FSDP (rank {rank}): no zero-copy memory for the flat gradients (16785408 bytes per rank)"], r
+    assert "no zero-copy memory" not in result.stderr, result.stderr  # no C++ warning on stderr any more
 
 
 # --- FSDP: flat gradients made in shared memory ------------------------------------------------------------
@@ -431,7 +439,8 @@ def _one_rank_without_room(rank, world):
     before = backend.shared_ops()
     same.append(step(2))
     again = backend.shared_ops() - before
-    warned = [str(w.message) for w in caught if "no zero-copy memory for the flat gradient of unit '(root)'" in str(w.message)]
+    warned = [str(w.message) for w in caught if issubclass(w.category, shardkit.ZeroCopyUnavailableWarning)
+              and "no zero-copy memory for the flat gradient of unit '(root)'" in str(w.message)]
     return same, without, again, warned, zero_copy._reduce_memory_resident == zero_copy._reduce_memory_kept
 
 
