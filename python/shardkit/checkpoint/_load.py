@@ -1,5 +1,5 @@
-"""``load``: ``torch.distributed.checkpoint.load`` after checking that the checkpoint holds exactly the
-tensors of the state dict (``strict``).
+"""``load``: ``torch.distributed.checkpoint.load`` after verifying the checkpoint's files (``verify``, see
+_verify.py) and checking that it holds exactly the tensors of the state dict (``strict``).
 
 DCP alone reads what the state dict asks for and ignores the rest (a checkpoint of a bigger model loads
 silently) and names shardkit's flattened sizes only; ``check_matches`` raises first, on every rank alike (each
@@ -20,16 +20,28 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from .. import _torch_compat
 from .._sharded_state import SHAPES_KEY
+from ._ranks import Ranks
 from ._reader import read_metadata, saved_paths, saved_shapes
+from ._verify import check_for_load
 
 
-def load(state_dict: dict[str, Any], checkpoint_id: str | Path, *, strict: bool = True,
+def load(state_dict: dict[str, Any], checkpoint_id: str | Path, *, strict: bool = True, verify: bool = True,
          process_group: Any = None) -> None:
-    """``torch.distributed.checkpoint.load(state_dict, checkpoint_id=...)``, first checking (``strict``) that the
-    checkpoint matches ``state_dict``; see the module docstring. Call on every rank."""
+    """``torch.distributed.checkpoint.load(state_dict, checkpoint_id=...)`` into ``state_dict``, after
+
+    - ``verify``: every file's size and CRC32C against the manifest shardkit's ``save`` wrote (the reading
+      spread over the ranks, each byte read once per job), or for a plain ``dcp.save`` checkpoint, with an
+      UnverifiedCheckpointWarning, its files' sizes against its metadata; ``verify=False`` checks sizes only.
+      A torn, mixed, truncated or damaged checkpoint raises CheckpointIntegrityError on every rank, naming
+      each bad file and what differs, and nothing is loaded;
+    - ``strict``: that the checkpoint matches ``state_dict`` (see the module docstring).
+
+    A collective: call it on every rank of ``process_group`` (default: the default group)."""
+    directory = Path(checkpoint_id)
+    check_for_load(directory, Ranks(process_group), checksums=verify)
     if strict:
-        check_matches(state_dict, Path(checkpoint_id))
-    dcp.load(state_dict, checkpoint_id=str(checkpoint_id), process_group=process_group)
+        check_matches(state_dict, directory)
+    dcp.load(state_dict, checkpoint_id=str(directory), process_group=process_group)
 
 
 def check_matches(state_dict: dict[str, Any], directory: Path) -> None:

@@ -2,7 +2,7 @@
 metadata, ``info`` (what it holds) and ``consolidate`` (one plain ``torch.save`` file).
 
 - ``info(DIR)``: its tensors (count, elements, bytes), the world size that saved it (the number of ranks' data
-  files), and its entries by top-level key.
+  files), its entries by top-level key, and its shardkit manifest's save id (None for a plain DCP checkpoint).
 - ``consolidate(DIR, OUT.pt, optim=True)``: one plain state dict, written with ``torch.save``, that
   ``torch.load(OUT, weights_only=True)`` reads without shardkit. Tensors are read one at a time (never the
   whole checkpoint in memory besides the output) and take their parameters' own shapes again where the
@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from .._sharded_state import SHAPES_KEY
+from ._manifest import read_manifest
 
 
 def read_metadata(directory: Path) -> Metadata:
@@ -134,6 +135,7 @@ def info(directory: Path) -> dict[str, Any]:
         by_top[str(paths[key][0])] = by_top.get(str(paths[key][0]), 0) + 1
     elements = sum(math.prod(m.size) for m in tensors.values())
     nbytes = sum(math.prod(m.size) * m.properties.dtype.itemsize for m in tensors.values())
+    manifest = read_manifest(Path(directory))
     return {"tensors": len(tensors), "elements": elements, "bytes": nbytes, "saved_by_ranks": len(ranks),
-            "files": len(files), "by_top_level_key": by_top,
+            "files": len(files), "by_top_level_key": by_top, "save_id": manifest.save_id if manifest else None,
             "file_bytes": sum((Path(directory) / f).stat().st_size for f in files if (Path(directory) / f).exists())}
