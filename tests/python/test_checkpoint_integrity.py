@@ -278,9 +278,20 @@ def _load_all(rank: int, world: int, cases: dict[str, tuple[str, str]], root: st
         warnings.simplefilter("always")
         plain = _loaded_bits(f"{root}/plain", _shardkit_load)
     unverified = [str(w.message) for w in caught if issubclass(w.category, checkpoint.UnverifiedCheckpointWarning)]
-    return {"errors": errors, "plain": plain, "unverified": unverified,
-            "through_dcp": _loaded_bits(f"{root}/two", _plain_dcp_load),
-            "through_shardkit": _loaded_bits(f"{root}/two", _shardkit_load)}
+    from shardkit.checkpoint import _verify
+
+    checked: list[str] = []
+    check_file = _verify._check_file
+
+    def recording(directory, name, *args, **kwargs):
+        checked.append(name)
+        return check_file(directory, name, *args, **kwargs)
+
+    _verify._check_file = recording
+    through_shardkit = _loaded_bits(f"{root}/two", _shardkit_load)
+    _verify._check_file = check_file
+    return {"errors": errors, "plain": plain, "unverified": unverified, "checked": checked,
+            "through_dcp": _loaded_bits(f"{root}/two", _plain_dcp_load), "through_shardkit": through_shardkit}
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
@@ -294,6 +305,7 @@ def test_damaged_checkpoints_are_refused_on_every_rank_naming_the_file(ranks, tm
 
     saved = ranks.run(_save_three, 2, str(tmp_path), timeout=120)[0]
     cases = _damaged_copies(tmp_path)
+    checked: list[list[str]] = []
     plain_cases = {name: (str(d), f) for name, (d, f) in cases.items()}
     for world in (2, 3):  # at 3, more ranks than files: one rank verifies nothing, all raise alike
         chosen = plain_cases if world == 2 else {k: plain_cases[k] for k in ("flip at middle", "mixed")}
@@ -316,6 +328,9 @@ def test_damaged_checkpoints_are_refused_on_every_rank_naming_the_file(ranks, tm
             assert len(got["unverified"]) == 1 and "has no shardkit manifest" in got["unverified"][0], got["unverified"]
             assert got["through_dcp"] == saved["two"], f"world {world}, rank {rank}: plain dcp.load of shardkit's"
             assert got["through_shardkit"] == saved["two"], f"world {world}, rank {rank}"
+            if world == 2:  # every file verified, each by one rank (the world-3 launch loads it too)
+                checked.append(got["checked"])
+    assert sorted(name for names in checked for name in names) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
     assert saved["two"] != saved["three"]
     # The command line and verify() in this process, without a process group.
     good = _cli("info", "--verify", str(tmp_path / "two"))
@@ -334,6 +349,19 @@ def test_damaged_checkpoints_are_refused_on_every_rank_naming_the_file(ranks, tm
     plain = _cli("info", "--verify", str(tmp_path / "plain"))
     assert plain.returncode == 0 and "has no shardkit manifest" in plain.stderr, plain.stderr
     assert "verified: 3 files" in plain.stdout and "(no checksums to compare)" in plain.stdout, plain.stdout
+
+
+def test_files_are_split_over_the_ranks_largest_first_each_once():
+    from shardkit.checkpoint._manifest import FileRecord
+    from shardkit.checkpoint._verify import assign
+
+    files = {name: FileRecord(size=size, crc32c=0, rank=0)
+             for name, size in ((".metadata", 10), ("__0_0.distcp", 500), ("__1_0.distcp", 400),
+                                ("__2_0.distcp", 300), ("__3_0.distcp", 200))}
+    assert assign(files, 2) == [["__0_0.distcp", "__3_0.distcp", ".metadata"], ["__1_0.distcp", "__2_0.distcp"]]
+    assert assign(files, 7) == [["__0_0.distcp"], ["__1_0.distcp"], ["__2_0.distcp"], ["__3_0.distcp"],
+                                [".metadata"], [], []]
+    assert assign(files, 1) == [["__0_0.distcp", "__1_0.distcp", "__2_0.distcp", "__3_0.distcp", ".metadata"]]
 
 
 # --- the README's Checkpoints section, as written --------------------------------------------------------------------
