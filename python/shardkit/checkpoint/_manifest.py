@@ -28,7 +28,10 @@ from .. import _C
 MANIFEST_NAME = ".shardkit-manifest.json"
 _FORMAT = "shardkit.checkpoint.manifest"
 _VERSION = 1
-_READ_CHUNK = 8 << 20
+# Read in 1 MiB pieces: the piece is checksummed while it is still in the core's cache (8 MiB pieces: ~20 %
+# slower here). An mmap of the file would skip the copy (2x faster from the page cache) but turns a file truncated
+# meanwhile into SIGBUS instead of an error.
+_READ_CHUNK = 1 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,10 +98,14 @@ def read_manifest(directory: Path) -> Manifest | None:
 
 def write_manifest(directory: Path, manifest: Manifest) -> None:
     """Writes the manifest into ``directory`` and makes it durable (the directory entry is the caller's)."""
-    with open(Path(directory) / MANIFEST_NAME, "wb") as file:
-        file.write(manifest.to_json())
-        file.flush()
-        os.fsync(file.fileno())
+    path = Path(directory) / MANIFEST_NAME
+    try:
+        with open(path, "wb") as file:
+            file.write(manifest.to_json())
+            file.flush()
+            os.fsync(file.fileno())
+    except OSError as error:
+        raise OSError(error.errno, f"writing {path}: {os.strerror(error.errno or 0)}") from error
 
 
 def file_crc32c(path: Path) -> tuple[int, int]:

@@ -54,6 +54,9 @@ from ._ranks import Ranks
 from ._writer import ChecksummingWriter, WriteLedger
 
 
+_ANOTHER_RANK_FAILED = "stopped: another rank failed"
+
+
 @dataclasses.dataclass(frozen=True)
 class _Failure:
     rank: int
@@ -84,18 +87,19 @@ def _failure(rank: int, step: str, error: BaseException, ledger: WriteLedger | N
     if isinstance(error, CheckpointException):
         own = error.failures.get(rank)
         if own is None:  # another rank failed; it reports its own cause
-            return _Failure(rank, step, "stopped: another rank failed")
+            return _Failure(rank, step, _ANOTHER_RANK_FAILED)
         error = own[0] if isinstance(own, tuple) else own
     no_space = isinstance(error, OSError) and error.errno == errno.ENOSPC
     return _Failure(rank, step, f"{type(error).__name__}: {error}", no_space)
 
 
 def _save_error(ranks: Ranks, target: Path, failures: list[_Failure], detail: str = "") -> CheckpointSaveError:
-    own = [f for f in failures if f.cause != "stopped: another rank failed"] or failures
+    own = [f for f in failures if f.cause != _ANOTHER_RANK_FAILED] or failures
     disk = " (No space left on device)" if any(f.no_space for f in failures) else ""
+    causes = [str(f) for f in own] + ([detail] if detail else [])
     return CheckpointSaveError(
         f"shardkit checkpoint save (rank {ranks.rank}): saving {target} failed{disk} and nothing was committed: "
-        f"the previous checkpoint there, if any, is intact. " + "; ".join(map(str, own)) + detail)
+        f"the previous checkpoint there, if any, is intact. " + "; ".join(causes))
 
 
 def save(state_dict: dict[str, Any], checkpoint_id: str | os.PathLike, *, process_group: Any = None) -> None:
@@ -119,16 +123,21 @@ def save(state_dict: dict[str, Any], checkpoint_id: str | os.PathLike, *, proces
             prepared = _Report(save_id=save_id)
         except Exception as error:  # noqa: BLE001 - whatever it is, every rank must hear of it
             prepared = _Report(failure=_failure(0, "preparing the staging directory", error))
-    first = ranks.all_gather(prepared)[0]
+    try:
+        first = ranks.all_gather(prepared)[0]
+    except Exception as error:  # noqa: BLE001 - a peer died or the group broke before the save began
+        if prepared.save_id is not None:
+            _commit.remove_tree(_commit.staging_path(target, prepared.save_id))
+        raise _save_error(ranks, target, [], f"the ranks could not agree to begin: {error}") from error
     if first.failure is not None:
         raise _save_error(ranks, target, [first.failure])
     save_id = first.save_id
     staging = _commit.staging_path(target, save_id)
 
     # 2. write
-    writer = ChecksummingWriter(staging, target, save_id, ranks.rank)
-    written = _Report()
+    writer: ChecksummingWriter | None = None
     try:
+        writer = ChecksummingWriter(staging, target, save_id, ranks.rank)
         with warnings.catch_warnings():
             if not ranks.distributed:  # "assuming the intent is to save in a single process": it is
                 warnings.simplefilter("ignore", UserWarning)
@@ -136,7 +145,8 @@ def save(state_dict: dict[str, Any], checkpoint_id: str | os.PathLike, *, proces
         _commit.fsync_directory(staging)
         written = _Report(files=writer.ledger.files)
     except (Exception, CheckpointException) as error:  # noqa: BLE001 - CheckpointException is a BaseException
-        written = _Report(failure=_failure(ranks.rank, "writing its files", error, writer.ledger))
+        ledger = writer.ledger if writer is not None else None
+        written = _Report(failure=_failure(ranks.rank, "writing its files", error, ledger))
 
     # 3. agree
     try:
@@ -145,7 +155,7 @@ def save(state_dict: dict[str, Any], checkpoint_id: str | os.PathLike, *, proces
         if written.failure is not None or ranks.rank == 0:
             _commit.remove_tree(staging)
         known = [written.failure] if written.failure else []
-        raise _save_error(ranks, target, known, f"; the ranks could not agree: {error}") from error
+        raise _save_error(ranks, target, known, f"the ranks could not agree: {error}") from error
     failures = [r.failure for r in reports if r.failure is not None]
     if failures:
         if ranks.rank == 0:

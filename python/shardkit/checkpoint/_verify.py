@@ -93,7 +93,8 @@ def _plan(directory: Path, warn_unverified: bool) -> tuple[Manifest | None, list
     except ValueError as error:
         return None, [str(error)]
     if manifest is not None:
-        return manifest, []
+        listed = METADATA_NAME in manifest.files
+        return manifest, [] if listed else [f"{directory / MANIFEST_NAME}: does not list {METADATA_NAME}"]
     if warn_unverified:
         warnings.warn(f"{directory} has no shardkit manifest (saved by plain torch.distributed.checkpoint.save?): "
                       "its files' contents cannot be verified, only their sizes", UnverifiedCheckpointWarning,
