@@ -152,6 +152,7 @@ bench: build $(VENV)/.bench-deps
 	$(VENV)/bin/python benchmarks/powersgd.py
 	$(VENV)/bin/python benchmarks/fsdp_step.py
 	$(VENV)/bin/python benchmarks/checkpoint.py
+	$(VENV)/bin/python benchmarks/checkpoint_integrity.py
 
 # DeepSpeed in a venv of its own (torch pinned as in .venv; DS_BUILD_OPS=0: its CPU shm op is built at first use
 # with ninja), so it never touches the test venv; the comparison runs shardkit's ranks from .venv and
