@@ -364,6 +364,66 @@ def test_files_are_split_over_the_ranks_largest_first_each_once():
     assert assign(files, 1) == [["__0_0.distcp", "__1_0.distcp", "__2_0.distcp", "__3_0.distcp", ".metadata"]]
 
 
+# --- one process, no process group; the publish where a filesystem cannot exchange -----------------------------------
+
+def test_one_process_saves_and_loads_without_a_process_group(tmp_path: Path):
+    from shardkit import checkpoint
+
+    path = tmp_path / "ckpt"
+    state = {"w": torch.arange(10, dtype=torch.float32), "step": 3}
+    checkpoint.save(state, path)
+    checkpoint.save({**state, "w": state["w"] * 2}, path)  # over the first one
+    loaded = {"w": torch.zeros(10), "step": 0}
+    checkpoint.load(loaded, path)
+    assert torch.equal(loaded["w"], state["w"] * 2) and loaded["step"] == 3
+    assert checkpoint.verify(path)["world_size"] == 1
+    assert _others_in(tmp_path, "ckpt") == []
+    unrelated = tmp_path / "notes"
+    unrelated.mkdir()
+    (unrelated / "todo.txt").write_text("keep me")
+    with pytest.raises(checkpoint.CheckpointSaveError, match="holds files but no checkpoint"):
+        checkpoint.save(state, unrelated)
+    assert (unrelated / "todo.txt").read_text() == "keep me"
+    with pytest.raises(FileNotFoundError, match="no such checkpoint directory"):
+        checkpoint.load(loaded, tmp_path / "absent")
+
+
+def test_where_directories_cannot_be_exchanged_two_renames_publish_and_a_crash_between_them_is_recovered(
+        tmp_path: Path, monkeypatch):
+    import errno
+
+    from shardkit import checkpoint
+    from shardkit.checkpoint import _commit
+
+    monkeypatch.setattr(_commit._C, "rename_exchange", lambda a, b: errno.EINVAL)  # as on NFS
+    path = tmp_path / "ckpt"
+    checkpoint.save({"w": torch.ones(4)}, path)
+    checkpoint.save({"w": torch.full((4,), 2.0)}, path)
+    loaded = {"w": torch.zeros(4)}
+    checkpoint.load(loaded, path)
+    assert loaded["w"].tolist() == [2.0] * 4 and _others_in(tmp_path, "ckpt") == []
+
+    # A crash right after the first rename: no checkpoint under its name, the previous one aside.
+    real_rename = _commit.os.rename
+
+    def rename_or_crash(src, dst):
+        if Path(dst) == path:  # the staging directory's rename into place
+            raise SystemExit("killed between the two renames")
+        real_rename(src, dst)
+
+    monkeypatch.setattr(_commit.os, "rename", rename_or_crash)
+    with pytest.raises(SystemExit):
+        checkpoint.save({"w": torch.full((4,), 3.0)}, path)
+    monkeypatch.setattr(_commit.os, "rename", real_rename)
+    assert not path.exists()
+    with pytest.raises(FileNotFoundError, match=r"an interrupted save left the previous checkpoint at \S+shardkit-old-"):
+        checkpoint.load(loaded, path)
+    with pytest.warns(UserWarning, match="renamed it back"):
+        checkpoint.save({"w": torch.full((4,), 4.0)}, path)  # brings the previous one back, then replaces it
+    checkpoint.load(loaded, path)
+    assert loaded["w"].tolist() == [4.0] * 4 and _others_in(tmp_path, "ckpt") == []
+
+
 # --- the README's Checkpoints section, as written --------------------------------------------------------------------
 
 def _readme_blocks() -> list[tuple[str, str]]:
