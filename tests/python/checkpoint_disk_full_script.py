@@ -23,7 +23,8 @@ def _model():
     import shardkit
 
     torch.manual_seed(0)
-    model = shardkit.FullyShardedDataParallel(nn.Sequential(nn.Linear(FEATURES, FEATURES), nn.Linear(FEATURES, FEATURES)))
+    layers = nn.Sequential(nn.Linear(FEATURES, FEATURES), nn.Linear(FEATURES, FEATURES))
+    model = shardkit.FullyShardedDataParallel(layers)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 

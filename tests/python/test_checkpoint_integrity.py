@@ -416,7 +416,8 @@ def test_where_directories_cannot_be_exchanged_two_renames_publish_and_a_crash_b
         checkpoint.save({"w": torch.full((4,), 3.0)}, path)
     monkeypatch.setattr(_commit.os, "rename", real_rename)
     assert not path.exists()
-    with pytest.raises(FileNotFoundError, match=r"an interrupted save left the previous checkpoint at \S+shardkit-old-"):
+    aside = r"an interrupted save left the previous checkpoint at \S+shardkit-old-"
+    with pytest.raises(FileNotFoundError, match=aside):
         checkpoint.load(loaded, path)
     with pytest.warns(UserWarning, match="renamed it back"):
         checkpoint.save({"w": torch.full((4,), 4.0)}, path)  # brings the previous one back, then replaces it
