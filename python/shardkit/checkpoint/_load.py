@@ -38,10 +38,12 @@ def load(state_dict: dict[str, Any], checkpoint_id: str | Path, *, strict: bool 
 
     A collective: call it on every rank of ``process_group`` (default: the default group)."""
     directory = Path(checkpoint_id)
-    check_for_load(directory, Ranks(process_group), checksums=verify)
+    ranks = Ranks(process_group)
+    check_for_load(directory, ranks, checksums=verify)
     if strict:
         check_matches(state_dict, directory)
-    dcp.load(state_dict, checkpoint_id=str(directory), process_group=process_group)
+    with ranks.quiet_single_process():
+        dcp.load(state_dict, checkpoint_id=str(directory), process_group=process_group)
 
 
 def check_matches(state_dict: dict[str, Any], directory: Path) -> None:

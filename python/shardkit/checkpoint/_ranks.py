@@ -6,7 +6,9 @@ found and every rank gets everyone's, so all decide alike. Its deadline is the p
 
 from __future__ import annotations
 
-from typing import Any
+import warnings
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import torch.distributed as dist
 
@@ -23,3 +25,11 @@ class Ranks:
     def all_gather(self, obj: Any) -> list[Any]:
         """Every rank's ``obj`` in rank order (a collective: every rank must call it, in the same order)."""
         return _exchange.all_gather_object(obj, self.group) if self.distributed else [obj]
+
+    @contextmanager
+    def quiet_single_process(self) -> Iterator[None]:
+        """Without a process group, DCP warns that it assumes a single process: it is one, on purpose."""
+        with warnings.catch_warnings():
+            if not self.distributed:
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+            yield

@@ -138,9 +138,7 @@ def save(state_dict: dict[str, Any], checkpoint_id: str | os.PathLike, *, proces
     writer: ChecksummingWriter | None = None
     try:
         writer = ChecksummingWriter(staging, target, save_id, ranks.rank)
-        with warnings.catch_warnings():
-            if not ranks.distributed:  # "assuming the intent is to save in a single process": it is
-                warnings.simplefilter("ignore", UserWarning)
+        with ranks.quiet_single_process():
             dcp.save(state_dict, storage_writer=writer, process_group=process_group, no_dist=not ranks.distributed)
         _commit.fsync_directory(staging)
         written = _Report(files=writer.ledger.files)
