@@ -78,7 +78,7 @@ peer-test: build $(VENV)/.peer-deps
 # build/temp.*); the venv's torch is installed once; `import numpy` must fail there, or the check proves nothing.
 CLEAN_VENV := build/clean-venv
 WHEEL_DIR  := build/wheel
-WHEEL_SRC  := $(wildcard python/shardkit/*.py) python/shardkit/py.typed LICENSE MANIFEST.in README.md
+WHEEL_SRC  := $(wildcard python/shardkit/*.py python/shardkit/*/*.py) python/shardkit/py.typed LICENSE MANIFEST.in README.md
 CLEAN_TORCH := $(CLEAN_VENV)/.$(subst ==,-,$(TORCH_CPU))
 
 # build/lib.* goes too: a module deleted from python/shardkit/ must not linger in the wheel.
@@ -152,6 +152,7 @@ bench: build $(VENV)/.bench-deps
 	$(VENV)/bin/python benchmarks/powersgd.py
 	$(VENV)/bin/python benchmarks/fsdp_step.py
 	$(VENV)/bin/python benchmarks/checkpoint.py
+	$(VENV)/bin/python benchmarks/checkpoint_integrity.py
 
 # DeepSpeed in a venv of its own (torch pinned as in .venv; DS_BUILD_OPS=0: its CPU shm op is built at first use
 # with ninja), so it never touches the test venv; the comparison runs shardkit's ranks from .venv and

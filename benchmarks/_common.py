@@ -180,6 +180,20 @@ class ForeignLoad:
             self.cores = max(0.0, ((busy1 - busy0) - (self._own_s() - own0)) / wall)
 
 
+def filesystem_of(path: str) -> str:
+    """``fstype on device`` of the mount holding ``path`` (longest mount point that prefixes it)."""
+    best = ("", "unknown", "unknown")
+    try:
+        real = os.path.realpath(path)
+        for entry in Path("/proc/mounts").read_text().splitlines():
+            device, mount, fstype = entry.split()[:3]
+            if (real == mount or real.startswith(mount.rstrip("/") + "/")) and len(mount) >= len(best[0]):
+                best = (mount, fstype, device)
+    except (OSError, ValueError):
+        pass
+    return f"{best[1]} on {best[2]} (mounted at {best[0] or '?'})"
+
+
 # --- launching ranks --------------------------------------------------------------------------------------
 
 def rank0_progress(rank: int, prefix: str = "") -> Callable[..., None]:

@@ -97,6 +97,7 @@ from _common import (  # noqa: E402  (the benchmarks folder is not a package)
     RanksFailed,
     RunConfig,
     add_target,
+    filesystem_of,
     agree_max,
     format_table,
     launch_ranks,
@@ -730,20 +731,6 @@ def plot(rows: dict[tuple[str, str], dict[str, Any]], path: Path, cfg: ModelConf
                            grouped=tuple(panels),
                            suptitle=f"FSDP checkpoints, world 2, {psi / 1e6:.1f}M-parameter GPT + AdamW state "
                                     f"(CPU, shardkit backend)")
-
-
-def filesystem_of(path: str) -> str:
-    """``fstype on device`` of the mount holding ``path`` (longest mount point that prefixes it)."""
-    best = ("", "unknown", "unknown")
-    try:
-        real = os.path.realpath(path)
-        for entry in Path("/proc/mounts").read_text().splitlines():
-            device, mount, fstype = entry.split()[:3]
-            if (real == mount or real.startswith(mount.rstrip("/") + "/")) and len(mount) >= len(best[0]):
-                best = (mount, fstype, device)
-    except (OSError, ValueError):
-        pass
-    return f"{best[1]} on {best[2]} (mounted at {best[0] or '?'})"
 
 
 # --- main --------------------------------------------------------------------------------------------------

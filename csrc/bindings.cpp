@@ -12,9 +12,11 @@
 #include "compress/hooks.h"
 #include "comm/failure_notices.h"
 #include "core/collective_identity.h"
+#include "core/crc32c.h"
 #include "core/flat_layout.h"
 #include "core/liveness.h"
 #include "core/reduce.h"
+#include "core/rename_exchange.h"
 #include "ddp/reducer.h"
 #include "fsdp/flat_param.h"
 #ifdef SHARDKIT_WITH_CUDA
@@ -292,6 +294,21 @@ PYBIND11_MODULE(_C, m) {
   m.def("exact_storage_alias", &shardkit::fsdp::exact_storage_alias, py::arg("view"),
         "The same memory as a contiguous view, with a storage of exactly its bytes that keeps the view's alive.");
   m.def("reduce_isa", &shardkit::core::reduce_isa, "Vector ISA the reduction loops dispatched to at runtime.");
+  m.def(
+      "crc32c",
+      [](py::buffer data, uint32_t crc) {
+        py::buffer_info bytes = data.request();  // PyBUF_SIMPLE: Python refuses a non-contiguous buffer
+        py::gil_scoped_release no_gil;
+        return shardkit::core::crc32c_extend(crc, bytes.ptr, static_cast<size_t>(bytes.size * bytes.itemsize));
+      },
+      py::arg("data"), py::arg("crc") = 0,
+      "CRC32C of the bytes that gave `crc` followed by `data` (any contiguous buffer); crc=0 starts afresh.");
+  m.def("crc32c_isa", &shardkit::core::crc32c_isa, "What crc32c runs on: 'sse4.2' or 'portable'.");
+  m.def(
+      "rename_exchange",
+      [](const std::string& a, const std::string& b) { return shardkit::core::rename_exchange(a.c_str(), b.c_str()); },
+      py::arg("a"), py::arg("b"), py::call_guard<py::gil_scoped_release>(),
+      "Swaps two existing paths atomically (Linux renameat2 RENAME_EXCHANGE): 0, or the errno, nothing changed.");
   m.def("release_shared_pages", &shardkit::fsdp::release_memory_pages, py::arg("memory"), py::arg("offset"),
         py::arg("nbytes"),
         "Gives the whole pages inside the byte range of a shared buffer back to /dev/shm (they read as zeros after); "

@@ -13,7 +13,8 @@ bf16`` computes in bf16 (FSDP's MixedPrecision; autocast under DDP/ZeRO).
 Data: synthetic counting sequences (a random start and stride per sequence, seeded per rank and step: after a
 few tokens the next one is predictable, so the loss falls), or ``--data FILE``: a local text file read as bytes (vocabulary
 256), each rank reading its own windows. Checkpoints (``--checkpoint DIR``, ``--resume DIR``) go through
-torch.distributed.checkpoint and load at any world size and with any strategy.
+shardkit.checkpoint (torch.distributed.checkpoint directories, committed whole and checksummed; verified when
+resuming) and load at any world size and with any strategy.
 
 Rank 0 shows its progress (``--progress``): with tqdm installed and stderr a terminal, a bar on stderr whose
 postfix holds the loss, tokens/s and each rank's peak RSS; otherwise (or with ``--progress lines``) a line on
@@ -257,11 +258,11 @@ def plot_losses(path: Path, losses: list[float], first: int, title: str) -> str:
 
 
 def save(path: Path, model, optimizer, step: int) -> None:
-    import torch.distributed.checkpoint as dcp
+    from shardkit import checkpoint
     from shardkit.state_dict import get_state_dict
 
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd, "step": step}, checkpoint_id=str(path))
+    checkpoint.save({"model": model_sd, "optim": optim_sd, "step": step}, path)
 
 
 def resume(path: Path, model, optimizer) -> int:

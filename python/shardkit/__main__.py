@@ -1,6 +1,6 @@
 """``python -m shardkit <command>``: command-line tools: ``estimate`` (memory math), ``checkpoint``
-(``info`` / ``consolidate`` of a torch.distributed.checkpoint directory) and ``scale`` (a training script at
-several world sizes)."""
+(``info [--verify]`` / ``consolidate`` of a torch.distributed.checkpoint directory) and ``scale`` (a training
+script at several world sizes)."""
 
 from __future__ import annotations
 
@@ -33,8 +33,9 @@ def main(argv: list[str] | None = None) -> int:
 
     checkpoint_parser = commands.add_parser(
         "checkpoint",
-        help="inspect or consolidate a torch.distributed.checkpoint directory (no process group needed)",
-        description="info: what a DCP checkpoint holds; consolidate: one plain torch.save state dict.",
+        help="inspect, verify or consolidate a torch.distributed.checkpoint directory (no process group needed)",
+        description="info: what a DCP checkpoint holds (--verify: every file checked against its checksums first); "
+        "consolidate: one plain torch.save state dict.",
     )
     checkpoint.add_arguments(checkpoint_parser)
 

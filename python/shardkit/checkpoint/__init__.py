@@ -1,0 +1,29 @@
+"""shardkit checkpoints: torch.distributed.checkpoint (DCP) directories that appear whole or not at all, whose
+every file is checksummed, and that load only when every file is the one written.
+
+- ``save(state_dict, checkpoint_id)``: DCP's save into a staging directory beside the target, committed by one
+  atomic rename once every rank's files are durable, with a manifest of every file's size and CRC32C
+  (computed while writing). An interrupted save leaves the previous checkpoint intact.
+- ``load(state_dict, checkpoint_id, strict=True, verify=True)``: verifies the files (spread over the ranks),
+  checks the checkpoint matches the state dict, then ``dcp.load``.
+- ``verify(checkpoint_id)``: the verification alone, in one process; ``info`` and ``consolidate`` read a
+  checkpoint without a process group; ``python -m shardkit checkpoint info [--verify] | consolidate``.
+
+The directory stays a plain DCP checkpoint (the manifest is one more file, which DCP ignores): ``dcp.load`` and
+torch's FSDP2 read it unchanged, and plain ``dcp.save`` checkpoints load here, with a warning that they cannot be
+verified. One concern per module: ``_save`` (the commit protocol), ``_commit`` (its directory operations),
+``_writer`` (checksums while writing), ``_manifest``, ``_verify``, ``_load``, ``_reader`` (metadata, info,
+consolidate), ``_cli``. This package imports no front (DDP, FSDP, ZeRO).
+"""
+
+from __future__ import annotations
+
+from ._cli import add_arguments
+from ._errors import CheckpointIntegrityError, CheckpointSaveError, UnverifiedCheckpointWarning
+from ._load import check_matches, load
+from ._reader import consolidate, info, read_metadata
+from ._save import save
+from ._verify import verify
+
+__all__ = ["CheckpointIntegrityError", "CheckpointSaveError", "UnverifiedCheckpointWarning", "add_arguments",
+           "check_matches", "consolidate", "info", "load", "read_metadata", "save", "verify"]

@@ -1,0 +1,81 @@
+"""``load``: ``torch.distributed.checkpoint.load`` after verifying the checkpoint's files (``verify``, see
+_verify.py) and checking that it holds exactly the tensors of the state dict (``strict``).
+
+DCP alone reads what the state dict asks for and ignores the rest (a checkpoint of a bigger model loads
+silently) and names shardkit's flattened sizes only; ``check_matches`` raises first, on every rank alike (each
+reads the same metadata file, no communication), naming the parameters and their own shapes in the checkpoint
+and in the model.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from .. import _torch_compat
+from .._sharded_state import SHAPES_KEY
+from ._ranks import Ranks
+from ._reader import read_metadata, saved_paths, saved_shapes
+from ._verify import check_for_load
+
+
+def load(state_dict: dict[str, Any], checkpoint_id: str | Path, *, strict: bool = True, verify: bool = True,
+         process_group: Any = None) -> None:
+    """``torch.distributed.checkpoint.load(state_dict, checkpoint_id=...)`` into ``state_dict``, after
+
+    - ``verify``: every file's size and CRC32C against the manifest shardkit's ``save`` wrote (the reading
+      spread over the ranks, each byte read once per job), or for a plain ``dcp.save`` checkpoint, with an
+      UnverifiedCheckpointWarning, its files' sizes against its metadata; ``verify=False`` checks sizes only.
+      A torn, mixed, truncated or damaged checkpoint raises CheckpointIntegrityError on every rank, naming
+      each bad file and what differs, and nothing is loaded;
+    - ``strict``: that the checkpoint matches ``state_dict`` (see the module docstring).
+
+    A collective: call it on every rank of ``process_group`` (default: the default group)."""
+    directory = Path(checkpoint_id)
+    ranks = Ranks(process_group)
+    check_for_load(directory, ranks, checksums=verify)
+    if strict:
+        check_matches(state_dict, directory)
+    with ranks.quiet_single_process():
+        dcp.load(state_dict, checkpoint_id=str(directory), process_group=process_group)
+
+
+def check_matches(state_dict: dict[str, Any], directory: Path) -> None:
+    """Raises RuntimeError naming the missing, unexpected and mismatched tensors of ``state_dict`` against the
+    checkpoint in ``directory`` (only checkpoint entries under ``state_dict``'s top-level keys count)."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    metadata = read_metadata(directory)
+    flat, paths = _torch_compat.flatten_state_dict(state_dict)
+    tops = {path[0] for path in paths.values()}
+    their_paths = saved_paths(metadata)
+    saved = {key: meta for key, meta in metadata.state_dict_metadata.items()
+             if isinstance(meta, TensorStorageMetadata) and their_paths[key][0] in tops}
+    ours = {key: value for key, value in flat.items() if isinstance(value, torch.Tensor)}
+    missing = [key for key in ours if key not in saved]
+    unexpected = [key for key in saved if key not in ours]
+    mismatched = [key for key in ours if key in saved and torch.Size(saved[key].size) != ours[key].size()]
+    if not (missing or unexpected or mismatched):
+        return
+    their_shapes = saved_shapes(directory, metadata, their_paths)
+    our_shapes = {}
+    for key, value in flat.items():
+        if str(paths[key][-1]).endswith(SHAPES_KEY):
+            our_shapes.update(json.loads(value))
+    problems = []
+    if missing:
+        problems.append(f"missing from the checkpoint: {missing}")
+    if unexpected:
+        problems.append(f"not in the model: {unexpected}")
+    for key in mismatched:
+        name = next((str(part) for part in reversed(paths[key]) if str(part) in our_shapes), None)
+        theirs = their_shapes.get(name, list(saved[key].size)) if name else list(saved[key].size)
+        mine = our_shapes.get(name, list(ours[key].size())) if name else list(ours[key].size())
+        problems.append(f"{key} has shape {list(theirs)} in the checkpoint but {list(mine)} in the model")
+    raise RuntimeError(f"shardkit checkpoint load (rank {rank}): {directory} does not match the state dict: "
+                       + "; ".join(problems))

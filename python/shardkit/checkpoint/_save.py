@@ -1,0 +1,202 @@
+"""``save``: a DCP checkpoint with a commit point — it appears whole, checksummed, or not at all.
+
+The commit protocol (every rank runs ``save``; "agree" is one object all-gather, the same on every rank):
+
+  1. prepare   rank 0 brings back a checkpoint an interrupted publish left aside (_commit.recover_and_clean),
+               removes other leftovers of earlier saves into this target, checks that the target may be
+               replaced, draws the save id and creates the empty staging directory .TARGET.shardkit-staging-<id>
+               beside the target. Agree: every rank learns the id (or rank 0's failure; then all raise).
+  2. write     every rank runs torch.distributed.checkpoint.save into the staging directory with a
+               ChecksummingWriter: its data files, each checksummed while written and fsync'ed; rank 0 also
+               writes .metadata (after DCP's own gather of every rank's write results). Each rank fsyncs the
+               staging directory's entries.
+  3. agree     every rank reports whether its part succeeded, with its files' sizes and CRC32Cs. A rank that
+               failed, or a collective that failed (a dead peer), ends the save here: no rank commits.
+  4. commit    rank 0 alone: writes the manifest (every file's size and CRC32C, .metadata's included, the save
+               id, the world size), fsyncs it and the directory, then publishes: one atomic rename (an exchange
+               where a checkpoint is being replaced), fsyncs the parent, and removes the replaced checkpoint.
+  5. agree     every rank learns rank 0's outcome: all return, or all raise the same error.
+
+What a crash (a rank killed, a full disk, a power cut) leaves at each point:
+  - before the publish rename (steps 1-4): the target untouched, the previous checkpoint intact; the staging
+    directory is removed by rank 0 (which deletes it whenever it does not commit) or by a rank that knows no
+    commit can happen (it reported a failure), else by the next save's step 1;
+  - after it: the new checkpoint, whole and durable (everything in it was fsync'ed before the rename); the
+    replaced one, under the staging (or .old) name, is removed by rank 0 or the next save.
+Why a load can never see a mix of two saves: files are only ever written into a fresh staging directory that
+nothing reads; it becomes the checkpoint by one rename, after step 3 established that every rank's files are
+complete and durable; and the manifest ties each file's exact bytes to the save. Were a file changed
+afterwards anyway (a plain dcp.save into the directory, a copy from elsewhere, a disk's bit flips), load's
+verification refuses it, naming the file.
+
+A non-zero rank removes the staging directory only when it reported a failure in step 3 (then rank 0 cannot
+have seen every rank succeed, so cannot be publishing it): deleting a directory that rank 0 is renaming could
+otherwise publish a partial checkpoint. Every wait is a collective, bounded by the process group's timeout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import os
+import uuid
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from . import _commit
+from ._errors import CheckpointSaveError
+from ._manifest import FileRecord, Manifest, write_manifest
+from ._ranks import Ranks
+from ._writer import ChecksummingWriter, WriteLedger
+
+
+_ANOTHER_RANK_FAILED = "stopped: another rank failed"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Failure:
+    rank: int
+    step: str  # what the rank was doing
+    cause: str  # what went wrong, naming the file where one is known
+    no_space: bool = False
+
+    def __str__(self) -> str:
+        return f"rank {self.rank}, {self.step}: {self.cause}"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Report:
+    """One rank's contribution to an agreement: its failure, or what it has to hand on."""
+    failure: _Failure | None = None
+    save_id: str | None = None  # step 1, from rank 0
+    files: dict[str, FileRecord] = dataclasses.field(default_factory=dict)  # step 3
+
+
+def _failure(rank: int, step: str, error: BaseException, ledger: WriteLedger | None = None) -> _Failure:
+    """The cause to report: the first OSError a write met (the ledger keeps it where DCP's messages lose it),
+    else this rank's own exception inside DCP's CheckpointException, else the exception."""
+    written = ledger.first_failure if ledger is not None else None
+    if written is not None:
+        error_number = written.error.errno
+        cause = f"writing {written.path}: [Errno {error_number}] {os.strerror(error_number or 0)}"
+        return _Failure(rank, step, cause, error_number == errno.ENOSPC)
+    if isinstance(error, CheckpointException):
+        own = error.failures.get(rank)
+        if own is None:  # another rank failed; it reports its own cause
+            return _Failure(rank, step, _ANOTHER_RANK_FAILED)
+        error = own[0] if isinstance(own, tuple) else own
+    no_space = isinstance(error, OSError) and error.errno == errno.ENOSPC
+    return _Failure(rank, step, f"{type(error).__name__}: {error}", no_space)
+
+
+def _save_error(ranks: Ranks, target: Path, failures: list[_Failure], detail: str = "") -> CheckpointSaveError:
+    own = [f for f in failures if f.cause != _ANOTHER_RANK_FAILED] or failures
+    disk = " (No space left on device)" if any(f.no_space for f in failures) else ""
+    causes = [str(f) for f in own] + ([detail] if detail else [])
+    return CheckpointSaveError(
+        f"shardkit checkpoint save (rank {ranks.rank}): saving {target} failed{disk} and nothing was committed: "
+        f"the previous checkpoint there, if any, is intact. " + "; ".join(causes))
+
+
+def save(state_dict: dict[str, Any], checkpoint_id: str | os.PathLike, *, process_group: Any = None) -> None:
+    """Saves ``state_dict`` as the DCP checkpoint directory ``checkpoint_id``, replacing any checkpoint there only
+    once the new one is complete on every rank, durable and checksummed (see the module docstring). A
+    collective: call it on every rank of ``process_group`` (default: the default group), like ``dcp.save``.
+    Raises CheckpointSaveError, on every rank, when nothing was committed."""
+    ranks = Ranks(process_group)
+    target = Path(os.path.abspath(checkpoint_id))
+
+    # 1. prepare
+    prepared = _Report()
+    if ranks.rank == 0:
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            _commit.recover_and_clean(target)
+            _commit.check_replaceable(target)
+            save_id = uuid.uuid4().hex
+            _commit.staging_path(target, save_id).mkdir()
+            _commit.fsync_directory(target.parent)
+            prepared = _Report(save_id=save_id)
+        except Exception as error:  # noqa: BLE001 - whatever it is, every rank must hear of it
+            prepared = _Report(failure=_failure(0, "preparing the staging directory", error))
+    try:
+        first = ranks.all_gather(prepared)[0]
+    except Exception as error:  # noqa: BLE001 - a peer died or the group broke before the save began
+        if prepared.save_id is not None:
+            _commit.remove_tree(_commit.staging_path(target, prepared.save_id))
+        raise _save_error(ranks, target, [], f"the ranks could not agree to begin: {error}") from error
+    if first.failure is not None:
+        raise _save_error(ranks, target, [first.failure])
+    save_id = first.save_id
+    staging = _commit.staging_path(target, save_id)
+
+    # 2. write
+    writer: ChecksummingWriter | None = None
+    try:
+        writer = ChecksummingWriter(staging, target, save_id, ranks.rank)
+        with ranks.quiet_single_process():
+            dcp.save(state_dict, storage_writer=writer, process_group=process_group, no_dist=not ranks.distributed)
+        _commit.fsync_directory(staging)
+        written = _Report(files=writer.ledger.files)
+    except (Exception, CheckpointException) as error:  # noqa: BLE001 - CheckpointException is a BaseException
+        ledger = writer.ledger if writer is not None else None
+        written = _Report(failure=_failure(ranks.rank, "writing its files", error, ledger))
+
+    # 3. agree
+    try:
+        reports = ranks.all_gather(written)
+    except Exception as error:  # noqa: BLE001 - a peer died or the group broke: nobody can commit
+        if written.failure is not None or ranks.rank == 0:
+            _commit.remove_tree(staging)
+        known = [written.failure] if written.failure else []
+        raise _save_error(ranks, target, known, f"the ranks could not agree: {error}") from error
+    failures = [r.failure for r in reports if r.failure is not None]
+    if failures:
+        if ranks.rank == 0:
+            _commit.remove_tree(staging)
+        raise _save_error(ranks, target, failures)
+
+    # 4. commit
+    committed = _Report()
+    if ranks.rank == 0:
+        committed = _commit_on_rank0(staging, target, save_id, ranks.world, reports)
+
+    # 5. agree
+    try:
+        outcome = ranks.all_gather(committed)[0]
+    except Exception as error:  # noqa: BLE001
+        if ranks.rank == 0 and committed.failure is None:
+            warnings.warn(f"shardkit checkpoint save: {target} was committed, but the other ranks could not be told "
+                          f"({error})", stacklevel=2)
+            return
+        raise CheckpointSaveError(
+            f"shardkit checkpoint save (rank {ranks.rank}): could not learn whether rank 0 committed {target} "
+            f"({error}); it holds either the previous checkpoint or this save's, whole "
+            f"(shardkit.checkpoint.verify tells)") from error
+    if outcome.failure is not None:
+        raise _save_error(ranks, target, [outcome.failure])
+
+
+def _commit_on_rank0(staging: Path, target: Path, save_id: str, world: int, reports: list[_Report]) -> _Report:
+    """Step 4: manifest, then the atomic publish, then the replaced checkpoint's removal."""
+    files = {name: record for report in reports for name, record in report.files.items()}
+    try:
+        write_manifest(staging, Manifest(save_id=save_id, world_size=world, files=files))
+        _commit.fsync_directory(staging)
+        replaced = _commit.publish(staging, target, save_id)
+    except Exception as error:  # noqa: BLE001 - whatever it is, every rank must hear of it
+        _commit.remove_tree(staging)
+        return _Report(failure=_failure(0, "committing", error))
+    # Committed: from here on nothing may be reported as "not committed".
+    try:
+        _commit.fsync_directory(target.parent)
+    except OSError as error:
+        warnings.warn(f"shardkit checkpoint save: {target} was committed, but syncing {target.parent} failed "
+                      f"({error}): a power cut now could bring back the previous checkpoint", stacklevel=3)
+    if replaced is not None:
+        _commit.remove_tree(replaced)
+    return _Report()
