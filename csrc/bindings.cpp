@@ -9,8 +9,8 @@
 #include <torch/csrc/jit/python/pybind_utils.h>
 
 #include "comm/backend.h"
-#include "compress/hooks.h"
 #include "comm/failure_notices.h"
+#include "compress/hooks.h"
 #include "core/collective_identity.h"
 #include "core/crc32c.h"
 #include "core/flat_layout.h"
