@@ -42,6 +42,12 @@ py::object run_hook_for_python(Hook hook) {
   return torch::jit::toPyObject(c10::IValue(future));
 }
 
+// core::IdentityScope as a Python context manager: the scope lives from __enter__ to __exit__ (one thread).
+struct PyIdentityScope {
+  uint64_t identity;
+  std::unique_ptr<shardkit::core::IdentityScope> scope;
+};
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -67,6 +73,16 @@ PYBIND11_MODULE(_C, m) {
   m.attr("ABORT_KEY") = shardkit::comm::kAbortKey;
   m.def("describe_identity", &shardkit::core::describe_identity, py::arg("identity"),
         "What a collective identity stands for in this process ('FSDP unit ...', or that it is unknown).");
+  m.def("identity_of", &shardkit::core::identity_of, py::arg("description"), py::arg("detail") = "",
+        "The collective identity of the part of a model `description` names (hashed with `detail`).");
+  py::class_<PyIdentityScope>(m, "IdentityScope",
+                              "with IdentityScope(identity): the collectives this thread issues carry `identity`.")
+      .def(py::init([](uint64_t identity) { return PyIdentityScope{identity, nullptr}; }), py::arg("identity"))
+      .def("__enter__", [](PyIdentityScope& self) {
+        self.scope = std::make_unique<shardkit::core::IdentityScope>(self.identity);
+        return self.identity;
+      })
+      .def("__exit__", [](PyIdentityScope& self, const py::args&) { self.scope.reset(); });
   m.def("process_exited", &shardkit::core::process_exited, py::arg("pid"),
         "Whether the process `pid` of this machine has exited (gone, or a zombie); False for pid <= 0.");
   py::class_<ProcessGroupShardkit, c10d::Backend, c10::intrusive_ptr<ProcessGroupShardkit>>(m, "ProcessGroupShardkit")

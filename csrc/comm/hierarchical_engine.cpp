@@ -92,11 +92,14 @@ void HierarchicalEngine::guarded(const OpContext& op, std::optional<LeaderStep> 
     throw std::runtime_error(op.where() + "group was aborted earlier: " + reason);
   }
   try {
-    if (step && leader() && (op.identity != 0 || detail_)) agree_across_hosts(op, *step);
+    if (step && leader() && (op.identity != 0 || detail_)) start_fingerprint(op, *step);
     steps();
+    settle_fingerprint(op);  // an op whose leaders moved no bytes between hosts (empty tensors) still agrees
   } catch (const InnerStepError& error) {
+    fingerprint_.reset();
     abort_everywhere(op, error.what(), /*await_root_cause=*/true);
   } catch (const std::exception& error) {
+    fingerprint_.reset();
     abort_everywhere(op, message_of(error), /*await_root_cause=*/false);
   }
 }
@@ -174,22 +177,8 @@ void HierarchicalEngine::wait_inner(const OpContext& op, const char* step,
   }
 }
 
-namespace {
-
-// What the host leaders compare before an op's inter-host steps. Fixed-size, so that leaders in different ops
-// still pair this exchange (whatever their payloads' sizes, which gloo would pair silently or wait on), and no
-// implicit padding (compared with memcmp).
-struct Fingerprint {
-  uint64_t seq = 0;       // the op's number in the group
-  uint64_t identity = 0;  // the part of a model it moves
-  uint64_t count = 0;     // elements, as the engine's op counts them
-  uint32_t kind = 0;      // core::OpKind
-  uint32_t dtype = 0;     // core::DType
-  char label[24] = {};    // the user's collective
-};
-static_assert(std::has_unique_object_representations_v<Fingerprint>, "Fingerprint must have no implicit padding");
-
-std::string describe(const Fingerprint& f) {
+std::string HierarchicalEngine::Fingerprint::describe() const {
+  const Fingerprint& f = *this;
   std::string text = std::string(f.label, strnlen(f.label, sizeof(f.label))) + " #" + std::to_string(f.seq);
   if (static_cast<core::OpKind>(f.kind) != core::OpKind::Barrier) {
     text += std::string(" (") + core::dtype_name(static_cast<core::DType>(f.dtype)) + " x " + std::to_string(f.count) + ")";
@@ -198,31 +187,42 @@ std::string describe(const Fingerprint& f) {
   return text;
 }
 
-}  // namespace
-
-void HierarchicalEngine::agree_across_hosts(const OpContext& op, const LeaderStep& step) {
-  Fingerprint mine;
+void HierarchicalEngine::start_fingerprint(const OpContext& op, const LeaderStep& step) {
+  PendingFingerprint pending;
+  Fingerprint& mine = pending.mine;
   mine.seq = op.seq;
   mine.identity = op.identity;
   mine.count = step.count;
   mine.kind = static_cast<uint32_t>(step.kind);
   mine.dtype = static_cast<uint32_t>(step.dtype);
   std::strncpy(mine.label, op.op, sizeof(mine.label) - 1);
-  const int64_t hosts = static_cast<int64_t>(hosts_.size());
   at::Tensor in = at::empty({static_cast<int64_t>(sizeof(Fingerprint))}, at::kByte);
   std::memcpy(in.data_ptr(), &mine, sizeof(Fingerprint));
-  at::Tensor everyone = at::empty({hosts * static_cast<int64_t>(sizeof(Fingerprint))}, at::kByte);
+  pending.everyone = at::empty({static_cast<int64_t>(hosts_.size() * sizeof(Fingerprint))}, at::kByte);
   c10d::AllgatherOptions options;
   options.timeout = op.timeout;
-  wait_inner(op, "the host leaders' agreement check (gloo)",
-             inner_->leaders(op.where())->_allgather_base(everyone, in, options));
-  const auto* theirs = static_cast<const Fingerprint*>(everyone.data_ptr());
-  for (int64_t h = 0; h < hosts; ++h) {
-    if (std::memcmp(&theirs[h], &mine, sizeof(Fingerprint)) == 0) continue;
+  pending.work = inner_->leaders(op.where())->_allgather_base(pending.everyone, in, options);
+  fingerprint_ = std::move(pending);
+}
+
+void HierarchicalEngine::settle_fingerprint(const OpContext& op) {
+  if (!fingerprint_) return;
+  PendingFingerprint pending = std::move(*fingerprint_);
+  fingerprint_.reset();
+  wait_inner(op, "the host leaders' agreement check (gloo)", pending.work);
+  const auto* theirs = static_cast<const Fingerprint*>(pending.everyone.data_ptr());
+  for (size_t h = 0; h < hosts_.size(); ++h) {
+    if (std::memcmp(&theirs[h], &pending.mine, sizeof(Fingerprint)) == 0) continue;
     throw std::runtime_error("shardkit: ranks disagree on collective #" + std::to_string(op.seq) + ": rank " +
-                             std::to_string(op.global_rank) + " called " + describe(mine) + " but rank " +
-                             std::to_string(notices_->global_rank(hosts_[h].front())) + " called " + describe(theirs[h]));
+                             std::to_string(op.global_rank) + " called " + pending.mine.describe() + " but rank " +
+                             std::to_string(notices_->global_rank(hosts_[h].front())) + " called " +
+                             theirs[h].describe());
   }
+}
+
+c10::intrusive_ptr<c10d::Backend> HierarchicalEngine::leaders_for(const OpContext& op) {
+  settle_fingerprint(op);
+  return inner_->leaders(op.where());
 }
 
 void HierarchicalEngine::leaders_allreduce(const OpContext& op, at::Tensor& data, core::ReduceOp reduce) {
@@ -232,7 +232,7 @@ void HierarchicalEngine::leaders_allreduce(const OpContext& op, at::Tensor& data
   options.reduceOp = c10d::ReduceOp(is_bool ? c10d_op_for_bool(reduce) : c10d_op(reduce));
   options.timeout = op.timeout;
   wait_inner(op, "the inter-host allreduce (gloo among host leaders)",
-             inner_->leaders(op.where())->allreduce(payload, options));
+             leaders_for(op)->allreduce(payload, options));
 }
 
 void HierarchicalEngine::barrier(const OpContext& op) {
@@ -241,7 +241,7 @@ void HierarchicalEngine::barrier(const OpContext& op) {
     if (leader()) {
       c10d::BarrierOptions options;
       options.timeout = op.timeout;
-      wait_inner(op, "the inter-host barrier (gloo among host leaders)", inner_->leaders(op.where())->barrier(options));
+      wait_inner(op, "the inter-host barrier (gloo among host leaders)", leaders_for(op)->barrier(options));
     }
     local_->barrier(op.call(true));  // nobody leaves before every host's leader has passed the inter-host step
   });
@@ -258,7 +258,7 @@ void HierarchicalEngine::broadcast(const OpContext& op, at::Tensor& data, int ro
       options.rootRank = root_host;
       options.timeout = op.timeout;
       wait_inner(op, "the inter-host broadcast (gloo among host leaders)",
-                 inner_->leaders(op.where())->broadcast(payload, options));
+                 leaders_for(op)->broadcast(payload, options));
     }
     if (host_ != root_host) local_->broadcast(data.data_ptr(), numel_of(data), dtype, 0, op.call(true));
   });
@@ -290,7 +290,7 @@ void HierarchicalEngine::reduce(const OpContext& op, at::Tensor& data, core::Red
       options.reduceOp = c10d::ReduceOp(is_bool ? c10d_op_for_bool(reduce) : c10d_op(reduce));
       options.rootRank = root_host;
       options.timeout = op.timeout;
-      wait_inner(op, "the inter-host reduce (gloo among host leaders)", inner_->leaders(op.where())->reduce(payload, options));
+      wait_inner(op, "the inter-host reduce (gloo among host leaders)", leaders_for(op)->reduce(payload, options));
     }
     if (host_ == root_host && layout_.local_of[root] != 0) {
       // Hand the result from the leader to root; the host's other ranks receive it into scratch.
@@ -318,7 +318,7 @@ void HierarchicalEngine::allgather(const OpContext& op, const at::Tensor& input,
         c10d::AllgatherOptions options;
         options.timeout = op.timeout;
         wait_inner(op, "the inter-host all-gather (gloo among host leaders)",
-                   inner_->leaders(op.where())->_allgather_base(out_bytes, in_bytes, options));
+                   leaders_for(op)->_allgather_base(out_bytes, in_bytes, options));
       }
       at::Tensor flat = output.view({-1});
       for (int64_t h = 0; h < hosts; ++h) {

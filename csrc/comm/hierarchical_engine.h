@@ -21,7 +21,8 @@
 // the inter-host steps of an op that carries a collective identity (an FSDP unit's, a DDP bucket's;
 // core/collective_identity.h) — of every op under TORCH_DISTRIBUTED_DEBUG=DETAIL — the leaders all-gather a
 // fixed-size fingerprint (number, kind, dtype, count, identity, name) and compare it: ranks in different ops fail
-// there, naming both. It costs one small gloo all-gather among the leaders per such op.
+// there, naming both. It costs one small gloo all-gather among the leaders per such op, issued as the op begins and
+// waited for just before its first inter-host step, so it overlaps the op's step inside the host.
 //
 // Failure. Any step failing (a local peer died or disagreed, a gloo error, a timeout) aborts the whole
 // group, on every host, within about the time the first rank takes to notice:
@@ -42,6 +43,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "comm/engine.h"
@@ -93,8 +95,12 @@ class HierarchicalEngine : public Engine {
   // throws.
   template <typename Steps>
   void guarded(const OpContext& op, std::optional<LeaderStep> step, Steps steps);
-  // The leaders' fingerprint exchange (see the header); throws naming both sides where a leader's differs.
-  void agree_across_hosts(const OpContext& op, const LeaderStep& step);
+  // The leaders' fingerprint exchange (see the header): issued by start_fingerprint; settle_fingerprint waits for it
+  // and throws naming both sides where a leader's differs (nothing if none is pending). leaders_for(): the leaders'
+  // backend for an op's inter-host payload step, once the op's fingerprints agree.
+  void start_fingerprint(const OpContext& op, const LeaderStep& step);
+  void settle_fingerprint(const OpContext& op);
+  c10::intrusive_ptr<c10d::Backend> leaders_for(const OpContext& op);
   // `await_root_cause`: the failure was a gloo connection another rank closed; give that rank's reason a
   // moment to appear in the Store before publishing this one.
   [[noreturn]] void abort_everywhere(const OpContext& op, const std::string& reason, bool await_root_cause);
@@ -120,6 +126,26 @@ class HierarchicalEngine : public Engine {
   std::unique_ptr<core::ShmGroup> local_;
   std::shared_ptr<InnerBackends> inner_;
   std::shared_ptr<FailureNotices> notices_;
+  // What the host leaders compare before an op's inter-host steps. Fixed-size, so that leaders in different ops
+  // still pair this exchange (whatever their payloads' sizes, which gloo would pair silently or wait on), and no
+  // implicit padding (compared with memcmp).
+  struct Fingerprint {
+    uint64_t seq = 0;       // the op's number in the group
+    uint64_t identity = 0;  // the part of a model it moves
+    uint64_t count = 0;     // elements, as the engine's op counts them
+    uint32_t kind = 0;      // core::OpKind
+    uint32_t dtype = 0;     // core::DType
+    char label[24] = {};    // the user's collective
+
+    std::string describe() const;  // "all_gather_into_tensor #5 (f32 x 528) for FSDP unit 'head_a' (...)"
+  };
+  static_assert(std::has_unique_object_representations_v<Fingerprint>, "Fingerprint must have no implicit padding");
+  struct PendingFingerprint {
+    Fingerprint mine;
+    at::Tensor everyone;  // every leader's, in host order
+    c10::intrusive_ptr<c10d::Work> work;
+  };
+  std::optional<PendingFingerprint> fingerprint_;  // the running op's, until settled (worker thread only)
   mutable std::mutex abort_mutex_;     // guards aborted_: abort() may come from another group's thread
   std::string aborted_;                // the reason, once this engine has aborted
   std::atomic<bool> is_aborted_{false};

@@ -30,6 +30,13 @@ ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE = 1, 2, 3
 _KIND_NAMES = {ALL_GATHER: "an all-gather", REDUCE_SCATTER: "a reduce-scatter", ALL_REDUCE: "an all-reduce"}
 
 
+def collectives_for(description: str, detail: str = "") -> "_C.IdentityScope":
+    """``with collectives_for("FSDP unit 'blocks.3' (...)"):`` — the collectives this thread issues inside carry the
+    identity of that part of the model (shardkit's backend compares it across ranks). Only around code whose
+    collectives are the same on every rank (not a call that may run a future's callbacks inline)."""
+    return _C.IdentityScope(_C.identity_of(description, detail))
+
+
 def backend_checks_identity(group: dist.ProcessGroup, on_cpu: bool) -> bool:
     """Whether ``group``'s backend compares every collective's identity on every rank by itself: shardkit's, for
     host tensors."""
