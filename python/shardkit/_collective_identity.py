@@ -21,10 +21,10 @@ from __future__ import annotations
 import hashlib
 import struct
 
-import torch
 import torch.distributed as dist
 
 from . import _C, _exchange
+from .backend import cpu_backend
 
 ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE = 1, 2, 3
 _KIND_NAMES = {ALL_GATHER: "an all-gather", REDUCE_SCATTER: "a reduce-scatter", ALL_REDUCE: "an all-reduce"}
@@ -40,7 +40,7 @@ def collectives_for(description: str, detail: str = "") -> "_C.IdentityScope":
 def backend_checks_identity(group: dist.ProcessGroup, on_cpu: bool) -> bool:
     """Whether ``group``'s backend compares every collective's identity on every rank by itself: shardkit's, for
     host tensors."""
-    return on_cpu and isinstance(group._get_backend(torch.device("cpu")), _C.ProcessGroupShardkit)
+    return on_cpu and isinstance(cpu_backend(group), _C.ProcessGroupShardkit)
 
 
 class CollectiveLedger:

@@ -213,16 +213,22 @@ class ZeroCopyUnavailableWarning(UserWarning):
     why. Silence it with ``warnings.filterwarnings("ignore", category=shardkit.ZeroCopyUnavailableWarning)``."""
 
 
+def cpu_backend(group: dist.ProcessGroup | None = None) -> Any:
+    """The backend that runs ``group``'s (default: the world's) collectives on CPU tensors, None where it has none
+    (a group of "cuda:nccl" only)."""
+    group = group if group is not None else dist.distributed_c10d._get_default_group()
+    try:
+        return group._get_backend(torch.device("cpu"))
+    except RuntimeError:
+        return None
+
+
 def zero_copy_unavailable(group: dist.ProcessGroup | None = None) -> str | None:
     """Why ``group`` (default: the world) can have no zero-copy memory at all, or None where it can (if /dev/shm
     has the room): its CPU backend is not shardkit's, or its ranks are on several hosts. The same answer on every
     rank of the group, found without communication."""
     group = group if group is not None else dist.distributed_c10d._get_default_group()
-    try:
-        backend = group._get_backend(torch.device("cpu"))
-    except RuntimeError:  # a group without a CPU backend
-        backend = None
-    if not isinstance(backend, _C.ProcessGroupShardkit):
+    if not isinstance(cpu_backend(group), _C.ProcessGroupShardkit):
         return f"the group's backend is {dist.get_backend(group)}, not shardkit's"
     hosts = host_topology(group).num_hosts
     return f"the group's ranks are on {hosts} hosts, which share no memory" if hosts > 1 else None
@@ -240,8 +246,7 @@ def shared_buffer(nbytes: int, group: dist.ProcessGroup | None = None, *, who: s
     or its backend is not shardkit's (zero_copy_unavailable; then no collective is issued)."""
     why = zero_copy_unavailable(group)
     if why is None:
-        group = group if group is not None else dist.distributed_c10d._get_default_group()
-        memory, why = group._get_backend(torch.device("cpu")).shared_buffer(nbytes)
+        memory, why = cpu_backend(group).shared_buffer(nbytes)
         if memory is not None:
             return memory
     warn_zero_copy_unavailable(who, f"{what} ({nbytes} bytes per rank)", why)  # attributed to our caller
@@ -294,7 +299,7 @@ def all_reduce_(tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM,
     group = group if group is not None else dist.distributed_c10d._get_default_group()
     entry = _DIRECT.get(id(group))
     if entry is None or entry[0] is not group:
-        backend = group._get_backend(torch.device("cpu"))
+        backend = cpu_backend(group)
         if not isinstance(backend, _C.ProcessGroupShardkit):
             raise TypeError(f"shardkit.all_reduce_: the group's CPU backend is {type(backend).__name__}, not "
                             "shardkit's; use torch.distributed.all_reduce")
