@@ -16,6 +16,7 @@
 #include "core/flat_layout.h"
 #include "core/liveness.h"
 #include "core/reduce.h"
+#include "core/shm_segment.h"
 #include "core/rename_exchange.h"
 #include "ddp/reducer.h"
 #include "fsdp/flat_param.h"
@@ -41,12 +42,6 @@ py::object run_hook_for_python(Hook hook) {
   }
   return torch::jit::toPyObject(c10::IValue(future));
 }
-
-// core::IdentityScope as a Python context manager: the scope lives from __enter__ to __exit__ (one thread).
-struct PyIdentityScope {
-  uint64_t identity;
-  std::unique_ptr<shardkit::core::IdentityScope> scope;
-};
 
 }  // namespace
 
@@ -75,14 +70,10 @@ PYBIND11_MODULE(_C, m) {
         "What a collective identity stands for in this process ('FSDP unit ...', or that it is unknown).");
   m.def("identity_of", &shardkit::core::identity_of, py::arg("description"), py::arg("detail") = "",
         "The collective identity of the part of a model `description` names (hashed with `detail`).");
-  py::class_<PyIdentityScope>(m, "IdentityScope",
-                              "with IdentityScope(identity): the collectives this thread issues carry `identity`.")
-      .def(py::init([](uint64_t identity) { return PyIdentityScope{identity, nullptr}; }), py::arg("identity"))
-      .def("__enter__", [](PyIdentityScope& self) {
-        self.scope = std::make_unique<shardkit::core::IdentityScope>(self.identity);
-        return self.identity;
-      })
-      .def("__exit__", [](PyIdentityScope& self, const py::args&) { self.scope.reset(); });
+  m.def("exchange_current_identity", &shardkit::core::exchange_current_identity, py::arg("identity"),
+        "Makes `identity` this thread's collective identity; returns the one it replaces.");
+  m.def("remove_segment_name", &shardkit::core::remove_segment_name, py::arg("name"),
+        "Removes a shared-memory segment's name from /dev/shm if it is there (a failed start-up's cleanup).");
   m.def("process_exited", &shardkit::core::process_exited, py::arg("pid"),
         "Whether the process `pid` of this machine has exited (gone, or a zombie); False for pid <= 0.");
   py::class_<ProcessGroupShardkit, c10d::Backend, c10::intrusive_ptr<ProcessGroupShardkit>>(m, "ProcessGroupShardkit")
@@ -115,6 +106,9 @@ PYBIND11_MODULE(_C, m) {
            "Collective: (nbytes of host memory as a uint8 tensor from which allreduce and reduce_scatter_tensor "
            "read their input zero-copy, ''), or (None, why) where /dev/shm has not the room, or (None, '') where "
            "the group spans hosts. shardkit.backend.shared_buffer() warns where there is none.")
+      .def("compare_identities_across_hosts", &ProcessGroupShardkit::compare_identities_across_hosts,
+           "From the next op on, host leaders compare every op's collective identity before its inter-host steps.")
+      .def("job_store", &ProcessGroupShardkit::job_store, "The Store where this job's deaths are recorded.")
       .def("shared_ops", &ProcessGroupShardkit::shared_ops,
            "Collectives (allreduce, reduce_scatter) that read their input from a shared buffer.")
       .def("cuda_route", &ProcessGroupShardkit::cuda_route,

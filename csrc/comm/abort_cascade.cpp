@@ -1,45 +1,52 @@
 #include "comm/abort_cascade.h"
 
-#include <algorithm>
+#include <map>
 #include <mutex>
+#include <utility>
 #include <vector>
-
-#include "comm/engine.h"
 
 namespace shardkit::comm {
 
 namespace {
 
-// Held while an engine is aborted: leave() (from a group's destruction) waits for an abort in progress to finish
-// with it. Engine::abort never calls back into the cascade.
-std::mutex& registry_mutex() {
-  static std::mutex mutex;
-  return mutex;
-}
+struct Registry {
+  std::mutex mutex;
+  uint64_t next_token = 1;
+  std::map<uint64_t, AbortCascade::Abort> aborts;
+};
 
-std::vector<Engine*>& registry() {
-  static std::vector<Engine*> engines;
-  return engines;
+// Never destroyed: a worker thread may cascade a failure while the process exits.
+Registry& registry() {
+  static auto* registry = new Registry;
+  return *registry;
 }
 
 }  // namespace
 
-void AbortCascade::join(Engine* engine) {
-  std::lock_guard<std::mutex> lock(registry_mutex());
-  registry().push_back(engine);
+uint64_t AbortCascade::join(Abort abort) {
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  const uint64_t token = r.next_token++;
+  r.aborts.emplace(token, std::move(abort));
+  return token;
 }
 
-void AbortCascade::leave(Engine* engine) {
-  std::lock_guard<std::mutex> lock(registry_mutex());
-  auto& engines = registry();
-  engines.erase(std::remove(engines.begin(), engines.end(), engine), engines.end());
+void AbortCascade::leave(uint64_t token) {
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  r.aborts.erase(token);
 }
 
-void AbortCascade::abort_others(const Engine* failed, const std::string& reason) {
-  std::lock_guard<std::mutex> lock(registry_mutex());
-  for (Engine* engine : registry()) {
-    if (engine != failed) engine->abort(reason);
+void AbortCascade::abort_others(uint64_t except, const std::string& reason) {
+  std::vector<Abort> others;
+  {
+    Registry& r = registry();
+    std::lock_guard<std::mutex> lock(r.mutex);
+    for (const auto& [token, abort] : r.aborts) {
+      if (token != except) others.push_back(abort);
+    }
   }
+  for (const Abort& abort : others) abort(reason);
 }
 
 }  // namespace shardkit::comm

@@ -57,9 +57,20 @@ at::Tensor as_bytes(const at::Tensor& tensor) { return tensor.reshape({-1}).view
 
 namespace {
 
-// The job's rank of group rank r (r itself where the map is missing: a group built without it, in tests).
-int global_rank_of(const ProcessGroupShardkit::Config& config, int r) {
-  return r >= 0 && r < static_cast<int>(config.global_ranks.size()) ? config.global_ranks[r] : r;
+// How often the start-up asks the Store whether it failed elsewhere (a peer's pid on this host is looked at more
+// often, by the shm group itself): a Store call costs a round trip to its host, per rank.
+constexpr auto kStartupNoticeEvery = std::chrono::milliseconds(100);
+
+// Aborts a group's routes (its host engine and, in the CUDA build, NCCL) where they still exist.
+void abort_routes(const std::weak_ptr<Engine>& engine,
+#ifdef SHARDKIT_WITH_CUDA
+                  const std::weak_ptr<CudaRoute>& cuda,
+#endif
+                  const std::string& reason) {
+  if (auto host = engine.lock()) host->abort(reason);
+#ifdef SHARDKIT_WITH_CUDA
+  if (auto route = cuda.lock()) route->abort(reason);
+#endif
 }
 
 }  // namespace
@@ -70,7 +81,8 @@ ProcessGroupShardkit::ProcessGroupShardkit(int rank, int size, const Config& con
                                            c10::intrusive_ptr<c10d::Backend> fallback,
                                            c10::intrusive_ptr<c10d::Backend> inter_host)
     : c10d::Backend(rank, size),
-      args_(global_rank_of(config, rank), size),
+      ranks_{config.global_ranks, config.pids},
+      args_(ranks_.name(rank), size),
       config_(config),
       timeout_(config.timeout),
       inner_(std::make_shared<InnerBackends>(std::move(fallback), std::move(inter_host))) {
@@ -84,10 +96,10 @@ ProcessGroupShardkit::ProcessGroupShardkit(int rank, int size, const Config& con
               "shardkit (rank ", rank, "): global_ranks must have one entry per rank, got ", config.global_ranks.size());
   TORCH_CHECK(config.pids.empty() || static_cast<int>(config.pids.size()) == size,
               "shardkit (rank ", rank, "): pids must have one entry per rank, got ", config.pids.size());
-  std::vector<int> global_ranks(size);
-  for (int r = 0; r < size; ++r) global_ranks[r] = global_rank_of(config, r);
-  notices_ = std::make_shared<FailureNotices>(store, std::move(job_store), rank, global_ranks,
-                                              config.num_hosts > 1 ? config.host_of : std::vector<int>{}, config.pids);
+  core::PeerNames named_ranks{{}, config.pids};
+  for (int r = 0; r < size; ++r) named_ranks.names.push_back(ranks_.name(r));
+  notices_ = std::make_shared<FailureNotices>(store, std::move(job_store), rank, named_ranks,
+                                              config.num_hosts > 1 ? config.host_of : std::vector<int>{});
   HostLayout layout{config.host_of, config.local_of};
   // This host's ranks, in local order (all ranks on one host).
   std::vector<int> local_members(size);
@@ -101,10 +113,16 @@ ProcessGroupShardkit::ProcessGroupShardkit(int rank, int size, const Config& con
   options.processes_on_machine = config.processes_on_machine;
   options.timeout = config.timeout;
   for (int r : local_members) {
-    options.rank_names.push_back(global_ranks[r]);
+    options.rank_names.push_back(ranks_.name(r));
     if (!config.pids.empty()) options.pids.push_back(config.pids[r]);
   }
-  options.abandoned = [notices = notices_] { return notices->root_cause().value_or(std::string()); };
+  options.abandoned = [notices = notices_, me = "shardkit start-up (rank " + std::to_string(ranks_.name(rank)) + ")",
+                       next = std::chrono::steady_clock::time_point()]() mutable {
+    if (std::chrono::steady_clock::now() < next) return std::string();
+    next = std::chrono::steady_clock::now() + kStartupNoticeEvery;
+    const std::optional<std::string> cause = notices->root_cause();
+    return cause ? me + ": the group's start-up failed: " + *cause : std::string();
+  };
   std::unique_ptr<core::ShmGroup> local;
   try {
     local = std::make_unique<core::ShmGroup>(options);
@@ -112,22 +130,33 @@ ProcessGroupShardkit::ProcessGroupShardkit(int rank, int size, const Config& con
     TORCH_CHECK(false, error.what());
   }
   if (config.num_hosts == 1) {
-    engine_ = std::make_unique<ShmEngine>(std::move(local));
+    engine_ = std::make_shared<ShmEngine>(std::move(local));
   } else {
     TORCH_CHECK(config.local_rank != 0 || inner_->has_leaders(), "shardkit (rank ", rank,
                 "): a host leader needs the inter-host backend");
-    engine_ = std::make_unique<HierarchicalEngine>(rank, size, std::move(layout), std::move(local), inner_, notices_);
+    engine_ = std::make_shared<HierarchicalEngine>(rank, size, std::move(layout), std::move(local), inner_, notices_);
   }
-  AbortCascade::join(engine_.get());
 #ifdef SHARDKIT_WITH_CUDA
-  cuda_ = std::make_unique<CudaRoute>(rank, size, *engine_);
+  cuda_ = std::make_shared<CudaRoute>(rank, size, *engine_);
 #endif
+  // Last: a constructor that throws leaves nothing registered.
+  cascade_token_ = AbortCascade::join([engine = std::weak_ptr<Engine>(engine_)
+#ifdef SHARDKIT_WITH_CUDA
+                                       , cuda = std::weak_ptr<CudaRoute>(cuda_)
+#endif
+  ](const std::string& reason) {
+    abort_routes(engine,
+#ifdef SHARDKIT_WITH_CUDA
+                 cuda,
+#endif
+                 reason);
+  });
 }
 
-ProcessGroupShardkit::~ProcessGroupShardkit() { AbortCascade::leave(engine_.get()); }
+ProcessGroupShardkit::~ProcessGroupShardkit() { AbortCascade::leave(cascade_token_); }
 
 void ProcessGroupShardkit::shutdown() {
-  AbortCascade::leave(engine_.get());
+  AbortCascade::leave(cascade_token_);
   queue_.stop();
 #ifdef SHARDKIT_WITH_CUDA
   cuda_->shutdown();
@@ -136,8 +165,9 @@ void ProcessGroupShardkit::shutdown() {
   inner_->shutdown();
 }
 
-OpContext ProcessGroupShardkit::context(const char* op, std::chrono::milliseconds timeout, uint64_t identity) {
-  return OpContext{op, ++executed_, timeout, getRank(), global_rank_of(config_, getRank()), identity};
+OpContext ProcessGroupShardkit::context(const char* op, std::chrono::milliseconds timeout, uint64_t identity,
+                                        bool compare_across_hosts) {
+  return OpContext{op, ++executed_, timeout, getRank(), ranks_.name(getRank()), identity, compare_across_hosts};
 }
 
 template <typename Body>
@@ -146,9 +176,14 @@ void ProcessGroupShardkit::run_failing_everywhere(Body&& body) {
     body();
   } catch (const std::exception& error) {
     const std::string message = message_of(error);
-    notices_->record_deaths(engine_->exited_peers(), message);
-    engine_->abort(message);  // no-op where the engine aborted itself (the first reason stands)
-    AbortCascade::abort_others(engine_.get(), message);
+    notices_->record_deaths(engine_->take_exited_peers(), message);
+    // This group's routes (no-op where one aborted itself: the first reason stands), then the process's others.
+    abort_routes(engine_,
+#ifdef SHARDKIT_WITH_CUDA
+                 cuda_,
+#endif
+                 message);
+    AbortCascade::abort_others(cascade_token_, message);
     throw;
   }
 }
@@ -174,6 +209,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::launch(c10d::OpType type, c
                                                             const std::vector<at::Tensor>& inputs) {
   const uint64_t issued = ++seq_;
   const uint64_t identity = core::current_identity();  // on the issuing thread: the op may run on the worker's
+  const bool compare_across_hosts = compare_across_hosts_.load();
   const bool cuda = any_cuda(outputs) || any_cuda(inputs);
 #ifdef SHARDKIT_WITH_CUDA
   std::shared_ptr<CudaReady> ready;  // CUDA ops: what the caller's stream queued before the op
@@ -196,18 +232,22 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::launch(c10d::OpType type, c
 #ifdef SHARDKIT_WITH_CUDA
   // A CUDA op's body (and the tensors it holds) lives until the op ends on the device: the watchdog keeps it.
   auto shared_body = std::make_shared<Body>(std::move(body));
-  auto run = [this, op, timeout = op_timeout(opts.timeout), identity, shared_body, ready, work]() {
-    const OpContext op_context = context(op, timeout, identity);
+  auto run = [this, op, timeout = op_timeout(opts.timeout), identity, compare_across_hosts, shared_body, ready,
+              work]() {
+    const OpContext op_context = context(op, timeout, identity, compare_across_hosts);
     if (ready) {  // CUDA tensors: NCCL, or host staging where NCCL cannot serve (comm/nccl/cuda_route.h)
-      cuda_->run(op_context, *ready, [&](Engine& engine) { (*shared_body)(engine, op_context); },
-                 work, shared_body);
+      run_failing_everywhere([&] {
+        cuda_->run(op_context, *ready, [&](Engine& engine) { (*shared_body)(engine, op_context); }, work,
+                   shared_body);
+      });
       return;
     }
     run_failing_everywhere([&] { (*shared_body)(route(op_context), op_context); });
   };
 #else
-  auto run = [this, op, timeout = op_timeout(opts.timeout), identity, body = std::move(body)]() mutable {
-    const OpContext op_context = context(op, timeout, identity);
+  auto run = [this, op, timeout = op_timeout(opts.timeout), identity, compare_across_hosts,
+              body = std::move(body)]() mutable {
+    const OpContext op_context = context(op, timeout, identity, compare_across_hosts);
     run_failing_everywhere([&] { body(route(op_context), op_context); });
   };
 #endif
@@ -251,7 +291,8 @@ void ProcessGroupShardkit::allreduce_now(at::Tensor& tensor, const c10d::ReduceO
   const ReduceSpec spec = args_.reduce_spec(reduce_op, tensor.scalar_type(), "allreduce");
   ++seq_;
   queue_.run_now([&] {
-    const OpContext op_context = context("allreduce", op_timeout(timeout), core::current_identity());
+    const OpContext op_context = context("allreduce", op_timeout(timeout), core::current_identity(),
+                                         compare_across_hosts_.load());
     run_failing_everywhere([&] {
       with_contiguous(tensor, [&](at::Tensor& t) { allreduce_with(spec, t, getSize(), route(op_context), op_context); });
     });
@@ -263,7 +304,8 @@ at::Tensor ProcessGroupShardkit::shared_buffer(int64_t bytes, std::string* refus
   ++seq_;
   at::Tensor out;
   queue_.run_now([&] {
-    const OpContext context = this->context("shared_buffer", op_timeout(c10d::kUnsetTimeout), core::current_identity());
+    const OpContext context = this->context("shared_buffer", op_timeout(c10d::kUnsetTimeout), core::current_identity(),
+                                            compare_across_hosts_.load());
     std::shared_ptr<core::SharedBuffer> buffer;
     run_failing_everywhere([&] { buffer = engine_->share_buffer(context, static_cast<size_t>(bytes), refused); });
     if (!buffer) return;  // the caller tells the user why (python/shardkit/backend.py warns)

@@ -135,6 +135,14 @@ class ProcessGroupShardkit : public c10d::Backend {
   // What carries this group's CUDA collectives: "nccl", "host shared memory: <why>", "undecided: ..." before
   // the first one, or why there is no CUDA support in this build.
   std::string cuda_route() const;
+  // From the next op on, every op compares its collective identity (core/collective_identity.h) across hosts too:
+  // the host leaders exchange a fingerprint before its inter-host steps (hierarchical_engine.h). Inside a host the
+  // shm op header compares it always. Every rank turns it on at the same point among the group's ops (FSDP and DDP
+  // do, at construction); idempotent. Nothing changes on one host.
+  void compare_identities_across_hosts() { compare_across_hosts_.store(true); }
+  // Where deaths are recorded for the whole job (the world group's Store; failure_notices.h): what this group's
+  // subgroups are given.
+  c10::intrusive_ptr<c10d::Store> job_store() const { return notices_->job_store(); }
   c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst_rank, int tag) override;
   c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src_rank, int tag) override;
   c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
@@ -157,22 +165,27 @@ class ProcessGroupShardkit : public c10d::Backend {
   // it fail now) and the process's other shardkit groups (abort_cascade.h), then rethrows.
   template <typename Body>
   void run_failing_everywhere(Body&& body);
-  // The op as it runs: numbered in run order, named by the global rank, with the identity it was issued under.
-  OpContext context(const char* op, std::chrono::milliseconds timeout, uint64_t identity);
+  // The op as it runs: numbered in run order, named by the global rank, with the identity it was issued under and
+  // whether the group compared identities across hosts then.
+  OpContext context(const char* op, std::chrono::milliseconds timeout, uint64_t identity, bool compare_across_hosts);
   std::chrono::milliseconds op_timeout(std::chrono::milliseconds requested) const;
   void refuse_cuda_point_to_point(const std::vector<at::Tensor>& tensors, const char* op) const;
   // allreduce of a sparse COO tensor (SUM only, like gloo's): every rank's indices and values, gathered.
   c10::intrusive_ptr<c10d::Work> allreduce_sparse_coo(const at::Tensor& tensor, const c10d::AllreduceOptions& opts);
 
+  core::PeerNames ranks_;  // the group's ranks as messages name them (global ranks) and their pids
   TensorArgs args_;
   Config config_;
   std::chrono::milliseconds timeout_;
   std::shared_ptr<InnerBackends> inner_;
   std::shared_ptr<FailureNotices> notices_;
-  std::unique_ptr<Engine> engine_;
+  // Shared with the abort cascade's function for this group, which holds them weakly.
+  std::shared_ptr<Engine> engine_;
 #ifdef SHARDKIT_WITH_CUDA
-  std::unique_ptr<CudaRoute> cuda_;  // ops on CUDA tensors (comm/nccl/cuda_route.h)
+  std::shared_ptr<CudaRoute> cuda_;  // ops on CUDA tensors (comm/nccl/cuda_route.h)
 #endif
+  uint64_t cascade_token_ = 0;  // this group's place in the abort cascade (abort_cascade.h)
+  std::atomic<bool> compare_across_hosts_{false};
   std::atomic<uint64_t> seq_{0};       // collectives issued on this group (torch's sequence number)
   std::atomic<uint64_t> executed_{0};  // collectives started, in the order ops run (OpContext::seq)
   WorkQueue queue_;  // last: destroyed first, so queued work finishes while the engine still exists

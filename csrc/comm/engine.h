@@ -40,6 +40,9 @@ struct OpContext {
   int rank = 0;         // this rank in the group (roots are group ranks too)
   int global_rank = 0;  // this rank in the job: how messages name it
   uint64_t identity = 0;  // the part of a model the op moves, as its issuer named it (core/collective_identity.h)
+  // The group compares every op's identity across hosts (ProcessGroupShardkit::compare_identities_across_hosts):
+  // the same on every rank for a given op, unlike `identity`, so it decides what the host leaders exchange.
+  bool compare_across_hosts = false;
 
   // The same op, as told to a shared-memory group that runs all of it or one step of it.
   core::CallInfo call(bool step = false) const { return {timeout, op, seq, step, identity}; }
@@ -95,8 +98,9 @@ class Engine {
   // with `reason`, and so do the peers' (the shm group's abort wakes this host's ranks; other hosts learn through
   // the closed connections and the group's Store notice). Idempotent: the first reason stands.
   virtual void abort(const std::string& reason) = 0;
-  // The ranks (global rank, pid) this rank saw exit in the op that failed (core::ShmGroup::exited_peers).
-  virtual std::vector<std::pair<int, int32_t>> exited_peers() const = 0;
+  // The ranks (global rank, pid) this rank saw exit in the op that failed, handed over once
+  // (core::ShmGroup::take_exited_peers).
+  virtual std::vector<std::pair<int, int32_t>> take_exited_peers() = 0;
 
   // destroy_process_group(): release what the engine alone holds (idempotent; nothing runs afterwards). The
   // backend shuts the shared InnerBackends down itself.

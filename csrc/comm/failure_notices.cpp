@@ -1,6 +1,8 @@
 #include "comm/failure_notices.h"
 
 #include <algorithm>
+#include <future>
+#include <memory>
 #include <set>
 #include <thread>
 
@@ -16,96 +18,135 @@ constexpr auto kPoll = std::chrono::milliseconds(20);
 std::vector<uint8_t> bytes_of(const std::string& text) { return {text.begin(), text.end()}; }
 std::string text_of(const std::vector<uint8_t>& bytes) { return {bytes.begin(), bytes.end()}; }
 
+std::optional<std::string> get_if_set(c10d::Store& store, const std::string& key) {
+  if (!store.check({key})) return std::nullopt;
+  return text_of(store.get(key));
+}
+
 }  // namespace
 
 FailureNotices::FailureNotices(c10::intrusive_ptr<c10d::Store> store, c10::intrusive_ptr<c10d::Store> job_store,
-                               int rank, std::vector<int> global_ranks, std::vector<int> host_of,
-                               std::vector<int32_t> pids)
+                               int rank, core::PeerNames ranks, std::vector<int> host_of)
     : store_(std::move(store)),
       job_store_(job_store ? std::move(job_store) : store_),
       rank_(rank),
-      global_ranks_(std::move(global_ranks)),
-      host_of_(std::move(host_of)),
-      pids_(std::move(pids)) {}
+      ranks_(std::move(ranks)),
+      host_of_(std::move(host_of)) {}
 
-std::optional<std::string> FailureNotices::get_if_set(const c10::intrusive_ptr<c10d::Store>& store,
-                                                      const std::string& key) {
-  if (!store || !store->check({key})) return std::nullopt;
-  return text_of(store->get(key));
+template <typename T, typename Call>
+std::optional<T> FailureNotices::ask(Call call) {
+  if (!store_ || unreachable_.load(std::memory_order_relaxed)) return std::nullopt;
+  // The thread owns what it uses (the Stores travel inside `call`): it may outlive this object.
+  auto answer = std::make_shared<std::promise<std::optional<T>>>();
+  std::future<std::optional<T>> future = answer->get_future();
+  std::thread([answer, call = std::move(call)]() mutable {
+    try {
+      answer->set_value(std::optional<T>(call()));
+    } catch (...) {
+      answer->set_value(std::nullopt);
+    }
+  }).detach();
+  if (future.wait_for(kStoreDeadline) != std::future_status::ready) {
+    unreachable_.store(true, std::memory_order_relaxed);
+    return std::nullopt;
+  }
+  return future.get();
+}
+
+void FailureNotices::mark_failed(const std::string& reason) {
+  ask<bool>([store = store_, key = kFailedPrefix + std::to_string(rank_), reason] {
+    store->set(key, bytes_of(reason));
+    return true;
+  });
 }
 
 std::string FailureNotices::publish(const std::string& reason) {
-  if (!store_) return reason;
-  try {
-    store_->set(kFailedPrefix + std::to_string(rank_), bytes_of(reason));
-    // compareSet writes only when the key is missing (expected ""), and returns what the key holds after.
-    return text_of(store_->compareSet(kAbortKey, {}, bytes_of(reason)));
-  } catch (const std::exception&) {
-    return reason;
-  }
+  mark_failed(reason);
+  // compareSet writes only when the key is missing (expected ""), and returns what the key holds after.
+  return ask<std::string>([store = store_, reason] {
+           return text_of(store->compareSet(kAbortKey, {}, bytes_of(reason)));
+         }).value_or(reason);
 }
 
 std::optional<std::string> FailureNotices::root_cause() {
-  try {
-    if (auto reason = get_if_set(store_, kAbortKey)) return reason;
-    if (!job_store_) return std::nullopt;
-    const int64_t recorded = job_store_->add(kDeathCount, 0);
-    for (; deaths_read_ < recorded; ++deaths_read_) {
-      const std::string record = text_of(job_store_->get(kDeathPrefix + std::to_string(deaths_read_ + 1)));
+  std::lock_guard<std::mutex> lock(deaths_mutex_);
+  struct Found {
+    std::optional<std::string> cause;
+    int64_t deaths_read;
+  };
+  std::optional<Found> found = ask<Found>([store = store_, job = job_store_, members = ranks_.names,
+                                          read = deaths_read_]() mutable {
+    if (auto reason = get_if_set(*store, kAbortKey)) return Found{reason, read};
+    const int64_t recorded = job->add(kDeathCount, 0);
+    for (; read < recorded; ++read) {
+      const std::string record = text_of(job->get(kDeathPrefix + std::to_string(read + 1)));
       const size_t space = record.find(' ');
       const int dead = std::stoi(record.substr(0, space));
-      if (std::find(global_ranks_.begin(), global_ranks_.end(), dead) != global_ranks_.end()) {
-        return record.substr(space + 1);
+      if (std::find(members.begin(), members.end(), dead) != members.end()) {
+        return Found{record.substr(space + 1), read + 1};
       }
     }
-  } catch (const std::exception&) {
-  }
-  return std::nullopt;
+    return Found{std::nullopt, read};
+  });
+  if (!found) return std::nullopt;
+  deaths_read_ = found->deaths_read;
+  return found->cause;
 }
 
 std::optional<std::string> FailureNotices::await_root_cause(std::chrono::milliseconds patience) {
   const auto deadline = std::chrono::steady_clock::now() + patience;
   for (;;) {
     if (auto reason = root_cause()) return reason;
-    if (std::chrono::steady_clock::now() >= deadline) return std::nullopt;
+    if (std::chrono::steady_clock::now() >= deadline || unreachable_.load()) return std::nullopt;
     std::this_thread::sleep_for(kPoll);
   }
 }
 
 void FailureNotices::record_deaths(const std::vector<std::pair<int, int32_t>>& exited, const std::string& message) {
-  if (!job_store_) return;
-  try {
-    for (const auto& [rank, pid] : exited) {
-      (void)pid;  // the message names it
-      // The record is written under its number after the count says it exists: a reader that sees the count
-      // first waits for it in get() (a Store get blocks until the key is set), which is at once here.
-      const int64_t number = job_store_->add(kDeathCount, 1);
-      job_store_->set(kDeathPrefix + std::to_string(number), bytes_of(std::to_string(rank) + " " + message));
+  if (exited.empty() || !job_store_ || unreachable_.load(std::memory_order_relaxed)) return;
+  std::thread([job = job_store_, exited, message] {
+    try {
+      for (const auto& [rank, pid] : exited) {
+        (void)pid;  // the message names it
+        // The record is written under its number after the count says it exists: a reader that sees the count
+        // first waits for it in get() (a Store get blocks until the key is set), which is at once here.
+        const int64_t number = job->add(kDeathCount, 1);
+        job->set(kDeathPrefix + std::to_string(number), bytes_of(std::to_string(rank) + " " + message));
+      }
+    } catch (const std::exception&) {
+      // the Store is gone: the death stays unrecorded, and the others name what they see themselves
     }
-  } catch (const std::exception&) {
-  }
+  }).detach();
 }
 
 std::string FailureNotices::silent_ranks() {
   if (host_of_.empty()) return {};
-  std::set<int> spoke;  // hosts one of whose ranks marked itself failed
   const int mine = host_of_.at(rank_);
-  try {
-    for (int r = 0; r < static_cast<int>(host_of_.size()); ++r) {
-      if (host_of_[r] == mine || spoke.count(host_of_[r])) continue;
-      if (store_ && store_->check({kFailedPrefix + std::to_string(r)})) spoke.insert(host_of_[r]);
-    }
-  } catch (const std::exception&) {
-    return {};  // the Store is gone: nothing can be told apart
-  }
-  std::string silent;
+  std::vector<std::string> keys;
+  std::vector<int> hosts;
   for (int r = 0; r < static_cast<int>(host_of_.size()); ++r) {
-    if (host_of_[r] == mine || spoke.count(host_of_[r])) continue;
-    const int32_t pid = r < static_cast<int>(pids_.size()) ? pids_[r] : 0;
-    silent += (silent.empty() ? "" : ", ") + std::to_string(global_rank(r)) +
-              (pid > 0 ? " (pid " + std::to_string(pid) + ")" : std::string(" (pid unknown)"));
+    if (host_of_[r] == mine) continue;
+    keys.push_back(kFailedPrefix + std::to_string(r));
+    hosts.push_back(host_of_[r]);
   }
-  return silent;
+  std::optional<std::set<int>> spoke = ask<std::set<int>>([store = store_, keys, hosts] {
+    std::set<int> heard;  // hosts one of whose ranks marked itself failed
+    for (size_t i = 0; i < keys.size(); ++i) {
+      if (!heard.count(hosts[i]) && store->check({keys[i]})) heard.insert(hosts[i]);
+    }
+    return heard;
+  });
+  if (!spoke) return {};  // the Store is gone: nothing can be told apart
+  std::vector<std::pair<int, int32_t>> silent;
+  for (int r = 0; r < static_cast<int>(host_of_.size()); ++r) {
+    if (host_of_[r] != mine && !spoke->count(host_of_[r])) silent.emplace_back(ranks_.name(r), ranks_.pid(r));
+  }
+  std::string text;
+  for (const auto& [name, pid] : silent) {
+    text += (text.empty() ? "" : ", ") + std::to_string(name) +
+            (pid > 0 ? " (pid " + std::to_string(pid) + ")" : std::string(" (pid unknown)"));
+  }
+  return text;
 }
 
 }  // namespace shardkit::comm

@@ -8,8 +8,6 @@
 #include <thread>
 #include <type_traits>
 
-#include <torch/csrc/distributed/c10d/debug.h>
-
 #include "core/collective_identity.h"
 
 namespace shardkit::comm {
@@ -76,7 +74,6 @@ HierarchicalEngine::HierarchicalEngine(int rank, int size, HostLayout layout, st
       host_(layout_.host_of.at(rank)),
       local_rank_(layout_.local_of.at(rank)),
       max_local_size_(0),
-      detail_(c10d::debug_level() == c10d::DebugLevel::Detail),
       local_(std::move(local)),
       inner_(std::move(inner)),
       notices_(std::move(notices)) {
@@ -92,14 +89,14 @@ void HierarchicalEngine::guarded(const OpContext& op, std::optional<LeaderStep> 
     throw std::runtime_error(op.where() + "group was aborted earlier: " + reason);
   }
   try {
-    if (step && leader() && (op.identity != 0 || detail_)) start_fingerprint(op, *step);
+    if (step && leader() && op.compare_across_hosts) start_fingerprint(op, *step);
     steps();
     settle_fingerprint(op);  // an op whose leaders moved no bytes between hosts (empty tensors) still agrees
   } catch (const InnerStepError& error) {
-    fingerprint_.reset();
+    abandon_fingerprint();
     abort_everywhere(op, error.what(), /*await_root_cause=*/true);
   } catch (const std::exception& error) {
-    fingerprint_.reset();
+    abandon_fingerprint();
     abort_everywhere(op, message_of(error), /*await_root_cause=*/false);
   }
 }
@@ -123,14 +120,18 @@ bool HierarchicalEngine::abort_here(const std::string& reason) {
 }
 
 void HierarchicalEngine::abort(const std::string& reason) {
-  if (aborted_reason().empty()) notices_->publish(reason);  // first: peers elsewhere read it once woken
-  abort_here(reason);
+  if (!abort_here(reason)) return;
+  // Peers on other hosts read it (once their connection drops, or at their next look at the Store); written on a
+  // thread of its own, so that an abort from another group's failure never waits for the Store.
+  std::thread([notices = notices_, reason] { notices->publish(reason); }).detach();
 }
 
 void HierarchicalEngine::abort_everywhere(const OpContext& op, const std::string& reason, bool await_root_cause) {
   std::optional<std::string> cause;  // another rank's reason, which this failure only follows from
   std::string mine = reason;
   if (await_root_cause) {
+    // Said first, so that leaders waiting for a root cause at the same time see each other's hosts as alive.
+    notices_->mark_failed(reason);
     cause = notices_->await_root_cause(kRootCauseWait);
     if (!cause) {
       if (const std::string silent = notices_->silent_ranks(); !silent.empty()) {
@@ -150,7 +151,7 @@ void HierarchicalEngine::abort_everywhere(const OpContext& op, const std::string
   throw std::runtime_error(message);
 }
 
-void HierarchicalEngine::wait_inner(const OpContext& op, const char* step,
+void HierarchicalEngine::wait_inner(const OpContext& op, const char* step, c10::intrusive_ptr<c10d::Backend>& backend,
                                     const c10::intrusive_ptr<c10d::Work>& work) {
   using clock = std::chrono::steady_clock;
   using std::chrono::milliseconds;
@@ -163,15 +164,20 @@ void HierarchicalEngine::wait_inner(const OpContext& op, const char* step,
       work->wait(std::clamp(left, milliseconds(1), std::chrono::duration_cast<milliseconds>(kNoticeEvery)));
       return;
     } catch (const std::exception& error) {
-      // The op's own failure, or the deadline; else only this slice ended.
+      // The op's own failure, or the deadline (the op still in flight: abandoned); else only this slice ended.
       if (work->isCompleted() || clock::now() >= deadline) {
+        if (!work->isCompleted()) InnerBackends::abandon(std::move(backend));
         throw InnerStepError(op.where() + step + " failed: " + message_of(error));
       }
     }
+    std::optional<std::string> cause;
     if (const std::string reason = aborted_reason(); !reason.empty()) {
-      throw std::runtime_error(op.where() + "group aborted: " + reason);
+      cause = reason;
+    } else {
+      cause = notices_->root_cause();
     }
-    if (std::optional<std::string> cause = notices_->root_cause()) {
+    if (cause) {
+      InnerBackends::abandon(std::move(backend));  // the op may still run on it (see inner_backends.h)
       throw std::runtime_error(op.where() + "group aborted: " + *cause);
     }
   }
@@ -201,15 +207,22 @@ void HierarchicalEngine::start_fingerprint(const OpContext& op, const LeaderStep
   pending.everyone = at::empty({static_cast<int64_t>(hosts_.size() * sizeof(Fingerprint))}, at::kByte);
   c10d::AllgatherOptions options;
   options.timeout = op.timeout;
-  pending.work = inner_->leaders(op.where())->_allgather_base(pending.everyone, in, options);
+  pending.backend = inner_->leaders(op.where());
+  pending.work = pending.backend->_allgather_base(pending.everyone, in, options);
   fingerprint_ = std::move(pending);
+}
+
+void HierarchicalEngine::abandon_fingerprint() {
+  if (!fingerprint_) return;
+  if (!fingerprint_->work->isCompleted()) InnerBackends::abandon(std::move(fingerprint_->backend));
+  fingerprint_.reset();
 }
 
 void HierarchicalEngine::settle_fingerprint(const OpContext& op) {
   if (!fingerprint_) return;
   PendingFingerprint pending = std::move(*fingerprint_);
   fingerprint_.reset();
-  wait_inner(op, "the host leaders' agreement check (gloo)", pending.work);
+  wait_inner(op, "the host leaders' agreement check (gloo)", pending.backend, pending.work);
   const auto* theirs = static_cast<const Fingerprint*>(pending.everyone.data_ptr());
   for (size_t h = 0; h < hosts_.size(); ++h) {
     if (std::memcmp(&theirs[h], &pending.mine, sizeof(Fingerprint)) == 0) continue;
@@ -231,8 +244,8 @@ void HierarchicalEngine::leaders_allreduce(const OpContext& op, at::Tensor& data
   c10d::AllreduceOptions options;
   options.reduceOp = c10d::ReduceOp(is_bool ? c10d_op_for_bool(reduce) : c10d_op(reduce));
   options.timeout = op.timeout;
-  wait_inner(op, "the inter-host allreduce (gloo among host leaders)",
-             leaders_for(op)->allreduce(payload, options));
+  c10::intrusive_ptr<c10d::Backend> leaders = leaders_for(op);
+  wait_inner(op, "the inter-host allreduce (gloo among host leaders)", leaders, leaders->allreduce(payload, options));
 }
 
 void HierarchicalEngine::barrier(const OpContext& op) {
@@ -241,7 +254,8 @@ void HierarchicalEngine::barrier(const OpContext& op) {
     if (leader()) {
       c10d::BarrierOptions options;
       options.timeout = op.timeout;
-      wait_inner(op, "the inter-host barrier (gloo among host leaders)", leaders_for(op)->barrier(options));
+      c10::intrusive_ptr<c10d::Backend> leaders = leaders_for(op);
+      wait_inner(op, "the inter-host barrier (gloo among host leaders)", leaders, leaders->barrier(options));
     }
     local_->barrier(op.call(true));  // nobody leaves before every host's leader has passed the inter-host step
   });
@@ -257,8 +271,8 @@ void HierarchicalEngine::broadcast(const OpContext& op, at::Tensor& data, int ro
       c10d::BroadcastOptions options;
       options.rootRank = root_host;
       options.timeout = op.timeout;
-      wait_inner(op, "the inter-host broadcast (gloo among host leaders)",
-                 leaders_for(op)->broadcast(payload, options));
+      c10::intrusive_ptr<c10d::Backend> leaders = leaders_for(op);
+      wait_inner(op, "the inter-host broadcast (gloo among host leaders)", leaders, leaders->broadcast(payload, options));
     }
     if (host_ != root_host) local_->broadcast(data.data_ptr(), numel_of(data), dtype, 0, op.call(true));
   });
@@ -290,7 +304,8 @@ void HierarchicalEngine::reduce(const OpContext& op, at::Tensor& data, core::Red
       options.reduceOp = c10d::ReduceOp(is_bool ? c10d_op_for_bool(reduce) : c10d_op(reduce));
       options.rootRank = root_host;
       options.timeout = op.timeout;
-      wait_inner(op, "the inter-host reduce (gloo among host leaders)", leaders_for(op)->reduce(payload, options));
+      c10::intrusive_ptr<c10d::Backend> leaders = leaders_for(op);
+      wait_inner(op, "the inter-host reduce (gloo among host leaders)", leaders, leaders->reduce(payload, options));
     }
     if (host_ == root_host && layout_.local_of[root] != 0) {
       // Hand the result from the leader to root; the host's other ranks receive it into scratch.
@@ -317,8 +332,9 @@ void HierarchicalEngine::allgather(const OpContext& op, const at::Tensor& input,
         at::Tensor in_bytes = as_bytes(host_block);
         c10d::AllgatherOptions options;
         options.timeout = op.timeout;
-        wait_inner(op, "the inter-host all-gather (gloo among host leaders)",
-                   leaders_for(op)->_allgather_base(out_bytes, in_bytes, options));
+        c10::intrusive_ptr<c10d::Backend> leaders = leaders_for(op);
+        wait_inner(op, "the inter-host all-gather (gloo among host leaders)", leaders,
+                   leaders->_allgather_base(out_bytes, in_bytes, options));
       }
       at::Tensor flat = output.view({-1});
       for (int64_t h = 0; h < hosts; ++h) {
@@ -364,7 +380,8 @@ void HierarchicalEngine::gather(const OpContext& op, const at::Tensor& input, at
     c10d::GatherOptions options;
     options.rootRank = root;
     options.timeout = op.timeout;
-    wait_inner(op, "gather (gloo over all ranks)", inner_->all_ranks(op.where())->gather(outputs, inputs, options));
+    c10::intrusive_ptr<c10d::Backend> all_ranks = inner_->all_ranks(op.where());
+    wait_inner(op, "gather (gloo over all ranks)", all_ranks, all_ranks->gather(outputs, inputs, options));
   });
 }
 
@@ -376,7 +393,8 @@ void HierarchicalEngine::scatter(const OpContext& op, const at::Tensor& input, a
     c10d::ScatterOptions options;
     options.rootRank = root;
     options.timeout = op.timeout;
-    wait_inner(op, "scatter (gloo over all ranks)", inner_->all_ranks(op.where())->scatter(outputs, inputs, options));
+    c10::intrusive_ptr<c10d::Backend> all_ranks = inner_->all_ranks(op.where());
+    wait_inner(op, "scatter (gloo over all ranks)", all_ranks, all_ranks->scatter(outputs, inputs, options));
   });
 }
 
@@ -391,8 +409,9 @@ void HierarchicalEngine::alltoall(const OpContext& op, const at::Tensor& input, 
     at::Tensor out = as_bytes(output);
     c10d::AllToAllOptions options;
     options.timeout = op.timeout;
-    wait_inner(op, "all-to-all (gloo over all ranks)",
-               inner_->all_ranks(op.where())->alltoall_base(out, in, recv_bytes, send_bytes, options));
+    c10::intrusive_ptr<c10d::Backend> all_ranks = inner_->all_ranks(op.where());
+    wait_inner(op, "all-to-all (gloo over all ranks)", all_ranks,
+               all_ranks->alltoall_base(out, in, recv_bytes, send_bytes, options));
   });
 }
 

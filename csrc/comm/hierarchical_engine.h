@@ -18,10 +18,11 @@
 //                    uneven all-to-all works and gloo's dtype coverage does not matter.
 // Every host runs the same sequence of shm ops for a given collective, so the shm agreement check still
 // holds inside each host. Between hosts gloo checks nothing (different sizes pair silently, or wait): before
-// the inter-host steps of an op that carries a collective identity (an FSDP unit's, a DDP bucket's;
-// core/collective_identity.h) — of every op under TORCH_DISTRIBUTED_DEBUG=DETAIL — the leaders all-gather a
-// fixed-size fingerprint (number, kind, dtype, count, identity, name) and compare it: ranks in different ops fail
-// there, naming both. It costs one small gloo all-gather among the leaders per such op, issued as the op begins and
+// every op's inter-host steps on a group that compares identities (OpContext::compare_across_hosts: FSDP and DDP
+// turn it on for their groups; it is the same on every rank for a given op, so every leader exchanges alike) the
+// leaders all-gather a fixed-size fingerprint (number, kind, dtype, count, collective identity: core/
+// collective_identity.h, name) and compare it: ranks in different ops, or moving different parts of a model, fail
+// there, naming both. It costs one small gloo all-gather among the leaders per op, issued as the op begins and
 // waited for just before its first inter-host step, so it overlaps the op's step inside the host.
 //
 // Failure. Any step failing (a local peer died or disagreed, a gloo error, a timeout) aborts the whole
@@ -54,11 +55,11 @@ namespace shardkit::comm {
 
 // Where a group's ranks sit. Hosts are numbered by their lowest rank; local ranks in global-rank order.
 struct HostLayout {
-  std::vector<int> host_of;   // host_of[r]: host of global rank r
+  std::vector<int> host_of;   // host_of[r]: host of group rank r
   std::vector<int> local_of;  // local_of[r]: r's local rank on its host
 
   int num_hosts() const;
-  // Global ranks of host h, in local order.
+  // The group ranks of host h, in local order.
   std::vector<int> ranks_of(int host) const;
 };
 
@@ -81,7 +82,7 @@ class HierarchicalEngine : public Engine {
   void alltoall(const OpContext& op, const at::Tensor& input, const std::vector<size_t>& send_counts,
                 at::Tensor& output, const std::vector<size_t>& recv_counts) override;
   void abort(const std::string& reason) override;
-  std::vector<std::pair<int, int32_t>> exited_peers() const override { return local_->exited_peers(); }
+  std::vector<std::pair<int, int32_t>> take_exited_peers() override { return local_->take_exited_peers(); }
 
  private:
   // The op as the leaders compare it (Fingerprint in the .cpp): what the engine's op is and counts.
@@ -100,6 +101,8 @@ class HierarchicalEngine : public Engine {
   // backend for an op's inter-host payload step, once the op's fingerprints agree.
   void start_fingerprint(const OpContext& op, const LeaderStep& step);
   void settle_fingerprint(const OpContext& op);
+  // An op that failed with its fingerprint pending: the exchange may still run (its backend is abandoned).
+  void abandon_fingerprint();
   c10::intrusive_ptr<c10d::Backend> leaders_for(const OpContext& op);
   // `await_root_cause`: the failure was a gloo connection another rank closed; give that rank's reason a
   // moment to appear in the Store before publishing this one.
@@ -109,9 +112,11 @@ class HierarchicalEngine : public Engine {
   // Why the engine aborted; empty while it has not.
   std::string aborted_reason() const;
   bool leader() const { return local_rank_ == 0; }
-  // Waits for an inner gloo op; its failure becomes an error naming the user's op and the step. Ends early, with
-  // the reason, when the engine is aborted (from another thread) or the group's notice appears in the Store.
-  void wait_inner(const OpContext& op, const char* step, const c10::intrusive_ptr<c10d::Work>& work);
+  // Waits for an inner gloo op running on `backend`; its failure becomes an error naming the user's op and the
+  // step. Ends early, with the reason, when the engine is aborted (from another thread) or the group's notice
+  // appears in the Store; the op may then still run, so `backend` is abandoned (InnerBackends::abandon).
+  void wait_inner(const OpContext& op, const char* step, c10::intrusive_ptr<c10d::Backend>& backend,
+                  const c10::intrusive_ptr<c10d::Work>& work);
   // The leaders' allreduce of `data` with `reduce` (bool data travels as bytes, with an equivalent op).
   void leaders_allreduce(const OpContext& op, at::Tensor& data, core::ReduceOp reduce);
 
@@ -120,9 +125,8 @@ class HierarchicalEngine : public Engine {
   HostLayout layout_;
   int host_;
   int local_rank_;
-  std::vector<std::vector<int>> hosts_;  // hosts_[h]: global ranks of host h, in local order
+  std::vector<std::vector<int>> hosts_;  // hosts_[h]: the group ranks of host h, in local order
   int max_local_size_;                   // ranks on the fullest host
-  bool detail_;                          // TORCH_DISTRIBUTED_DEBUG=DETAIL: every leaders' op is fingerprinted
   std::unique_ptr<core::ShmGroup> local_;
   std::shared_ptr<InnerBackends> inner_;
   std::shared_ptr<FailureNotices> notices_;
@@ -143,6 +147,7 @@ class HierarchicalEngine : public Engine {
   struct PendingFingerprint {
     Fingerprint mine;
     at::Tensor everyone;  // every leader's, in host order
+    c10::intrusive_ptr<c10d::Backend> backend;  // held by the exchange (see wait_inner)
     c10::intrusive_ptr<c10d::Work> work;
   };
   std::optional<PendingFingerprint> fingerprint_;  // the running op's, until settled (worker thread only)

@@ -1,6 +1,6 @@
 #include "comm/inner_backends.h"
 
-#include <thread>
+#include <vector>
 
 namespace shardkit::comm {
 
@@ -34,13 +34,17 @@ void InnerBackends::close(const std::string& reason) {
     all_ranks = std::move(all_ranks_);
     leaders = std::move(leaders_);
   }
-  // Destroyed on a thread of their own: a gloo backend's destructor joins its work threads, and one may still be
-  // blocked in an op this rank gave up on (an abort from another group, a notice from the Store), until the
-  // connection closes or the op's deadline passes. The caller must not wait for that.
-  std::thread([all_ranks = std::move(all_ranks), leaders = std::move(leaders)]() mutable {
-    all_ranks.reset();
-    leaders.reset();
-  }).detach();
+  // Destroyed here, outside the lock, unless an op still holds one: then by that op when it ends (its work done,
+  // the destructor's join is quick), or never if the op abandons it.
+}
+
+void InnerBackends::abandon(c10::intrusive_ptr<c10d::Backend> backend) {
+  if (!backend) return;
+  // Never destroyed, on purpose (see the header), nor is the list: a worker may abandon one while the process exits.
+  static auto* mutex = new std::mutex;
+  static auto* graveyard = new std::vector<c10::intrusive_ptr<c10d::Backend>>;
+  std::lock_guard<std::mutex> lock(*mutex);
+  graveyard->push_back(std::move(backend));
 }
 
 void InnerBackends::shutdown() {

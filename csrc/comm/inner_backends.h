@@ -3,9 +3,16 @@
 //     gain nothing from a hierarchy: gather, scatter, all-to-all);
 //   - `leaders`: gloo among the first rank of each host (the inter-host step of hierarchical collectives);
 //     null on one host and on ranks that lead no host.
-// They are owned here and nowhere else, so that close() really destroys them: destroying a gloo backend
-// closes its connections, and every peer blocked on one of them fails at once ("Connection closed by
-// peer") instead of waiting out its timeout. That is how an abort on one host reaches the others.
+// They are owned here, so that close() can destroy them: destroying a gloo backend with no op in flight closes its
+// connections, and every peer blocked on one of them fails at once ("Connection closed by peer") instead of
+// waiting out its timeout — one way an abort on one host reaches the others (the Store notice is the other:
+// failure_notices.h).
+//
+// An op holds its backend while it runs. A gloo backend cannot cancel an op, and its destructor joins the threads
+// running them: an op this rank gives up on while it is in flight (an abort from another thread, a notice from the
+// Store) must never drop the last reference, or the thread that drops it waits until that op ends or times out. Such
+// a backend is abandoned: kept, never destroyed, for the rest of the process (its connections stay open; peers learn
+// of the abort from the Store notice).
 #pragma once
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
@@ -26,9 +33,11 @@ class InnerBackends {
   c10::intrusive_ptr<c10d::Backend> leaders(const std::string& where);
   bool has_leaders();
 
-  // Drops both backends (destroyed in the background once no op holds them any more: the caller never waits for
-  // an op in flight); later calls fail with `reason`. Idempotent: the first reason stands.
+  // Drops both backends (destroyed here, or by the op that holds one when it ends; an op given up on abandons its
+  // own); later calls fail with `reason`. Idempotent: the first reason stands.
   void close(const std::string& reason);
+  // Keeps `backend` alive for the rest of the process: the caller gave up on an op that may still run on it.
+  static void abandon(c10::intrusive_ptr<c10d::Backend> backend);
   // destroy_process_group(): shuts both down and drops them.
   void shutdown();
 

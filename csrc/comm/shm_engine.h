@@ -28,7 +28,7 @@ class ShmEngine : public Engine {
   std::shared_ptr<core::SharedBuffer> share_buffer(const OpContext& op, size_t bytes, std::string* refused) override;
   uint64_t shared_ops() const override { return group_->shared_ops(); }
   void abort(const std::string& reason) override { group_->abort(reason); }
-  std::vector<std::pair<int, int32_t>> exited_peers() const override { return group_->exited_peers(); }
+  std::vector<std::pair<int, int32_t>> take_exited_peers() override { return group_->take_exited_peers(); }
 
  private:
   std::unique_ptr<core::ShmGroup> group_;

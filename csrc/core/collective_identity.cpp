@@ -3,6 +3,7 @@
 #include <cstdio>
 #include <mutex>
 #include <unordered_map>
+#include <utility>
 
 namespace shardkit::core {
 
@@ -10,14 +11,15 @@ namespace {
 
 thread_local uint64_t current = 0;
 
+// Never destroyed: a worker thread may still describe an identity (a failing op's message) while the process exits.
 std::mutex& names_mutex() {
-  static std::mutex mutex;
-  return mutex;
+  static auto* mutex = new std::mutex;
+  return *mutex;
 }
 
 std::unordered_map<uint64_t, std::string>& names() {
-  static std::unordered_map<uint64_t, std::string> table;
-  return table;
+  static auto* table = new std::unordered_map<uint64_t, std::string>;
+  return *table;
 }
 
 // FNV-1a, 64 bits: the same on every platform and process (std::hash promises neither).
@@ -56,5 +58,7 @@ IdentityScope::IdentityScope(uint64_t identity) : outer_(current) { current = id
 IdentityScope::~IdentityScope() { current = outer_; }
 
 uint64_t current_identity() { return current; }
+
+uint64_t exchange_current_identity(uint64_t identity) { return std::exchange(current, identity); }
 
 }  // namespace shardkit::core

@@ -36,5 +36,8 @@ class IdentityScope {
 
 // The innermost IdentityScope's identity on this thread; 0 outside any.
 uint64_t current_identity();
+// Makes `identity` this thread's current one and returns the one it replaces (for scopes kept by a caller in another
+// language: python/shardkit/_collective_identity.py restores them in order).
+uint64_t exchange_current_identity(uint64_t identity);
 
 }  // namespace shardkit::core

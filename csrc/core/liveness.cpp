@@ -26,15 +26,22 @@ bool process_exited(int32_t pid) {
   return state == 'Z' || state == 'X';
 }
 
-std::string PeerNames::exited(const std::vector<int>& ranks) const {
-  std::string dead;
+std::vector<std::pair<int, int32_t>> PeerNames::exited(const std::vector<int>& ranks,
+                                                       const std::function<int32_t(int)>& pid_of) const {
+  std::vector<std::pair<int, int32_t>> gone;
   for (int r : ranks) {
-    const int32_t p = pid(r);
-    if (p > 0 && process_exited(p)) {
-      dead += (dead.empty() ? "" : ", ") + std::to_string(name(r)) + " (pid " + std::to_string(p) + ")";
-    }
+    const int32_t p = pid_of ? pid_of(r) : pid(r);
+    if (process_exited(p)) gone.emplace_back(name(r), p);
   }
-  return dead;
+  return gone;
+}
+
+std::string describe_exited(const std::vector<std::pair<int, int32_t>>& exited) {
+  std::string text;
+  for (const auto& [name, pid] : exited) {
+    text += (text.empty() ? "" : ", ") + std::to_string(name) + " (pid " + std::to_string(pid) + ")";
+  }
+  return text;
 }
 
 }  // namespace shardkit::core

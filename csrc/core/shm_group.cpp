@@ -191,7 +191,7 @@ std::shared_ptr<SharedBuffer> ShmGroup::share_buffer(size_t bytes, const CallInf
   std::unique_ptr<ShmSegment> segment;
   try {
     PeerNames peers{peers_.names, {}};
-    for (int r = 0; r < size_; ++r) peers.pids.push_back(pid_of(r));
+    for (int r = 0; r < size_; ++r) peers.pids.push_back(pid_of(r));  // all written by now (the first sync)
     segment = std::make_unique<ShmSegment>(segment_->name() + ".buf" + std::to_string(id), total, rank_, size_, 0,
                                            op_timeout_, AttachWatch{std::move(peers), [this] {
                                              return aborted() ? abort_message() : std::string();
@@ -248,7 +248,7 @@ void ShmGroup::fail(const std::string& message, const std::string& where) {
 
 int32_t ShmGroup::pid_of(int r) const {
   const int32_t given = peers_.pid(r);
-  return given > 0 ? given : controls_[r].pid;
+  return given != 0 ? given : controls_[r].pid;
 }
 
 std::string ShmGroup::rank_name(int r) const { return "rank " + std::to_string(rank_number(r)); }
@@ -375,16 +375,10 @@ void ShmGroup::sync(const OpHeader& header) {
     }
     if (now >= next_liveness) {
       next_liveness = now + kLivenessEvery;
-      std::string dead;
-      for (int peer : pending) {
-        const int32_t pid = pid_of(peer);
-        if (process_exited(pid)) {
-          dead += (dead.empty() ? "" : ", ") + std::to_string(rank_number(peer)) + " (pid " + std::to_string(pid) + ")";
-          exited_.emplace_back(rank_number(peer), pid);
-        }
-      }
-      if (!dead.empty()) {
-        fail("shardkit " + where(header) + ": rank(s) " + dead + " exited before arriving", where(header));
+      if (auto dead = peers_.exited(pending, [this](int r) { return pid_of(r); }); !dead.empty()) {
+        exited_ = std::move(dead);
+        fail("shardkit " + where(header) + ": rank(s) " + describe_exited(exited_) + " exited before arriving",
+             where(header));
       }
       if (starting_) {  // the first sync of the constructor: the start-up may have failed on another host
         if (const std::string why = starting_(); !why.empty()) fail(why, where(header));

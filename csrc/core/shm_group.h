@@ -158,7 +158,8 @@ class ShmGroup {
     std::vector<int> rank_names;
     // pids[r]: the process of this group's rank r, where the caller knows it before the segment exists (the
     // backend exchanges them at start-up): a rank that dies before it has mapped the segment and written its pid
-    // there is then still seen to be gone. Empty: each rank's pid as it writes it into its control block.
+    // there is then still seen to be gone. 0 (or empty): the pid rank r writes into its control block;
+    // kUnwatchedPid: never watched (another pid namespace).
     std::vector<int32_t> pids;
     // Asked while the constructor waits (segment attach, first sync): a non-empty answer ends the start-up with a
     // std::runtime_error carrying it (the start-up failed on another rank, maybe on another host).
@@ -222,9 +223,10 @@ class ShmGroup {
                 void* out, const std::vector<size_t>& recv_counts, const std::vector<size_t>& recv_offsets,
                 DType dtype, const CallInfo& call = {});
 
-  // The ranks (rank_names, pid) this rank saw exit while it waited for them, in the op that failed: what the
-  // backend records as deaths for the job (empty when the failure was not a death, or another rank saw it first).
-  const std::vector<std::pair<int, int32_t>>& exited_peers() const { return exited_; }
+  // The ranks (rank_names, pid) this rank saw exit while it waited for them, in the op that failed, handed over
+  // once (what the backend records as deaths for the job): empty afterwards, and when the failure was not a
+  // death or another rank saw it first.
+  std::vector<std::pair<int, int32_t>> take_exited_peers() { return std::exchange(exited_, {}); }
 
   // True once the group is aborted (disagreement, timeout, dead peer, or abort()); the message says why.
   bool aborted() const;
@@ -247,7 +249,8 @@ class ShmGroup {
   // How messages number this group's rank r (rank_names[r]; r itself without names or out of range), and
   // name it ("rank 3").
   int rank_number(int r) const { return peers_.name(r); }
-  // The pid of rank r: as the caller gave it, else as r wrote it into its control block (0: not yet).
+  // The pid of rank r: as the caller gave it, else as r wrote it into its control block (0: not yet; kUnwatchedPid
+  // as given).
   int32_t pid_of(int r) const;
   std::string rank_name(int r) const;
   std::string where(const OpHeader& header) const;  // "allreduce #3 (f32 x 16, sum) (rank 0)"

@@ -13,6 +13,7 @@
 namespace shardkit::core {
 namespace {
 
+// `rank`: as messages name it (the rank's global rank).
 [[noreturn]] void fail(int rank, const std::string& name, const std::string& what, int err) {
   throw std::runtime_error("shardkit shm (rank " + std::to_string(rank) + "): " + what + " segment '" +
                            name + "': " + std::strerror(err));
@@ -45,8 +46,9 @@ ShmSegment::ShmSegment(const std::string& name, size_t bytes, int rank, int size
     const auto now = clock::now();
     if (now < next_watch) return;
     next_watch = now + kWatchEvery;
-    if (const std::string dead = watch.peers.exited(peers); !dead.empty()) {
-      give_up(me + ": rank(s) " + dead + " exited during start-up, while " + waiting_for + " segment '" + name + "'");
+    if (const auto dead = watch.peers.exited(peers); !dead.empty()) {
+      give_up(me + ": rank(s) " + describe_exited(dead) + " exited during start-up, while " + waiting_for +
+              " segment '" + name + "'");
     }
     if (watch.abandoned) {
       if (const std::string why = watch.abandoned(); !why.empty()) give_up(why);
@@ -55,17 +57,17 @@ ShmSegment::ShmSegment(const std::string& name, size_t bytes, int rank, int size
   int fd = -1;
   if (creator_) {
     fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
-    if (fd < 0) fail(rank, name, "cannot create", errno);
+    if (fd < 0) fail(watch.peers.name(rank), name, "cannot create", errno);
     if (ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
       int err = errno;
       close(fd);
       unlink_name();
-      fail(rank, name, "cannot size (" + std::to_string(bytes) + " bytes; is /dev/shm full?)", err);
+      fail(watch.peers.name(rank), name, "cannot size (" + std::to_string(bytes) + " bytes; is /dev/shm full?)", err);
     }
     if (const int err = posix_fallocate(fd, 0, static_cast<off_t>(bytes)); err != 0 && err != EOPNOTSUPP) {
       close(fd);
       unlink_name();
-      fail(rank, name, "cannot reserve " + std::to_string(bytes) + " bytes (is /dev/shm full?) for", err);
+      fail(watch.peers.name(rank), name, "cannot reserve " + std::to_string(bytes) + " bytes (is /dev/shm full?) for", err);
     }
   } else {
     // The creator may not have made it yet; it may also be mid-ftruncate, so wait for the full size.
@@ -77,7 +79,7 @@ ShmSegment::ShmSegment(const std::string& name, size_t bytes, int rank, int size
         close(fd);
         fd = -1;
       } else if (errno != ENOENT) {
-        fail(rank, name, "cannot open", errno);
+        fail(watch.peers.name(rank), name, "cannot open", errno);
       }
       watch_peers("waiting for local rank 0 to make");
       if (clock::now() > deadline) {
@@ -92,7 +94,7 @@ ShmSegment::ShmSegment(const std::string& name, size_t bytes, int rank, int size
   close(fd);
   if (mapped == MAP_FAILED) {
     if (creator_) unlink_name();
-    fail(rank, name, "cannot map", map_err);
+    fail(watch.peers.name(rank), name, "cannot map", map_err);
   }
   base_ = static_cast<uint8_t*>(mapped);
 
@@ -116,6 +118,8 @@ ShmSegment::~ShmSegment() {
   if (base_ != nullptr) munmap(base_, bytes_);
   if (creator_) unlink_name();
 }
+
+bool remove_segment_name(const std::string& name) { return shm_unlink(name.c_str()) == 0; }
 
 void ShmSegment::unlink_name() {
   if (!unlinked_) {

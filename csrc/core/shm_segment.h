@@ -69,6 +69,11 @@ class ShmSegment {
   bool creator_ = false;
 };
 
+// Removes `name` from /dev/shm if it is there (a segment's name outlives its creator only between creation and the
+// last rank's attach): for a rank whose start-up failed before it reached the segment, which the group's creator
+// may have made and died with. Idempotent; returns whether a name was removed.
+bool remove_segment_name(const std::string& name);
+
 // Pages of shared memory that one rank writes in bursts (its region of a SharedBuffer, see shm_group.h), given
 // back between bursts. Both are local to the calling process's mapping; the caller makes sure no rank reads the
 // range meanwhile.

@@ -2,8 +2,9 @@
 the same units.
 
 shardkit's backend compares it on every op of host tensors (csrc/core/collective_identity.h): the shared-memory
-op header carries it to every rank of a host, and the host leaders compare a fingerprint before an identified
-op's inter-host steps; ranks that pair different units fail at the first such pairing. Elsewhere — torch's gloo or
+op header carries it to every rank of a host, and on the groups FSDP and DDP run on (compare_identities_across_
+hosts) the host leaders compare a fingerprint before every op's inter-host steps; ranks that pair different units
+fail at the first such pairing. Elsewhere — torch's gloo or
 NCCL, or shardkit's NCCL route for CUDA tensors — a :class:`CollectiveLedger` per group records the (kind,
 identity) of each collective FSDP issues on it, in issue order. At the end of each backward, before an optimizer
 can step, the ranks exchange a 64-bit digest of that record and its length: one all-gather of 16 bytes per group
@@ -18,8 +19,10 @@ all-gather each), so those fail at once too, as torch's own collective fingerpri
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import struct
+from typing import Iterator
 
 import torch.distributed as dist
 
@@ -30,11 +33,22 @@ ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE = 1, 2, 3
 _KIND_NAMES = {ALL_GATHER: "an all-gather", REDUCE_SCATTER: "a reduce-scatter", ALL_REDUCE: "an all-reduce"}
 
 
-def collectives_for(description: str, detail: str = "") -> "_C.IdentityScope":
+@contextlib.contextmanager
+def collectives_for(description: str, detail: str = "") -> Iterator[int]:
     """``with collectives_for("FSDP unit 'blocks.3' (...)"):`` — the collectives this thread issues inside carry the
-    identity of that part of the model (shardkit's backend compares it across ranks). Only around code whose
-    collectives are the same on every rank (not a call that may run a future's callbacks inline)."""
-    return _C.IdentityScope(_C.identity_of(description, detail))
+    identity of that part of the model (shardkit's backend compares it across ranks; see the module docstring).
+    Only around code whose collectives are the same on every rank (not a call that may run a future's callbacks
+    inline). Scopes nest, and must close in the order they opened (else this raises, and the thread's identity is
+    left as the outer scope had it)."""
+    identity = _C.identity_of(description, detail)
+    outer = _C.exchange_current_identity(identity)
+    try:
+        yield identity
+    finally:
+        inner = _C.exchange_current_identity(outer)
+        if inner != identity:
+            raise RuntimeError(f"shardkit: collective identity scopes closed out of order: closing "
+                               f"{_C.describe_identity(identity)} found {_C.describe_identity(inner)} current")
 
 
 def backend_checks_identity(group: dist.ProcessGroup, on_cpu: bool) -> bool:

@@ -3,17 +3,19 @@ second, naming it and the reason, instead of waiting out the group's timeout (30
 
 The start-up (``backend._create_backend``) talks through the group's c10d Store:
 
-- ``shardkit/host/<r>``: group rank ``r`` writes ``"<pid> <host id>"`` first thing, then reads every rank's. From
-  here on each rank knows its peers' pids, and watches those on its own host (``_C.process_exited``).
+- ``shardkit/host/<r>``: group rank ``r`` writes ``"<pid> <pid namespace> <host id>"`` first thing, then reads
+  every rank's. From here on each rank knows its peers' pids, and watches those on its own host that share its pid
+  namespace (``_C.process_exited``; a container sharing the host's /dev/shm but not its pids is not watched).
 - ``shardkit/shm_name/<h>``: host ``h``'s segment name, drawn by its first rank.
 - gloo's own rendezvous (the inner backends), through :class:`WatchedStore`.
 - the C++ constructor: the segment's attach protocol and first sync, which watch the same pids and the notice.
 - ``shardkit/abort`` (``_C.ABORT_KEY``): the notice. A rank that fails anywhere above, or sees a peer on its host
   exit, writes why (the first writer wins); every wait polls it. So a failure on one host reaches the others.
 
-Every wait polls: the key it waits for, the notice, the pids it watches, and the group's deadline. A rank that
-dies before writing its own host key cannot be told from one that is slow to start; that wait ends at the
-deadline, as torch's own rendezvous does.
+Every wait waits for its keys in the Store in slices of ``_SLICE`` seconds (the Store server answers when they are
+set: no polling traffic) and between slices looks at the pids it watches, the notice and the group's deadline. A
+rank that dies before writing its own host key cannot be told from one that is slow to start; that wait ends at
+the deadline, as torch's own rendezvous does.
 """
 
 from __future__ import annotations
@@ -27,8 +29,17 @@ import torch.distributed as dist
 
 from . import _C
 
-_POLL_FIRST = 0.0005  # seconds between polls at first; doubling up to _POLL_MOST
-_POLL_MOST = 0.02
+_SLICE = timedelta(milliseconds=200)  # a death is seen within about this (plus the Store's round trip)
+_EXPLAIN_WITHIN = 1.0  # seconds a failed connection waits for its cause to show
+_GLOO_CONNECT = timedelta(seconds=2)  # gloo's pair connects, once every address is known (see connect_gloo)
+
+
+def _pid_namespace() -> str:
+    """This process's pid namespace ("" where /proc cannot tell): pids mean the same only within one."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
 
 
 class StartupFailed(RuntimeError):
@@ -46,7 +57,12 @@ class StartupWatch:
         self.timeout = timeout
         self.pids: dict[int, int] = {}  # group rank -> pid, as read
         self.hosts: dict[int, str] = {}  # group rank -> host id, as read
+        self.namespaces: dict[int, str] = {}  # group rank -> pid namespace, as read
         self.finished = False  # once the group exists, WatchedStore stops watching
+        # The WatchedStores gloo's rendezvous went through: gloo may use its Store again later (TORCH_GLOO_LAZY_INIT
+        # connects at the first op), and a Python Store whose object is gone cannot answer. Kept with the group.
+        self.kept_stores: list[dist.Store] = []
+        self.segment_name: str | None = None  # this host's segment, once agreed
 
     def name(self, r: int) -> int:
         return self.global_ranks[r]
@@ -59,14 +75,16 @@ class StartupWatch:
         """Returns once every key is set in ``store`` (default: the group's); raises StartupFailed on a notice, a
         local peer's death or the deadline."""
         store = store if store is not None else self.store
-        pause = _POLL_FIRST
-        while not store.check(keys):
+        while True:
+            try:
+                store.wait(keys, _SLICE)
+                return
+            except RuntimeError:  # the slice ended (DistStoreError "wait timeout"; a RuntimeError in every torch)
+                pass
             self.check(waiting_for)
             if time.monotonic() > self.deadline:
                 raise StartupFailed(f"{self.where()}: timed out after {self.timeout.total_seconds():.0f} s "
                                     f"{waiting_for}")
-            time.sleep(pause)
-            pause = min(pause * 2, _POLL_MOST)
 
     def get(self, key: str, waiting_for: str) -> bytes:
         self.wait_for([key], waiting_for)
@@ -77,9 +95,7 @@ class StartupWatch:
         if self.store.check([_C.ABORT_KEY]):
             notice = self.store.get(_C.ABORT_KEY).decode(errors="replace")
             raise StartupFailed(f"{self.where()}: the group's start-up failed: {notice}")
-        me = self.hosts.get(self.rank)
-        dead = [r for r, pid in self.pids.items()
-                if r != self.rank and self.hosts.get(r) == me and _C.process_exited(pid)]
+        dead = [r for r, pid in self.watched().items() if _C.process_exited(pid)]
         if dead:
             named = ", ".join(f"{self.name(r)} (pid {self.pids[r]})" for r in dead)
             raise StartupFailed(self.publish(f"{self.where()}: rank(s) {named} exited during start-up, while "
@@ -93,9 +109,41 @@ class StartupWatch:
         except Exception:  # noqa: BLE001 - the Store may be gone with the rank that hosted it
             return reason
 
+    def explain(self, error: Exception, doing: str) -> Exception:
+        """The cause of ``error``, a connection that failed while ``doing`` (gloo's rendezvous): a watched peer's
+        death or the notice, where either shows within _EXPLAIN_WITHIN seconds (a killed peer's sockets close a
+        moment before its pid reads as gone); else ``error`` itself."""
+        deadline = time.monotonic() + _EXPLAIN_WITHIN
+        while True:
+            try:
+                self.check(doing)
+            except StartupFailed as cause:
+                return cause
+            if time.monotonic() >= deadline:
+                return error
+            time.sleep(0.02)
+
+    def watched(self) -> dict[int, int]:
+        """{group rank: pid} of the peers read so far whose pids this rank can watch: on its host, in its pid
+        namespace."""
+        return {r: pid for r, pid in self.pids.items()
+                if r != self.rank and self.hosts.get(r) == self.hosts[self.rank]
+                and self.namespaces.get(r) == self.namespaces[self.rank]}
+
+    def pids_to_watch(self) -> list[int]:
+        """Every group rank's pid as the C++ start-up and liveness checks take them: the pid, or -1 (never watched)
+        for a peer on this host in another pid namespace. Other hosts' pids only name their ranks in messages."""
+        return [-1 if self.hosts[r] == self.hosts[self.rank] and self.namespaces[r] != self.namespaces[self.rank]
+                else self.pids[r] for r in range(len(self.pids))]
+
     def failed(self, error: BaseException) -> BaseException:
         """What to raise for ``error`` that ended this rank's start-up: published first, so peers stop waiting.
-        This rank's own error as it is where it was the first failure; else the first, naming its rank."""
+        This rank's own error as it is where it was the first failure; else the first, naming its rank. (A caller
+        raises an interrupt, KeyboardInterrupt or SystemExit, as it is: it only publishes it.)"""
+        if self.segment_name is not None:
+            # The host's creator may have made the segment and died, or be about to give up: the start-up failed
+            # for every rank, and whoever knows the name removes it (nothing may stay in /dev/shm).
+            _C.remove_segment_name(self.segment_name)
         if isinstance(error, StartupFailed):
             return error  # published already, or read from the notice
         text = str(error)
@@ -109,13 +157,37 @@ class StartupWatch:
     # --- the host exchange ------------------------------------------------------------------------------------
     def exchange_hosts(self, host: str, size: int) -> list[str]:
         """Every rank's host id (and pid, kept for watching and for messages); this rank's first."""
-        self.store.set(f"shardkit/host/{self.rank}", f"{os.getpid()} {host}")
-        self.pids[self.rank], self.hosts[self.rank] = os.getpid(), host
+        namespace = _pid_namespace().replace(" ", "_")
+        self.store.set(f"shardkit/host/{self.rank}", f"{os.getpid()} {namespace or '-'} {host}")
+        self.pids[self.rank], self.namespaces[self.rank], self.hosts[self.rank] = os.getpid(), namespace or "-", host
         for r in range(size):
-            pid, _, their_host = self.get(f"shardkit/host/{r}", f"waiting for rank {self.name(r)} to start").decode() \
-                .partition(" ")
-            self.pids[r], self.hosts[r] = int(pid), their_host
+            pid, their_namespace, their_host = self.get(
+                f"shardkit/host/{r}", f"waiting for rank {self.name(r)} to start").decode().split(" ", 2)
+            self.pids[r], self.namespaces[r], self.hosts[r] = int(pid), their_namespace, their_host
         return [self.hosts[r] for r in range(size)]
+
+
+def connect_gloo(watch: StartupWatch, store: dist.Store, rank: int, size: int, timeout: timedelta, what: str
+                 ) -> dist.ProcessGroupGloo:
+    """A gloo backend whose rendezvous goes through a WatchedStore of ``store``; a failed connection is reported by
+    its cause where one shows (StartupWatch.explain). Returns the backend and keeps the Store for its life.
+
+    Once every peer's address is in the Store, gloo connects to each peer's listener, retrying for as long as its
+    timeout, where nothing else can interrupt it: a peer that gave up meanwhile (its listener gone) would hold this
+    rank there for the group's whole timeout. So it connects with _GLOO_CONNECT at most (a live listener answers in
+    milliseconds), and gets the group's timeout for its operations afterwards (where this torch can set it). torch
+    retries a failed connect a few times, each up to that timeout: a peer that dies inside this window of a few
+    milliseconds is reported after ~10 s rather than within a second."""
+    watched = WatchedStore(store, watch, what)
+    settable = hasattr(dist.ProcessGroupGloo, "_set_default_timeout")
+    try:
+        backend = dist.ProcessGroupGloo(watched, rank, size, min(timeout, _GLOO_CONNECT) if settable else timeout)
+    except RuntimeError as error:
+        raise watch.explain(error, f"connecting {what}") from error
+    if settable:
+        backend._set_default_timeout(timeout)
+    watch.kept_stores.append(watched)
+    return backend
 
 
 class WatchedStore(dist.Store):

@@ -35,9 +35,10 @@ _DEFAULT_SLOT_BYTES = 1 << 20
 # Each group's host topology by group name, as its creator computed it: host_topology() reads it, so tests
 # (e.g. the two-host namespace test) can check how ranks were grouped without a hook into the C++ backend.
 _TOPOLOGIES: dict[str, "HostTopology"] = {}
-# The default group's Store while it lives: every shardkit group of the job records deaths there, so that a group
-# whose connection to a dead rank dropped can name it though the rank that saw it die is in another group.
-_JOB_STORE: dist.Store | None = None
+# The Stores each group's gloo rendezvous went through (start-up watch wrappers, by group name): kept for the
+# group's life, since gloo may use its Store again later (TORCH_GLOO_LAZY_INIT connects at the first op), and a
+# Python Store whose object is gone cannot answer it.
+_GLOO_STORES: dict[str, list[dist.Store]] = {}
 
 
 def _slot_bytes() -> int:
@@ -121,22 +122,32 @@ def _agree_segment_name(watch: _startup.StartupWatch, local_rank: int, host_inde
 def _create_backend(options: "dist.distributed_c10d._DistributedBackendOptions", pg_options) -> dist.Backend:
     if pg_options is not None:
         raise ValueError(f"the shardkit backend takes no pg_options, got {pg_options!r}")
-    global _JOB_STORE
     store, rank, size = options.store, options.group_rank, options.group_size
     timeout = options.timeout if isinstance(options.timeout, timedelta) else timedelta(seconds=options.timeout)
-    # The default group is told no ranks: its ranks are the job's. Its Store is where every group of the job
-    # records deaths (csrc/comm/failure_notices.h).
+    # The default group is told no ranks: its ranks are the job's.
     global_ranks = list(options.global_ranks_in_group) or list(range(size))
-    if not options.global_ranks_in_group:
-        _JOB_STORE = store
     watch = _startup.StartupWatch(store, rank, global_ranks, timeout)
     try:
         backend = _start(options, watch, global_ranks, timeout)
-    except BaseException as error:  # noqa: BLE001 - whatever ends the start-up, the peers must hear of it
+    except Exception as error:  # whatever ends the start-up, the peers must hear of it
         raise watch.failed(error) from error
+    except BaseException as error:  # an interrupt: the peers hear of it, the caller gets it as it is
+        watch.failed(error)
+        raise
     finally:
         watch.finished = True
     return backend
+
+
+def _job_store(own: dist.Store, is_default_group: bool) -> dist.Store:
+    """Where this group records deaths for the whole job (csrc/comm/failure_notices.h): the default group's Store,
+    as its shardkit backend holds it; the group's own where it is the default group, or the default group is not
+    shardkit's."""
+    if not is_default_group:
+        world = cpu_backend(dist.distributed_c10d._get_default_group())
+        if isinstance(world, _C.ProcessGroupShardkit):
+            return world.job_store()
+    return own
 
 
 def _start(options, watch: _startup.StartupWatch, global_ranks: list[int], timeout: timedelta) -> dist.Backend:
@@ -153,23 +164,22 @@ def _start(options, watch: _startup.StartupWatch, global_ranks: list[int], timeo
     config.host_of = topology.host_of
     config.local_of = topology.local_of
     config.global_ranks = global_ranks
-    config.pids = [watch.pids[r] for r in range(size)]
-    config.shm_name = _agree_segment_name(watch, config.local_rank, config.host_index, group_id)
+    config.pids = watch.pids_to_watch()
+    config.shm_name = watch.segment_name = _agree_segment_name(watch, config.local_rank, config.host_index, group_id)
     config.slot_bytes = _slot_bytes()
     # torchrun's count of ranks on this machine: with simulated hosts (or several jobs' groups) more
     # processes compete for the cores than this host's group holds, and waits should spin less.
     config.processes_on_machine = _env_int("LOCAL_WORLD_SIZE", 0)
     config.timeout = timeout
 
-    fallback = dist.ProcessGroupGloo(
-        _startup.WatchedStore(dist.PrefixStore("shardkit/gloo", store), watch, "the inner gloo backend"),
-        rank, size, timeout)
+    fallback = _startup.connect_gloo(watch, dist.PrefixStore("shardkit/gloo", store), rank, size, timeout,
+                                     "the inner gloo backend")
     inter_host = None
     if topology.num_hosts > 1 and config.local_rank == 0:
-        inter_host = dist.ProcessGroupGloo(
-            _startup.WatchedStore(dist.PrefixStore("shardkit/inter", store), watch, "the host leaders' gloo backend"),
-            config.host_index, topology.num_hosts, timeout)
-    job_store = _JOB_STORE if _JOB_STORE is not None else store
+        inter_host = _startup.connect_gloo(watch, dist.PrefixStore("shardkit/inter", store), config.host_index,
+                                           topology.num_hosts, timeout, "the host leaders' gloo backend")
+    _GLOO_STORES[str(options.group_id)] = watch.kept_stores
+    job_store = _job_store(store, not options.global_ranks_in_group)
     return _C.ProcessGroupShardkit(rank, size, config, store, fallback, inter_host, job_store)
 
 
@@ -215,12 +225,25 @@ class ZeroCopyUnavailableWarning(UserWarning):
 
 def cpu_backend(group: dist.ProcessGroup | None = None) -> Any:
     """The backend that runs ``group``'s (default: the world's) collectives on CPU tensors, None where it has none
-    (a group of "cuda:nccl" only)."""
+    (a group of "cuda:nccl" only). Under TORCH_DISTRIBUTED_DEBUG=DETAIL torch wraps every backend in a checking
+    wrapper (a private type with ``wrapped_pg``): the backend inside it."""
     group = group if group is not None else dist.distributed_c10d._get_default_group()
     try:
-        return group._get_backend(torch.device("cpu"))
+        backend = group._get_backend(torch.device("cpu"))
     except RuntimeError:
         return None
+    while hasattr(backend, "wrapped_pg"):
+        backend = backend.wrapped_pg
+    return backend
+
+
+def compare_identities_across_hosts(group: dist.ProcessGroup | None) -> None:
+    """Has ``group``'s shardkit backend compare every collective's identity across hosts from now on (csrc/comm/
+    hierarchical_engine.h; inside a host it is compared always); nothing for another backend. Every rank of the group
+    calls it at the same point among the group's collectives (FSDP and DDP do, at construction)."""
+    backend = cpu_backend(group)
+    if isinstance(backend, _C.ProcessGroupShardkit):
+        backend.compare_identities_across_hosts()
 
 
 def zero_copy_unavailable(group: dist.ProcessGroup | None = None) -> str | None:

@@ -24,7 +24,7 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.nn.parallel import DistributedDataParallel as _TorchDDP
 
 from . import _C, _agreement, _flat, _profiling, zero_state_dict
-from .backend import shared_buffer, warn_zero_copy_unavailable, zero_copy_unavailable
+from .backend import compare_identities_across_hosts, shared_buffer, warn_zero_copy_unavailable, zero_copy_unavailable
 from .fsdp_state_dict import FullStateDictConfig, ShardedStateDictConfig, StateDictType
 from .hooks import check_state_group
 
@@ -156,6 +156,9 @@ class DistributedDataParallel(_TorchDDP):
         if init_sync:
             self._broadcast_from_rank0([p.detach() for n, p in module.named_parameters() if n not in ignored] +
                                        (self._synced_buffers() if init_sync_buffers else []))
+        # Buckets carry their identity (csrc/core/collective_identity.h); across hosts too from here on, on every rank
+        # at this same point of the group's collectives.
+        compare_identities_across_hosts(self.process_group)
         # torch's rule: the small first bucket applies only when the cap is the default one.
         cap_bytes = max(1, int((bucket_cap_mb if bucket_cap_mb is not None else _DEFAULT_BUCKET_CAP_MB) * 1024 * 1024))
         self.bucket_bytes_cap = cap_bytes  # torch.compile's DDPOptimizer splits graphs at this size

@@ -55,7 +55,8 @@ from torch import nn
 
 from . import _C, _agreement, _profiling, fsdp_optim_state, zero_state_dict
 from ._collective_identity import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, CollectiveLedger, backend_checks_identity
-from .backend import host_groups, shared_buffer, warn_zero_copy_unavailable, zero_copy_unavailable
+from .backend import (compare_identities_across_hosts, host_groups, shared_buffer, warn_zero_copy_unavailable,
+                      zero_copy_unavailable)
 from .fsdp_state_dict import (FullStateDictConfig, ShardedStateDictConfig, StateDictType, full_state_dict,
                               sharded_state_dict)
 from .fsdp_state_dict import load as load_state_dict_into
@@ -169,7 +170,9 @@ class FullyShardedDataParallel(nn.Module):
              "forward_prefetch": repr(forward_prefetch),
              "limit_all_gathers": repr(limit_all_gathers),
              "sync_module_states": repr(sync_module_states),
-             "the compute device type": _compute_device_type(device_id, self.cpu_offload, managed)},
+             "the compute device type": _compute_device_type(device_id, self.cpu_offload, managed),
+             # It decides whether FSDP checks each collective's identity before issuing it (_collective_identity).
+             "TORCH_DISTRIBUTED_DEBUG": dist.get_debug_level().name},
             _layout(owners), _agreement.pair_members(process_group), process_group)
         if self.cpu_offload.offload_params:
             _refuse_offload_without_cuda()
@@ -245,6 +248,9 @@ class FullyShardedDataParallel(nn.Module):
         # "identity_checks": backwards that ended with the identity check of the groups no op header checks.
         self.collective_counts = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0, "identity_checks": 0}
         on_cpu = self._offload_device is None and devices == {"cpu"}
+        for group in (self._shard_group, self._replicate_group):  # every rank, at the same point of each group
+            if group is not None:
+                compare_identities_across_hosts(group)
         self._shard_ledger, self._replicate_ledger = (
             CollectiveLedger(group, role, "shardkit FSDP")
             if group is not None and not backend_checks_identity(group, on_cpu) else None
@@ -604,10 +610,6 @@ class FullyShardedDataParallel(nn.Module):
     def _end_of_backward(self) -> None:
         """The autograd callback queued by the first pre-backward hook: runs once backward has finished."""
         self._orders_frozen = True
-        ledgers = [ledger for ledger in (self._shard_ledger, self._replicate_ledger) if ledger is not None]
-        for ledger in ledgers:  # before the gradients are final, so no optimizer steps with another unit's
-            ledger.verify()
-        self.collective_counts["identity_checks"] += bool(ledgers)
         self._end_iteration()
 
     def _start_iteration(self) -> None:
@@ -617,7 +619,13 @@ class FullyShardedDataParallel(nn.Module):
     def _end_iteration(self) -> None:
         """Finishes the reductions in flight (in issue order: every rank waits on the same collectives) and
         frees every full buffer. Also what a forward without backward (evaluation, an abandoned graph) left
-        gathered is dropped here: the shards may change before the next forward (optimizer step, loading)."""
+        gathered is dropped here: the shards may change before the next forward (optimizer step, loading).
+        First, where no backend compares the collectives' identities, their ledgers are (before the gradients are
+        final, so that no optimizer steps with another unit's)."""
+        ledgers = [ledger for ledger in (self._shard_ledger, self._replicate_ledger) if ledger and ledger.entries]
+        for ledger in ledgers:
+            ledger.verify()
+        self.collective_counts["identity_checks"] += bool(ledgers)
         self._finish_reductions()
         self._release_reduce_memory()
         for u in self._units:

@@ -110,3 +110,69 @@ def test_fsdp_checks_identities_itself_only_where_the_backend_does_not(ranks, to
     counts = ranks.run(_same_units_everywhere, world, backend=backend, timeout=60, env=topology_env(hosts))
     expected = [1, 2] if backend == "gloo" else [0, 0]  # one small exchange per backward
     assert counts == [expected] * world
+
+
+def _one_rank_issues_a_plain_collective_instead(rank: int, world: int):
+    """Rank 1 skips the trunk's unit and all-reduces a plain tensor (no identity) where rank 0 all-gathers the unit:
+    the host leaders, on different hosts, still exchange fingerprints alike (the group compares every op)."""
+    import shardkit
+
+    torch.manual_seed(0)
+    model = shardkit.FullyShardedDataParallel(TwoHeads(), auto_wrap_policy={nn.Linear})
+    try:
+        if rank == 0:
+            model(torch.randn(4, 16), ("head_a",))
+        else:
+            dist.all_reduce(torch.ones(264))  # the size of a head's shard: it would pair silently
+    except RuntimeError as error:
+        return str(error)
+    return None
+
+
+def test_a_unit_against_a_plain_collective_across_hosts_fails_naming_both(ranks):
+    outcomes = ranks.launch(_one_rank_issues_a_plain_collective_instead, 2, timeout=60, pg_timeout=30,
+                            env=topology_env([0, 1]))
+    for outcome in outcomes:
+        assert outcome.ok and outcome.value is not None, outcome.error
+        assert "ranks disagree on collective" in outcome.value and "FSDP unit '" in outcome.value, outcome.value
+        assert "allreduce" in outcome.value, outcome.value
+
+
+def _detail_on_rank_0_only(rank: int, world: int):
+    import shardkit
+
+    if rank == 0:
+        dist.set_debug_level(dist.DebugLevel.DETAIL)
+    try:
+        shardkit.FullyShardedDataParallel(TwoHeads(), auto_wrap_policy={nn.Linear})
+    except RuntimeError as error:
+        return str(error)
+    return None
+
+
+def test_ranks_that_differ_in_torch_distributed_debug_are_refused(ranks):
+    # FSDP checks each collective before issuing it under DETAIL only: ranks that differ would issue different
+    # collectives.
+    for outcome in ranks.launch(_detail_on_rank_0_only, 2, backend="gloo", timeout=60):
+        assert outcome.ok and outcome.value is not None, outcome.error
+        assert "ranks disagree on TORCH_DISTRIBUTED_DEBUG: rank 0 DETAIL, rank 1 OFF" in outcome.value, outcome.value
+
+
+def test_identity_scopes_nest_and_must_close_in_order():
+    from shardkit import _C
+    from shardkit._collective_identity import collectives_for
+
+    assert _C.exchange_current_identity(0) == 0
+    with collectives_for("outer part") as outer:
+        with collectives_for("inner part") as inner:
+            assert _C.exchange_current_identity(inner) == inner
+        assert _C.exchange_current_identity(outer) == outer
+    assert _C.exchange_current_identity(0) == 0
+    a, b = collectives_for("part a"), collectives_for("part b")
+    a.__enter__()
+    b.__enter__()
+    for scope in (a, b):  # a first: out of order, and then b finds a's outer identity current
+        with pytest.raises(RuntimeError, match="closed out of order"):
+            scope.__exit__(None, None, None)
+    _C.exchange_current_identity(0)
+

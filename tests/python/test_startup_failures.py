@@ -40,10 +40,21 @@ def _die_in_start_up(rank: int, victim: int, how: str) -> None:
     construct = _C.ProcessGroupShardkit
     if rank == victim and how == "before_attach":
         # Dies where the C++ start-up would begin: after the host exchange and the gloo rendezvous, before it
-        # made (creator) or opened (the others) the segment.
-        _C.ProcessGroupShardkit = lambda *args, **kwargs: _kill_myself()
+        # made (creator) or opened (the others) the segment; a moment after its own rendezvous, so that the peers'
+        # are done too (a death inside gloo's connect is bounded by its connect timeout instead: _startup.py).
+        def die(*args, **kwargs):
+            time.sleep(0.3)
+            _kill_myself()
+
+        _C.ProcessGroupShardkit = die
     elif rank == victim and how == "creator_after_create":
-        # Dies once its segment exists (the name carries its pid), while it waits for the others to attach.
+        # Dies once its segment exists (the name carries its pid), while it waits for the others to attach; it
+        # makes the segment a moment after its gloo rendezvous, so that the peers' are done too.
+        def late_creator(*args, **kwargs):
+            time.sleep(0.3)
+            return construct(*args, **kwargs)
+
+        _C.ProcessGroupShardkit = late_creator
         mark = f"-{os.getpid()}-"
 
         def watch() -> None:

@@ -57,6 +57,9 @@ class CudaRoute {
            const c10::intrusive_ptr<ShardkitWork>& work, std::shared_ptr<void> keep_alive);
   // After the worker has stopped: waits for the ops in flight (each until its deadline), then frees NCCL.
   void shutdown();
+  // Any thread: the group failed elsewhere (its host engine, or another group of the process: abort_cascade.h).
+  // NCCL is aborted with `reason`, so its ops in flight and every later one fail with it.
+  void abort(const std::string& reason) { nccl_.abort(reason); }
   std::string describe() const { return nccl_.describe(); }
 
  private:

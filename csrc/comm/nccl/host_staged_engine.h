@@ -29,7 +29,7 @@ class HostStagedEngine final : public Engine {
                 at::Tensor& output, const std::vector<size_t>& recv_counts) override;
   // The host engine's: staging is a way of using it.
   void abort(const std::string& reason) override { host_.abort(reason); }
-  std::vector<std::pair<int, int32_t>> exited_peers() const override { return host_.exited_peers(); }
+  std::vector<std::pair<int, int32_t>> take_exited_peers() override { return host_.take_exited_peers(); }
 
  private:
   Engine& host_;  // the group's shared-memory or hierarchical engine; the backend owns it

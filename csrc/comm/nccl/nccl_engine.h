@@ -50,7 +50,7 @@ class NcclEngine final : public Engine {
   // failure is recorded before NCCL is told, so an op that NCCL cuts short is seen failed, never done.
   void abort(const std::string& reason) override;
   // NCCL reports errors, not which peer exited.
-  std::vector<std::pair<int, int32_t>> exited_peers() const override { return {}; }
+  std::vector<std::pair<int, int32_t>> take_exited_peers() override { return {}; }
 
   void barrier(const OpContext& op) override;
   void broadcast(const OpContext& op, at::Tensor& data, int root) override;
