@@ -1,4 +1,4 @@
-// ProcessGroupShardkit: the "shardkit" torch.distributed backend.
+// ProcessGroupShardkit: the "shardkit" torch.distributed backend (set-up and teardown: backend_setup.cpp).
 //
 // Every collective goes the same way: validated once on the calling thread (TensorArgs: errors name the
 // rank, the op and the offending value), numbered (OpContext: the group's collective count, the op's own
@@ -161,6 +161,16 @@ class ProcessGroupShardkit : public c10d::Backend {
   // The routing point for host tensors: the engine topology chose when the group was built. Ops on CUDA
   // tensors go to cuda_ instead, which picks NCCL or host staging (comm/nccl/cuda_route.h).
   Engine& route(const OpContext& op);
+  // What carries the group's ops, held weakly: the abort cascade keeps a copy, which must not keep them alive.
+  struct Routes {
+    std::weak_ptr<Engine> host;
+#ifdef SHARDKIT_WITH_CUDA
+    std::weak_ptr<CudaRoute> cuda;
+#endif
+    // Aborts each route that still exists (idempotent: the first reason stands).
+    void abort(const std::string& reason) const;
+  };
+  Routes routes() const;
   // Runs one op's body; if it fails, records the deaths it saw for the job, aborts this group (peers waiting in
   // it fail now) and the process's other shardkit groups (abort_cascade.h), then rethrows.
   template <typename Body>
