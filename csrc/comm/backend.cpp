@@ -82,7 +82,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::launch(c10d::OpType type, c
   if (cuda) {
     std::vector<at::Tensor> tensors = outputs;
     tensors.insert(tensors.end(), inputs.begin(), inputs.end());
-    ready = cuda_->ready_after(tensors, op, getRank());
+    ready = cuda_->ready_after(tensors, op, ranks_.name(getRank()));  // messages name the global rank
     if (any_cuda(outputs)) devices.push_back(ready->device);
   }
 #else
