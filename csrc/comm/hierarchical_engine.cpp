@@ -141,10 +141,8 @@ void HierarchicalEngine::abort_everywhere(const OpContext& op, const std::string
       }
     }
   }
-  if (cause) {
-    notices_->publish(*cause);  // changes no notice; marks this rank failed (it has spoken: its host is not silent)
-  } else if (const std::string first = notices_->publish(mine); first != mine) {
-    cause = first;
+  if (!cause) {  // (a cause found above: this rank has marked itself failed already, and the notice stands)
+    if (const std::string first = notices_->publish(mine); first != mine) cause = first;
   }
   const std::string message = cause ? op.where() + "group aborted: " + *cause : mine;
   abort_here(message);
@@ -202,13 +200,15 @@ void HierarchicalEngine::start_fingerprint(const OpContext& op, const LeaderStep
   mine.kind = static_cast<uint32_t>(step.kind);
   mine.dtype = static_cast<uint32_t>(step.dtype);
   std::strncpy(mine.label, op.op, sizeof(mine.label) - 1);
-  at::Tensor in = at::empty({static_cast<int64_t>(sizeof(Fingerprint))}, at::kByte);
-  std::memcpy(in.data_ptr(), &mine, sizeof(Fingerprint));
-  pending.everyone = at::empty({static_cast<int64_t>(hosts_.size() * sizeof(Fingerprint))}, at::kByte);
+  if (!fingerprint_in_.defined()) {  // the first: the sizes are the group's for good
+    fingerprint_in_ = at::empty({static_cast<int64_t>(sizeof(Fingerprint))}, at::kByte);
+    fingerprint_everyone_ = at::empty({static_cast<int64_t>(hosts_.size() * sizeof(Fingerprint))}, at::kByte);
+  }
+  std::memcpy(fingerprint_in_.data_ptr(), &mine, sizeof(Fingerprint));
   c10d::AllgatherOptions options;
   options.timeout = op.timeout;
   pending.backend = inner_->leaders(op.where());
-  pending.work = pending.backend->_allgather_base(pending.everyone, in, options);
+  pending.work = pending.backend->_allgather_base(fingerprint_everyone_, fingerprint_in_, options);
   fingerprint_ = std::move(pending);
 }
 
@@ -223,7 +223,7 @@ void HierarchicalEngine::settle_fingerprint(const OpContext& op) {
   PendingFingerprint pending = std::move(*fingerprint_);
   fingerprint_.reset();
   wait_inner(op, "the host leaders' agreement check (gloo)", pending.backend, pending.work);
-  const auto* theirs = static_cast<const Fingerprint*>(pending.everyone.data_ptr());
+  const auto* theirs = static_cast<const Fingerprint*>(fingerprint_everyone_.data_ptr());
   for (size_t h = 0; h < hosts_.size(); ++h) {
     if (std::memcmp(&theirs[h], &pending.mine, sizeof(Fingerprint)) == 0) continue;
     throw std::runtime_error("shardkit: ranks disagree on collective #" + std::to_string(op.seq) + ": rank " +

@@ -146,11 +146,14 @@ class HierarchicalEngine : public Engine {
   static_assert(std::has_unique_object_representations_v<Fingerprint>, "Fingerprint must have no implicit padding");
   struct PendingFingerprint {
     Fingerprint mine;
-    at::Tensor everyone;  // every leader's, in host order
     c10::intrusive_ptr<c10d::Backend> backend;  // held by the exchange (see wait_inner)
     c10::intrusive_ptr<c10d::Work> work;
   };
   std::optional<PendingFingerprint> fingerprint_;  // the running op's, until settled (worker thread only)
+  // The exchange's buffers, made at the first (one op at a time; an exchange given up on, which may still write
+  // them, leaves the engine aborted: no other starts).
+  at::Tensor fingerprint_in_;
+  at::Tensor fingerprint_everyone_;  // every leader's, in host order
   mutable std::mutex abort_mutex_;     // guards aborted_: abort() may come from another group's thread
   std::string aborted_;                // the reason, once this engine has aborted
   std::atomic<bool> is_aborted_{false};

@@ -4,8 +4,9 @@
 //
 // A caller that issues collectives for a part names it for the collectives it issues from this thread
 // (IdentityScope) — only around code whose collectives are the same on every rank: not around a call that may run
-// a future's callbacks inline on one rank and leave them to another thread on another (a DDP comm hook); the backend reads current_identity() when it launches an op and carries it in the op's header,
-// which every rank compares at every sync (core::OpHeader::identity: no extra traffic). An identity is a 64-bit
+// a future's callbacks inline on one rank and leave them to another thread on another (a DDP comm hook). The
+// backend reads current_identity() when it launches an op and carries it in the op's header, which every rank
+// compares at every sync (core::OpHeader::identity: no extra traffic). An identity is a 64-bit
 // hash of the part's description, so it is the same on every rank that built the same model; each process
 // remembers the descriptions it hashed, so a message can say what a peer's identity stands for.
 #pragma once

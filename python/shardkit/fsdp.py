@@ -245,7 +245,7 @@ class FullyShardedDataParallel(nn.Module):
         self._summoned = False
         self._gathered_bytes = 0
         self.peak_gathered_bytes = 0  # the most bytes of full buffers (compute dtype) alive at once
-        # "identity_checks": backwards that ended with the identity check of the groups no op header checks.
+        # "identity_checks": iterations that ended with FSDP's own identity check (where the backend compares none).
         self.collective_counts = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0, "identity_checks": 0}
         on_cpu = self._offload_device is None and devices == {"cpu"}
         for group in (self._shard_group, self._replicate_group):  # every rank, at the same point of each group
