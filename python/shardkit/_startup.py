@@ -9,6 +9,8 @@ The start-up (``backend._create_backend``) talks through the group's c10d Store:
 - ``shardkit/shm_name/<h>``: host ``h``'s segment name, drawn by its first rank.
 - gloo's own rendezvous (the inner backends), through :class:`WatchedStore`.
 - the C++ constructor: the segment's attach protocol and first sync, which watch the same pids and the notice.
+- ``shardkit/started`` and ``shardkit/all_started/<n>``: the end, which every rank passes together (a counter,
+  and the key its last rank sets for the n-th start-up on this Store): a group starts on every rank or on none.
 - ``shardkit/abort`` (``_C.ABORT_KEY``): the notice. A rank that fails anywhere above, or sees a peer on its host
   exit, writes why (the first writer wins); every wait polls it. So a failure on one host reaches the others.
 
@@ -122,6 +124,16 @@ class StartupWatch:
             if time.monotonic() >= deadline:
                 return error
             time.sleep(0.02)
+
+    def all_started(self, size: int) -> None:
+        """The start-up's end: returns once every rank of the group has reached it; raises StartupFailed, as every
+        wait here, where one failed or died on the way (a group half started on some hosts would leave their ranks
+        to learn of it only at their first collective)."""
+        count = self.store.add("shardkit/started", 1)
+        generation = (count - 1) // size  # which start-up on this Store (a group re-made on it counts on)
+        if count % size == 0:
+            self.store.set(f"shardkit/all_started/{generation}", "1")
+        self.wait_for([f"shardkit/all_started/{generation}"], "waiting for every rank to finish its start-up")
 
     def watched(self) -> dict[int, int]:
         """{group rank: pid} of the peers read so far whose pids this rank can watch: on its host, in its pid

@@ -180,7 +180,9 @@ def _start(options, watch: _startup.StartupWatch, global_ranks: list[int], timeo
                                            topology.num_hosts, timeout, "the host leaders' gloo backend")
     _GLOO_STORES[str(options.group_id)] = watch.kept_stores
     job_store = _job_store(store, not options.global_ranks_in_group)
-    return _C.ProcessGroupShardkit(rank, size, config, store, fallback, inter_host, job_store)
+    backend = _C.ProcessGroupShardkit(rank, size, config, store, fallback, inter_host, job_store)
+    watch.all_started(size)
+    return backend
 
 
 def host_topology(group: dist.ProcessGroup | None = None) -> HostTopology:

@@ -24,6 +24,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 import harness  # noqa: E402
+from collective_cases import topology_env  # noqa: E402
 
 INIT_TIMEOUT = timedelta(seconds=60)  # what the peers used to wait out; the test's deadline is below it
 
@@ -88,12 +89,15 @@ def _init_timed(rank: int, world: int, store_path: str, victim: int, how: str):
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("how", ["before_attach", "creator_after_create"])
-@pytest.mark.parametrize("world", [2, 4])
-def test_a_rank_dying_in_start_up_is_named_by_every_peer_within_2s(ranks, tmp_path: Path, world: int, how: str):
+@pytest.mark.parametrize("world, hosts", [(2, None), (4, None), (4, [0, 0, 1, 1])],
+                         ids=["w2", "w4", "2x2hosts"])
+def test_a_rank_dying_in_start_up_is_named_by_every_peer_within_2s(ranks, tmp_path: Path, world: int, hosts, how: str):
+    # On simulated hosts the other host's ranks cannot watch the victim's pid: they hear of it through the notice.
     victims = [0] if how == "creator_after_create" else [0, world - 1]
     for victim in victims:
         store = str(tmp_path / f"store-{victim}")
-        outcomes = ranks.launch(_init_timed, world, store, victim, how, backend=None, timeout=45)
+        outcomes = ranks.launch(_init_timed, world, store, victim, how, backend=None, timeout=45,
+                                env=topology_env(hosts))
         assert outcomes[victim].exitcode == -signal.SIGKILL, outcomes[victim].error
         for outcome in outcomes:
             if outcome.rank == victim:
