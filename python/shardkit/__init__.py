@@ -12,12 +12,13 @@ from . import state_dict  # noqa: E402  (after fsdp and ddp, which it wraps)
 from .backend import ZeroCopyUnavailableWarning, all_reduce_, register_backend
 from .ddp import DistributedDataParallel
 from .fsdp import FullyShardedDataParallel
+from ._fully_shard import fully_shard
 from .strategy import auto
 from .zero import ZeroRedundancyOptimizer
 
 __version__ = "0.1.0"
 __all__ = ["DistributedDataParallel", "FullyShardedDataParallel", "ZeroCopyUnavailableWarning",
            "ZeroRedundancyOptimizer", "__version__", "all_reduce_", "auto",
-           "fsdp", "hooks", "register_backend", "state_dict", "wrap"]
+           "fsdp", "fully_shard", "hooks", "register_backend", "state_dict", "wrap"]
 
 register_backend()

@@ -1,4 +1,4 @@
-"""The private torch interfaces shardkit's checkpoint code relies on, in one place (the twin of csrc/compat.h).
+"""The private torch interfaces shardkit relies on (checkpoints, FSDP2), in one place (the twin of csrc/compat.h).
 
 Each function says what it uses (shardkit supports torch >= 2.11). The checkpoint interfaces were read in torch
 2.13 (installed here) and 2.14.1 (its wheel), and in an older revision of torch's main branch (2.5-era), which
@@ -37,3 +37,70 @@ def use_filesystem(writer: FileSystemWriter, filesystem: FileSystem) -> None:
                            "FileSystem in its attribute 'fs': shardkit cannot checksum the files it writes "
                            "(python/shardkit/_torch_compat.py needs updating for this torch)")
     writer.fs = filesystem
+
+
+# --- FSDP2 (torch.distributed.fsdp.fully_shard): what shardkit.fully_shard plugs into. Read in torch 2.13 and
+# 2.14.1 (FSDPModule.set_custom_all_gather / set_custom_reduce_scatter and the AllGather / ReduceScatter
+# interfaces exist in both, as in 2.11's documentation); the private attributes below are those of both.
+def fsdp2_fully_shard():
+    """torch's ``fully_shard`` (FSDP2)."""
+    from torch.distributed.fsdp import fully_shard
+
+    return fully_shard
+
+
+def fsdp2_comm_interfaces() -> tuple[type, type]:
+    """FSDP2's custom-collective interfaces ``(AllGather, ReduceScatter)``: an ``allocate(size, *, dtype, device)``
+    for the buffers FSDP2 hands the collective, and a ``__call__`` that issues it."""
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+    except ImportError as error:
+        raise RuntimeError("shardkit.fully_shard: this torch has no FSDP2 custom-collective interface "
+                           "(torch.distributed.fsdp._fully_shard._fsdp_api.AllGather / ReduceScatter); shardkit "
+                           "supports torch 2.11, 2.13 and 2.14") from error
+    return AllGather, ReduceScatter
+
+
+def fsdp2_param_groups(fsdp_module: Any) -> list[Any]:
+    """The FSDPParamGroups of one ``fully_shard`` call (FSDPState._fsdp_param_groups: a list in 2.13 and 2.14;
+    an older torch's single ``_fsdp_param_group``, None where the module manages no parameters)."""
+    state = fsdp_module._get_fsdp_state()
+    if hasattr(state, "_fsdp_param_groups"):
+        return list(state._fsdp_param_groups or [])
+    group = getattr(state, "_fsdp_param_group", None)
+    return [group] if group is not None else []
+
+
+def fsdp2_shard_group(param_group: Any) -> Any:
+    """The process group a parameter group shards over (``FSDPParamGroup.mesh_info.shard_process_group``)."""
+    return param_group.mesh_info.shard_process_group
+
+
+def fsdp2_params(param_group: Any) -> list[Any]:
+    """The original parameters (DTensors) a parameter group manages (``FSDPParamGroup.fsdp_params[i].sharded_param``)."""
+    return [fsdp_param.sharded_param for fsdp_param in param_group.fsdp_params]
+
+
+def fsdp2_module_path(param_group: Any) -> str:
+    """The group's module path in the root, as FSDP2 learns it at the root's lazy init (``_module_fqn``); "" for the
+    root, or before the root's first forward."""
+    return getattr(param_group, "_module_fqn", "") or ""
+
+
+def all_gather_single(output: Any, input: Any, group: Any, async_op: bool) -> Any:
+    """``dist.all_gather_single`` (torch >= 2.13, where ``all_gather_into_tensor`` warns it is deprecated), else
+    ``all_gather_into_tensor``: the same collective."""
+    import torch.distributed as dist
+
+    if hasattr(dist, "all_gather_single"):
+        return dist.all_gather_single(output, input, group=group, async_op=async_op)
+    return dist.all_gather_into_tensor(output, input, group=group, async_op=async_op)
+
+
+def reduce_scatter_single(output: Any, input: Any, op: Any, group: Any, async_op: bool) -> Any:
+    """``dist.reduce_scatter_single`` (torch >= 2.13), else ``reduce_scatter_tensor``: the same collective."""
+    import torch.distributed as dist
+
+    if hasattr(dist, "reduce_scatter_single"):
+        return dist.reduce_scatter_single(output=output, input=input, op=op, group=group, async_op=async_op)
+    return dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)

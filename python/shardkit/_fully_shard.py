@@ -1,0 +1,149 @@
+"""``shardkit.fully_shard``: torch FSDP2's ``fully_shard`` — the installed torch's signature, defaults and
+semantics, its ``FSDPModule`` methods and its DTensor state — running its collectives through shardkit.
+
+Why torch's own FSDP2 and not a front of shardkit's (the choice issue 26 asked to make with figures; the figures
+are in docs/fsdp2.md): FSDP2's state is DTensors, so torch's ``get_state_dict`` / ``set_state_dict``,
+``dcp.save`` / ``dcp.load``, ``clip_grad_norm_`` and DTensor code work on it unchanged and its checkpoints are
+torch FSDP2's, bit for bit, at any world size. What a fused front could still win is the copies around the
+collectives, and on this machine that bound is small (shardkit's fused FSDP1 front, one copy per byte, steps in
+0.88x FSDP2's time on the same backend, where a step without any all-gather takes 0.91x).
+
+What shardkit adds, per ``fully_shard`` call (a unit), through FSDP2's custom-collective interface
+(``FSDPModule.set_custom_all_gather`` / ``set_custom_reduce_scatter``, torch >= 2.11):
+
+- **Zero-copy reduce-scatter.** On a shardkit group whose ranks share one host, for host parameters, the unit's
+  reduce-scatter input (the gradients FSDP2 copies in, ``chunk_cat``) is made in memory every rank of the group
+  maps (``shardkit.backend.shared_buffer``), and the engine reduces this rank's rows of every peer's input where
+  they lie instead of copying each input through the group's slots first. Same results, bit for bit.
+- **Collective identities.** Each unit's all-gathers and reduce-scatters carry the unit's identity (its module
+  path in the root, e.g. ``layers.3``); shardkit's backend compares it on every rank of the group, so ranks whose
+  forward or backward runs different units fail at the first collective that pairs them, naming both units,
+  instead of exchanging the wrong parameters (see _collective_identity.py).
+
+Everything else is torch's: where the plug-ins do not apply (another backend, CUDA parameters, a unit with
+several meshes from ``shard_placement_fn``) the unit runs exactly as torch FSDP2 does.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import _torch_compat
+from ._collective_identity import collectives_for
+from .backend import shared_buffer, zero_copy_unavailable
+
+_torch_fully_shard = _torch_compat.fsdp2_fully_shard()
+_AllGather, _ReduceScatter = _torch_compat.fsdp2_comm_interfaces()
+
+
+@functools.wraps(_torch_fully_shard)
+def fully_shard(module: Any, **kwargs: Any) -> Any:
+    # The docstring and the signature are torch's (functools.wraps): the same arguments, defaults and result.
+    result = _torch_fully_shard(module, **kwargs)
+    for fsdp_module in result if isinstance(result, list) else [result]:
+        _plug_in(fsdp_module)
+    return result
+
+
+fully_shard.__doc__ = ("shardkit's ``fully_shard``: torch FSDP2's, with its collectives run through shardkit "
+                       "(zero-copy reduce-scatter on one host, unit identities checked on every rank; see "
+                       "shardkit/_fully_shard.py). torch's documentation follows.\n\n" + (fully_shard.__doc__ or ""))
+
+
+def _plug_in(fsdp_module: nn.Module) -> None:
+    """Gives the unit ``fsdp_module`` shardkit's all-gather and reduce-scatter (see the module docstring), where
+    it has exactly one parameter group (none: it manages no parameters; several: per-parameter meshes, which
+    FSDP2's custom collectives refuse)."""
+    groups = _torch_compat.fsdp2_param_groups(fsdp_module)
+    if len(groups) != 1:
+        return
+    param_group = groups[0]
+    unit = _Unit(param_group)
+    fsdp_module.set_custom_all_gather(UnitAllGather(unit))
+    shard_group = _torch_compat.fsdp2_shard_group(param_group)
+    zero_copy = (param_group.device.type == "cpu" and shard_group.size() > 1
+                 and zero_copy_unavailable(shard_group) is None)
+    fsdp_module.set_custom_reduce_scatter(UnitReduceScatter(unit, shard_group if zero_copy else None))
+
+
+class _Unit:
+    """How a unit's collectives name it: its module path in the root (FSDP2 learns it at the root's first
+    forward, before any collective), and its parameters' count and elements."""
+
+    def __init__(self, param_group: Any) -> None:
+        self._param_group = param_group
+        params = _torch_compat.fsdp2_params(param_group)
+        self.detail = f"{len(params)} parameters, {sum(p.numel() for p in params)} elements"
+
+    def identity_scope(self):
+        path = _torch_compat.fsdp2_module_path(self._param_group)
+        return collectives_for(f"fully_shard unit '{path or '(root)'}'", self.detail)
+
+
+class UnitAllGather(_AllGather):
+    """FSDP2's all-gather (``all_gather_into_tensor`` into a buffer FSDP2 allocates), under the unit's identity."""
+
+    def __init__(self, unit: _Unit) -> None:
+        self.unit = unit
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 async_op: bool = False):
+        with self.unit.identity_scope():
+            return _torch_compat.all_gather_single(output_tensor, input_tensor, group, async_op)
+
+
+class UnitReduceScatter(_ReduceScatter):
+    """FSDP2's reduce-scatter, under the unit's identity; with ``shard_group`` (zero-copy applies), its input made
+    in shared memory.
+
+    The shared memory is one block per unit, as large as the unit's reduce-scatter input, lent out by ``allocate``
+    and back once a synchronous reduce-scatter has read it. FSDP2 asks ``allocate`` for the input first and then
+    for the output (which becomes the sharded gradients and is kept); while the block is out, every request gets
+    ordinary memory, so the output never lands in it. Where a call does not take the block as its input (an
+    asynchronous one, or a torch that asks in another order), the block is never lent again: ordinary memory from
+    then on, never a block two tensors share. Lending and return happen at collectives, in the same order on every
+    rank, so every rank's input lies at the same place in its region, as the engine requires. Making the block is
+    itself a collective on the shard group (``shared_buffer``), issued by every rank at the unit's first
+    reduce-scatter."""
+
+    def __init__(self, unit: _Unit, shard_group: dist.ProcessGroup | None) -> None:
+        self.unit = unit
+        self._shard_group = shard_group
+        self._block: torch.Tensor | None = None
+        self._lent: torch.Tensor | None = None
+        self._retired = shard_group is None  # no zero-copy memory: ordinary memory only
+        self.zero_copy_calls = 0  # reduce-scatters whose input lay in shared memory
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        if self._retired or self._lent is not None or device.type != "cpu":
+            return torch.empty(*size, dtype=dtype, device=device)
+        nbytes = math.prod(int(s) for s in size) * dtype.itemsize
+        if self._block is None or self._block.numel() < nbytes:
+            self._block = shared_buffer(nbytes, self._shard_group, who="shardkit.fully_shard",
+                                        what=f"the reduce-scatter input of {self.unit.detail}")
+            if self._block is None:  # no room in /dev/shm (shared_buffer warned, on every rank)
+                self._retired = True
+                return torch.empty(*size, dtype=dtype, device=device)
+        self._lent = self._block[:nbytes].view(dtype).view(*size)
+        return self._lent
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 op: Any, async_op: bool = False):
+        lent, self._lent = self._lent, None
+        with self.unit.identity_scope():
+            work = _torch_compat.reduce_scatter_single(output_tensor, input_tensor, op, group, async_op)
+        if lent is not None:
+            if async_op or input_tensor.data_ptr() != lent.data_ptr():
+                self._retired = True  # the block may still be read, or be someone's output: never lend it again
+            else:
+                self.zero_copy_calls += 1
+        return work

@@ -1,0 +1,399 @@
+"""``shardkit.fully_shard``: parity with torch FSDP2 on gloo (and torch DDP on gloo), torch's FSDP2 methods, the
+zero-copy reduce-scatter, unit identities, checkpoints interchanged with torch FSDP2 at other world sizes through
+``shardkit.checkpoint``, and torch's ``clip_grad_norm_``.
+
+The oracle is torch's own ``fully_shard`` on a **gloo** mesh over every rank (no shardkit code on its path); the
+device under test is ``shardkit.fully_shard`` on the default ("shardkit") group's mesh. Both wrap deep copies of
+the same model, get the same per-rank batches and take turns, so their collectives never interleave. After every
+step every parameter, gathered whole (``DTensor.full_tensor()``), must agree.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from collective_cases import topology_env  # noqa: E402
+from ddp_cases import assert_close, gloo_world  # noqa: E402
+from fsdp_cases import Block  # noqa: E402
+
+VOCAB, D, SEQ = 96, 64, 8  # a block's gradients are 66 KB: past the engine's 32 KB zero-copy threshold
+
+
+class TinyLM(nn.Module):
+    """Token embedding, ``depth`` Blocks, a final norm and an LM head tied to the embedding (the tied weight is
+    the root unit's, as torch's guides place it)."""
+
+    def __init__(self, depth: int = 3) -> None:
+        super().__init__()
+        self.skip: set[int] = set()  # layers the forward leaves out (a rank taking another branch)
+        self.wte = nn.Embedding(VOCAB, D)
+        self.layers = nn.ModuleList([Block(D) for _ in range(depth)])
+        self.norm = nn.LayerNorm(D)
+        self.lm_head = nn.Linear(D, VOCAB, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.wte(tokens)
+        for i, layer in enumerate(self.layers):
+            if i not in self.skip:
+                h = layer(h)
+        return self.lm_head(self.norm(h))
+
+
+def tiny_lm(seed: int = 0, depth: int = 3) -> TinyLM:
+    torch.manual_seed(seed)
+    return TinyLM(depth)
+
+
+def tokens(rank: int, step: int, micro: int = 0, rows: int | None = None) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1_000_003 * rank + 1009 * step + 31 * micro + 11)
+    return torch.randint(0, VOCAB, (rows or 2 + rank, SEQ + 1), generator=g)  # uneven rows on purpose
+
+
+def lm_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    logits = model(batch[:, :-1])
+    return F.cross_entropy(logits.reshape(-1, VOCAB).float(), batch[:, 1:].reshape(-1))
+
+
+def _optimizer(name: str, params) -> torch.optim.Optimizer:
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
+
+
+def _wrap(shard, model: TinyLM, mesh, reshard_after_forward: Any = None, mp_policy=None) -> TinyLM:
+    """The recipe of torch's guides: each block, then the root."""
+    kwargs: dict[str, Any] = {"mesh": mesh}
+    if reshard_after_forward is not None:
+        kwargs["reshard_after_forward"] = reshard_after_forward
+    if mp_policy is not None:
+        kwargs["mp_policy"] = mp_policy
+    for layer in model.layers:
+        shard(layer, **kwargs)
+    shard(model, **kwargs)
+    return model
+
+
+def _meshes(world: int, hsdp: bool):
+    """(the oracle's mesh on gloo, shardkit's mesh on the default group): 1-D, or 2-D (replicate, shard) for HSDP."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    if not hsdp:
+        return DeviceMesh.from_group(gloo_world(), "cpu"), init_device_mesh("cpu", (world,))
+    names = ("replicate", "shard")
+    layout = torch.arange(world).view(2, world // 2)
+    # gloo subgroups for the oracle: every rank creates every group, in the same order (new_group is collective)
+    rows = [dist.new_group(r.tolist(), backend="gloo") for r in layout]
+    cols = [dist.new_group(c.tolist(), backend="gloo") for c in layout.t()]
+    me = dist.get_rank()
+    replicate = next(g for g, c in zip(cols, layout.t()) if me in c.tolist())
+    shard = next(g for g, r in zip(rows, layout) if me in r.tolist())
+    ref = DeviceMesh.from_group([replicate, shard], "cpu", mesh=layout, mesh_dim_names=names)
+    return ref, init_device_mesh("cpu", (2, world // 2), mesh_dim_names=names)
+
+
+def _full(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter whole (a collective on the model's mesh, in parameter order)."""
+    return {name: p.full_tensor().detach().clone() for name, p in model.named_parameters()}
+
+
+CASES = {
+    # name: (optimizer, reshard_after_forward, bf16, accumulation micro-steps, frozen layer, hsdp)
+    "recipe_sgd": ("sgd", None, False, 1, False, False),
+    "adamw_keep_unsharded": ("adamw", False, False, 1, False, False),
+    "adamw_reshard_to_2": ("adamw", 2, False, 1, False, False),
+    "bf16": ("sgd", None, True, 1, False, False),  # AdamW's first steps are ±lr: a rounding flips them
+    "no_sync_accumulation": ("sgd", None, False, 3, False, False),
+    "frozen_layer": ("adamw", None, False, 1, True, False),
+    "hsdp": ("adamw", None, False, 1, False, True),
+}
+
+
+def _parity(rank: int, world: int, case: str, steps: int = 5) -> dict[str, Any]:
+    import shardkit
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    optimizer, reshard, bf16, micro_steps, frozen, hsdp = CASES[case]
+    ref_mesh, dut_mesh = _meshes(world, hsdp)
+    base = tiny_lm()
+    if frozen:
+        base.layers[1].requires_grad_(False)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16) if bf16 else None
+    ref = _wrap(torch_fully_shard, copy.deepcopy(base), ref_mesh, reshard, mp)
+    dut = _wrap(shardkit.fully_shard, copy.deepcopy(base), dut_mesh, reshard, mp)
+    ddp = None if bf16 else TorchDDP(copy.deepcopy(base), process_group=gloo_world())
+    models = [m for m in (ref, dut, ddp) if m is not None]
+    optimizers = [_optimizer(optimizer, [p for p in m.parameters() if p.requires_grad]) for m in models]
+    rtol, atol = (2e-2, 2e-3) if bf16 else (1e-5, 1e-6)
+    for step in range(steps):
+        for micro in range(micro_steps):
+            last = micro == micro_steps - 1
+            batch = tokens(rank, step, micro)
+            for model in models:
+                if model is ddp:
+                    context = ddp.no_sync() if not last else contextlib.nullcontext()
+                else:
+                    model.set_requires_gradient_sync(last)
+                    context = contextlib.nullcontext()
+                with context:
+                    lm_loss(model, batch).backward()
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad()
+        want, got = _full(ref), _full(dut)
+        assert list(got) == list(want)
+        for name, value in want.items():
+            assert_close(got[name], value, f"rank {rank} step {step} {case}: {name} (shardkit vs torch FSDP2)",
+                         rtol, atol)
+            if ddp is not None:
+                ddp_value = dict(ddp.module.named_parameters())[name].detach()
+                assert_close(got[name], ddp_value, f"rank {rank} step {step} {case}: {name} (vs torch DDP)",
+                             rtol, atol)
+    shard_group = dut_mesh.get_group("shard" if hsdp else 0)
+    return {"types": sorted({type(p).__name__ for p in dut.parameters()}),
+            "zero_copy_calls": sum(comm.zero_copy_calls for comm in _reduce_scatters(dut)),
+            "units_reduced": sum(any(p.requires_grad for p in m.parameters()) for m in [*dut.layers, dut]),
+            "shared_ops": shardkit.backend.cpu_backend(shard_group).shared_ops()}
+
+
+def _reduce_scatters(model: nn.Module) -> list[Any]:
+    from shardkit import _fully_shard, _torch_compat
+
+    comms = [group._reduce_scatter_comm for m in model.modules() if hasattr(m, "set_custom_reduce_scatter")
+             for group in _torch_compat.fsdp2_param_groups(m)]
+    assert all(isinstance(c, _fully_shard.UnitReduceScatter) for c in comms), comms
+    return comms
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world, case, hosts", [
+    (2, "recipe_sgd", None), (3, "recipe_sgd", None), (4, "recipe_sgd", None),
+    (2, "adamw_keep_unsharded", None), (4, "adamw_reshard_to_2", None), (3, "bf16", None),
+    (2, "no_sync_accumulation", None), (2, "frozen_layer", None),
+    (4, "hsdp", [0, 0, 1, 1]), (4, "recipe_sgd", [0, 0, 1, 1]),
+], ids=lambda v: "x".join(map(str, v)) if isinstance(v, list) else str(v))
+def test_fully_shard_trains_as_torch_fsdp2_and_ddp_on_gloo(ranks, world: int, case: str, hosts):
+    for value in ranks.run(_parity, world, case, timeout=100, env=topology_env(hosts)):
+        assert value["types"] == ["DTensor"]
+        # A shard group on one host (HSDP's groups of 2 lie on one host each): every unit's reduce-scatter input
+        # was made in shared memory (5 steps), and the engine read the peers' gradients in place (the blocks';
+        # the root's 25 KB go through the slots). Across hosts, nothing is shared.
+        if hosts is None or case == "hsdp":
+            assert value["zero_copy_calls"] == 5 * value["units_reduced"], value
+            assert value["shared_ops"] >= 5 * 2, value
+        else:
+            assert value["zero_copy_calls"] == value["shared_ops"] == 0, value
+
+
+def _methods(rank: int, world: int) -> list[str]:
+    """torch's guide: explicit prefetching, an async unshard, several forwards before one backward (multi-view),
+    set_is_last_backward / set_reshard_after_backward, a registered forward method — the same calls on both."""
+    import shardkit
+    from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    ref_mesh, dut_mesh = _meshes(world, hsdp=False)
+    models = []
+    for shard, mesh in ((torch_fully_shard, ref_mesh), (shardkit.fully_shard, dut_mesh)):
+        model = _wrap(shard, tiny_lm(), mesh)
+        assert isinstance(model, TinyLM) and isinstance(model, FSDPModule)
+        layers = list(model.layers)
+        for i, layer in enumerate(layers):
+            layer.set_modules_to_forward_prefetch(layers[i + 1:i + 2])
+            layer.set_modules_to_backward_prefetch(layers[i - 1:i] if i else [])
+        model.score = lambda batch, m=model: lm_loss(m, batch)  # noqa: B023 - bound per model
+        register_fsdp_forward_method(model, "score")
+        models.append(model)
+    optimizers = [_optimizer("adamw", m.parameters()) for m in models]
+    for step in range(3):
+        for model in models:
+            handle = model.unshard(async_op=True)
+            handle.wait()
+            model.set_is_last_backward(step == 2)
+            model.set_reshard_after_backward(True)
+            view_a, view_b = tokens(rank, step, 0), tokens(rank, step, 1)
+            (model.score(view_a) + lm_loss(model, view_b)).backward()
+            model.reshard()
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad()
+        want, got = _full(models[0]), _full(models[1])
+        for name, value in want.items():
+            assert_close(got[name], value, f"rank {rank} step {step}: {name}", 1e-5, 1e-6)
+    return list(want)
+
+
+@pytest.mark.timeout(90)
+def test_fsdp_module_methods_of_torchs_guide_behave_as_torchs(ranks):
+    ranks.run(_methods, 2, timeout=80)
+
+
+def _skipped_unit(rank: int, world: int) -> str:
+    """After a good step, rank 1's forward leaves layer 1 out: its all-gather of layers.2 meets rank 0's of
+    layers.1 (same shapes: without identities they would swap shards silently)."""
+    import shardkit
+    from torch.distributed.device_mesh import init_device_mesh
+
+    model = _wrap(shardkit.fully_shard, tiny_lm(), init_device_mesh("cpu", (world,)))
+    lm_loss(model, tokens(rank, 0)).backward()
+    if rank == 1:
+        model.skip = {1}
+    try:
+        lm_loss(model, tokens(rank, 1)).backward()
+    except Exception as error:  # noqa: BLE001 - the test reads the message
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.timeout(60)
+def test_ranks_that_run_different_units_fail_naming_both(ranks):
+    for message in ranks.run(_skipped_unit, 2, timeout=50):
+        assert "fully_shard unit 'layers.1'" in message and "fully_shard unit 'layers.2'" in message, message
+
+
+# --- checkpoints: torch FSDP2 <-> shardkit.fully_shard, at other world sizes, through shardkit.checkpoint ---------
+GLOBAL_ROWS = 12  # one global batch per step, split evenly over 1, 2, 3 or 4 ranks
+
+
+def _global_step(model, optimizer, rank: int, world: int, step: int) -> None:
+    rows = GLOBAL_ROWS // world
+    batch = tokens(0, step, rows=GLOBAL_ROWS)[rank * rows:(rank + 1) * rows]
+    lm_loss(model, batch).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def _wrapped(front: str, world: int):
+    import shardkit
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    if front == "torch":
+        model = _wrap(torch_fully_shard, tiny_lm(), DeviceMesh.from_group(gloo_world(), "cpu"))
+    else:
+        model = _wrap(shardkit.fully_shard, tiny_lm(), init_device_mesh("cpu", (world,)))
+    return model, _optimizer("adamw", model.parameters())
+
+
+def _save(rank: int, world: int, front: str, directory: str) -> None:
+    """Trains 2 steps, saves (README's snippet), then 2 more steps: the run that never stopped, whose final
+    parameters rank 0 keeps beside the checkpoint."""
+    from shardkit import checkpoint
+    from shardkit.state_dict import get_state_dict
+
+    model, optimizer = _wrapped(front, world)
+    for step in range(2):
+        _global_step(model, optimizer, rank, world, step)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    checkpoint.save({"model": model_sd, "optim": optim_sd}, directory)
+    for step in range(2, 4):
+        _global_step(model, optimizer, rank, world, step)
+    final = _full(model)
+    if rank == 0:
+        torch.save(final, Path(directory).with_suffix(".final.pt"))
+
+
+def _resume(rank: int, world: int, front: str, directories: list[str]) -> None:
+    """Loads each checkpoint (README's snippet), checks model and optimizer state bitwise against a torch-only read
+    of the same files, then continues 2 steps: the same parameters as the run that never stopped."""
+    import torch.distributed.checkpoint as dcp
+    from shardkit import checkpoint
+    from shardkit.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+    from torch.distributed.checkpoint.state_dict import get_state_dict as torch_get_state_dict
+
+    for directory in directories:
+        model, optimizer = _wrapped(front, world)
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        checkpoint.load(state, directory)
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        # bitwise: the whole state, gathered by torch's own function, against the checkpoint read by DCP alone
+        full = torch_get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
+        saved = {"model": {k: torch.empty_like(v) for k, v in full[0].items()},
+                 "optim": _empty_like_tree(full[1])}
+        dcp.load(saved, checkpoint_id=directory, process_group=gloo_world())
+        _assert_bitwise(full[0], saved["model"], f"rank {rank}: {directory} model")
+        _assert_bitwise(full[1], saved["optim"], f"rank {rank}: {directory} optimizer")
+        for step in range(2, 4):
+            _global_step(model, optimizer, rank, world, step)
+        want = torch.load(Path(directory).with_suffix(".final.pt"))
+        for name, value in _full(model).items():
+            assert_close(value, want[name], f"rank {rank}: resumed from {directory}: {name}", 1e-5, 1e-6)
+
+
+def _empty_like_tree(tree: Any) -> Any:
+    if isinstance(tree, torch.Tensor):
+        return torch.empty_like(tree)
+    if isinstance(tree, dict):
+        return {k: _empty_like_tree(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_empty_like_tree(v) for v in tree]
+    return tree
+
+
+def _assert_bitwise(got: Any, want: Any, where: str) -> None:
+    if isinstance(want, torch.Tensor):
+        assert torch.equal(got, want), f"{where}: differs"
+    elif isinstance(want, dict):
+        assert set(got) == set(want), f"{where}: keys {sorted(map(str, got))} vs {sorted(map(str, want))}"
+        for key in want:
+            _assert_bitwise(got[key], want[key], f"{where}.{key}")
+    elif isinstance(want, list):
+        for i, (a, b) in enumerate(zip(got, want)):
+            _assert_bitwise(a, b, f"{where}[{i}]")
+    else:
+        assert got == want, f"{where}: {got!r} vs {want!r}"
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("saver, loader", [("torch", "shardkit"), ("shardkit", "torch")],
+                         ids=["torch_fsdp2_to_shardkit", "shardkit_to_torch_fsdp2"])
+def test_checkpoints_interchange_with_torch_fsdp2_at_every_world_size(ranks, tmp_path: Path, saver: str,
+                                                                      loader: str):
+    directories = []
+    for n in (1, 2, 3, 4):
+        directory = str(tmp_path / f"saved-by-{saver}-at-{n}")
+        ranks.run(_save, n, saver, directory, timeout=60)
+        directories.append(directory)
+    for m in (1, 2, 3, 4):  # every saved world size into every loading world size
+        ranks.run(_resume, m, loader, directories, timeout=90)
+
+
+def _clip(rank: int, world: int) -> tuple[float, float]:
+    import shardkit
+    from torch.distributed.device_mesh import init_device_mesh
+
+    plain = tiny_lm()
+    model = _wrap(shardkit.fully_shard, copy.deepcopy(plain), init_device_mesh("cpu", (world,)))
+    batch = tokens(0, 0, rows=GLOBAL_ROWS)
+    rows = GLOBAL_ROWS // world
+    lm_loss(model, batch[rank * rows:(rank + 1) * rows]).backward()
+    lm_loss(plain, batch).backward()
+    got = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.5)
+    want = torch.nn.utils.clip_grad_norm_(plain.parameters(), max_norm=0.5)
+    got = got.full_tensor() if hasattr(got, "full_tensor") else got
+    assert_close(got, want, f"rank {rank}: total norm", 1e-5, 1e-6)
+    for name, p in model.named_parameters():
+        assert_close(p.grad.full_tensor(), dict(plain.named_parameters())[name].grad, f"clipped {name}", 1e-5, 1e-6)
+    return float(got), float(want)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("world", [2, 3])
+def test_clip_grad_norm_equals_torchs_on_the_unwrapped_model(ranks, world: int):
+    ranks.run(_clip, world, timeout=50)
