@@ -2,7 +2,8 @@
 shardkit.state_dict's get_state_dict / set_state_dict (torch.distributed.checkpoint.state_dict's names).
 
 Every case trains 2 steps at world N with one system (shardkit FSDP under a strategy, or shardkit DDP with
-zero_stage 0|1|2 and its optimizer), saves model and optimizer (sharded through DCP, or full with torch.save),
+zero_stage 0|1|2 and its optimizer), saves model and optimizer (sharded through shardkit.checkpoint.save and
+loaded through shardkit.checkpoint.load, strict, as the README writes it; or full with torch.save),
 then loads them at world M into another system built from other values, and compares with the run that
 never stopped (one process, the global batch, torch's AdamW): the full parameters and the optimizer state
 right after loading, and the parameters after 3 more steps at world M. World sizes 1-4 all occur as N and as
@@ -45,7 +46,7 @@ def _build(system: str, seed: int, depth: int = 3, d_in: int = 7):
 
 
 def _save(rank: int, world: int, system: str, path: str, full: bool) -> None:
-    import torch.distributed.checkpoint as dcp
+    from shardkit import checkpoint
     from shardkit.state_dict import StateDictOptions, get_state_dict
 
     model, optimizer = _build(system, seed=0)
@@ -56,13 +57,13 @@ def _save(rank: int, world: int, system: str, path: str, full: bool) -> None:
         assert (model_sd == {}) == (rank != 0)  # cpu_offload with full: rank 0 only, as torch's
         if rank == 0:
             torch.save({"model": model_sd, "optim": optim_sd}, path)
-    else:
+    else:  # the README's Checkpoints snippet
         model_sd, optim_sd = get_state_dict(model, optimizer)
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+        checkpoint.save({"model": model_sd, "optim": optim_sd}, path)
 
 
 def _resume(rank: int, world: int, system: str, path: str, full: bool) -> dict:
-    import torch.distributed.checkpoint as dcp
+    from shardkit import checkpoint
     from shardkit.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict
 
     model, optimizer = _build(system, seed=123)  # other values: the load must replace every one
@@ -73,7 +74,7 @@ def _resume(rank: int, world: int, system: str, path: str, full: bool) -> dict:
     else:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
-        dcp.load(state, checkpoint_id=path)
+        checkpoint.load(state, path)  # the README's way: verified, and strict (every rank's keys together)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     whole = StateDictOptions(full_state_dict=True)
     params_loaded, optim_loaded = get_state_dict(model, optimizer, options=whole)

@@ -2,9 +2,11 @@
 _verify.py) and checking that it holds exactly the tensors of the state dict (``strict``).
 
 DCP alone reads what the state dict asks for and ignores the rest (a checkpoint of a bigger model loads
-silently) and names shardkit's flattened sizes only; ``check_matches`` raises first, on every rank alike (each
-reads the same metadata file, no communication), naming the parameters and their own shapes in the checkpoint
-and in the model.
+silently) and names shardkit's flattened sizes only; ``check_matches`` raises first, naming the parameters and
+their own shapes in the checkpoint and in the model (or, where those agree, the two layouts). Each rank reads the
+same metadata file; one exchange of the state dicts' keys lets a rank tell the entries of another rank's pieces
+(a ZeRO optimizer state dict names only the parameters the rank holds pieces of) from a model's that is not this
+one.
 """
 
 from __future__ import annotations
@@ -41,14 +43,19 @@ def load(state_dict: dict[str, Any], checkpoint_id: str | Path, *, strict: bool 
     ranks = Ranks(process_group)
     check_for_load(directory, ranks, checksums=verify)
     if strict:
-        check_matches(state_dict, directory)
+        # A sharded optimizer's state dict names only the parameters this rank holds pieces of (ZeRO-1/2): the
+        # checkpoint's other entries are another rank's, not strangers. One exchange of the names finds out.
+        flat, _ = _torch_compat.flatten_state_dict(state_dict)
+        held = set().union(*ranks.all_gather(sorted(k for k, v in flat.items() if isinstance(v, torch.Tensor))))
+        check_matches(state_dict, directory, held_by_some_rank=held)
     with ranks.quiet_single_process():
         dcp.load(state_dict, checkpoint_id=str(directory), process_group=process_group)
 
 
-def check_matches(state_dict: dict[str, Any], directory: Path) -> None:
+def check_matches(state_dict: dict[str, Any], directory: Path, held_by_some_rank: set[str] | None = None) -> None:
     """Raises RuntimeError naming the missing, unexpected and mismatched tensors of ``state_dict`` against the
-    checkpoint in ``directory`` (only checkpoint entries under ``state_dict``'s top-level keys count)."""
+    checkpoint in ``directory`` (only checkpoint entries under ``state_dict``'s top-level keys count; an entry
+    in ``held_by_some_rank``, the keys every rank's state dict holds, is not unexpected)."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     metadata = read_metadata(directory)
     flat, paths = _torch_compat.flatten_state_dict(state_dict)
@@ -58,7 +65,7 @@ def check_matches(state_dict: dict[str, Any], directory: Path) -> None:
              if isinstance(meta, TensorStorageMetadata) and their_paths[key][0] in tops}
     ours = {key: value for key, value in flat.items() if isinstance(value, torch.Tensor)}
     missing = [key for key in ours if key not in saved]
-    unexpected = [key for key in saved if key not in ours]
+    unexpected = [key for key in saved if key not in ours and key not in (held_by_some_rank or ())]
     mismatched = [key for key in ours if key in saved and torch.Size(saved[key].size) != ours[key].size()]
     if not (missing or unexpected or mismatched):
         return
@@ -73,9 +80,17 @@ def check_matches(state_dict: dict[str, Any], directory: Path) -> None:
     if unexpected:
         problems.append(f"not in the model: {unexpected}")
     for key in mismatched:
-        name = next((str(part) for part in reversed(paths[key]) if str(part) in our_shapes), None)
+        name = next((str(part) for part in reversed(paths[key])
+                     if str(part) in our_shapes or str(part) in their_shapes), None)
         theirs = their_shapes.get(name, list(saved[key].size)) if name else list(saved[key].size)
         mine = our_shapes.get(name, list(ours[key].size())) if name else list(ours[key].size())
-        problems.append(f"{key} has shape {list(theirs)} in the checkpoint but {list(mine)} in the model")
+        if list(theirs) != list(mine):
+            problems.append(f"{key} has shape {list(theirs)} in the checkpoint but {list(mine)} in the model")
+        else:  # the same parameter, laid out differently: flat (FSDP1 front, ZeRO) against its own shape
+            problems.append(
+                f"{key} is {list(mine)} in both, but the checkpoint holds it as {list(saved[key].size)} and the "
+                f"state dict as {list(ours[key].size())}: the layouts differ (shardkit's FSDP1 front and ZeRO "
+                "save parameters flattened; torch FSDP2 and shardkit.fully_shard in their own shapes), so load it "
+                "into a model of the front that saved it")
     raise RuntimeError(f"shardkit checkpoint load (rank {rank}): {directory} does not match the state dict: "
                        + "; ".join(problems))
