@@ -13,8 +13,9 @@ What shardkit adds, per ``fully_shard`` call (a unit), through FSDP2's custom-co
 
 - **Zero-copy reduce-scatter.** On a shardkit group whose ranks share one host, for host parameters, the unit's
   reduce-scatter input (the gradients FSDP2 copies in, ``chunk_cat``) is made in memory every rank of the group
-  maps (``shardkit.backend.shared_buffer``), and the engine reduces this rank's rows of every peer's input where
-  they lie instead of copying each input through the group's slots first. Same results, bit for bit.
+  maps (one block per group, lent to one reduce-scatter at a time: SharedReduceInput), and the engine reduces
+  this rank's rows of every peer's input where they lie instead of copying each input through the group's slots
+  first. Same results, bit for bit.
 - **Collective identities.** Each unit's all-gathers and reduce-scatters carry the unit's identity (its module
   path in the root, e.g. ``layers.3``); shardkit's backend compares it on every rank of the group, so ranks whose
   forward or backward runs different units fail at the first collective that pairs them, naming both units,
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import math
+import weakref
 from typing import Any
 
 import torch
@@ -69,7 +71,8 @@ def _plug_in(fsdp_module: nn.Module) -> None:
     shard_group = _torch_compat.fsdp2_shard_group(param_group)
     zero_copy = (param_group.device.type == "cpu" and shard_group.size() > 1
                  and zero_copy_unavailable(shard_group) is None)
-    fsdp_module.set_custom_reduce_scatter(UnitReduceScatter(unit, shard_group if zero_copy else None))
+    shared = SharedReduceInput.for_group(shard_group) if zero_copy else None
+    fsdp_module.set_custom_reduce_scatter(UnitReduceScatter(unit, shared))
 
 
 class _Unit:
@@ -101,49 +104,79 @@ class UnitAllGather(_AllGather):
             return _torch_compat.all_gather_single(output_tensor, input_tensor, group, async_op)
 
 
-class UnitReduceScatter(_ReduceScatter):
-    """FSDP2's reduce-scatter, under the unit's identity; with ``shard_group`` (zero-copy applies), its input made
-    in shared memory.
+class SharedReduceInput:
+    """The memory in which the units sharded over one group make their reduce-scatter inputs: one block, every
+    rank of the group mapping every rank's, as large as the largest input so far (so about the largest unit's
+    gradients: what FSDP2 itself allocates for that unit's reduce-scatter), lent to one reduce-scatter at a time.
 
-    The shared memory is one block per unit, as large as the unit's reduce-scatter input, lent out by ``allocate``
-    and back once a synchronous reduce-scatter has read it. FSDP2 asks ``allocate`` for the input first and then
-    for the output (which becomes the sharded gradients and is kept); while the block is out, every request gets
-    ordinary memory, so the output never lands in it. Where a call does not take the block as its input (an
-    asynchronous one, or a torch that asks in another order), the block is never lent again: ordinary memory from
-    then on, never a block two tensors share. Lending and return happen at collectives, in the same order on every
-    rank, so every rank's input lies at the same place in its region, as the engine requires. Making the block is
-    itself a collective on the shard group (``shared_buffer``), issued by every rank at the unit's first
-    reduce-scatter."""
+    ``lend`` hands it out for a reduce-scatter's input; ``give_back`` once a synchronous reduce-scatter has read
+    it. While it is out, every request gets ordinary memory: FSDP2 asks for the input first and then for the
+    output (which becomes the sharded gradients and is kept), so the output never lands in it. Where a call does
+    not take the block as its input (an asynchronous one, or a torch that asks in another order), the block is
+    never lent again: ordinary memory from then on, never a block two tensors share. Lending and return happen at
+    collectives, in the same order on every rank, so every rank's input lies at the same place in its region, as
+    the engine requires. Growing the block is itself a collective on the group (``shared_buffer``), issued by
+    every rank at the same reduce-scatter. Shared by the units through ``for_group`` (weakly: it goes with them)."""
 
-    def __init__(self, unit: _Unit, shard_group: dist.ProcessGroup | None) -> None:
-        self.unit = unit
-        self._shard_group = shard_group
+    _by_group: "weakref.WeakValueDictionary[str, SharedReduceInput]" = weakref.WeakValueDictionary()
+
+    @classmethod
+    def for_group(cls, group: dist.ProcessGroup) -> "SharedReduceInput":
+        name = group.group_name
+        pool = cls._by_group.get(name)
+        if pool is None or pool.group is not group:
+            pool = cls._by_group[name] = cls(group)
+        return pool
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
         self._block: torch.Tensor | None = None
         self._lent: torch.Tensor | None = None
-        self._retired = shard_group is None  # no zero-copy memory: ordinary memory only
-        self.zero_copy_calls = 0  # reduce-scatters whose input lay in shared memory
+        self._retired = False
+        self.zero_copy_calls = 0  # reduce-scatters whose input lay in the block
 
-    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        if self._retired or self._lent is not None or device.type != "cpu":
-            return torch.empty(*size, dtype=dtype, device=device)
+    def lend(self, size, dtype: torch.dtype, who: str) -> torch.Tensor | None:
+        if self._retired or self._lent is not None:
+            return None
         nbytes = math.prod(int(s) for s in size) * dtype.itemsize
         if self._block is None or self._block.numel() < nbytes:
-            self._block = shared_buffer(nbytes, self._shard_group, who="shardkit.fully_shard",
-                                        what=f"the reduce-scatter input of {self.unit.detail}")
+            self._block = None  # the old block goes before the new one is mapped
+            self._block = shared_buffer(nbytes, self.group, who="shardkit.fully_shard",
+                                        what=f"the reduce-scatter input of {who}")
             if self._block is None:  # no room in /dev/shm (shared_buffer warned, on every rank)
                 self._retired = True
-                return torch.empty(*size, dtype=dtype, device=device)
+                return None
         self._lent = self._block[:nbytes].view(dtype).view(*size)
         return self._lent
 
+    def taken_by(self, input_tensor: torch.Tensor, async_op: bool) -> None:
+        """After a reduce-scatter was issued: the block is back where it was that call's input and the call is
+        done; otherwise it is never lent again."""
+        lent, self._lent = self._lent, None
+        if lent is None:
+            return
+        if async_op or input_tensor.data_ptr() != lent.data_ptr():
+            self._retired = True
+        else:
+            self.zero_copy_calls += 1
+
+
+class UnitReduceScatter(_ReduceScatter):
+    """FSDP2's reduce-scatter, under the unit's identity; with ``shared`` (zero-copy applies), its input made in
+    that group's SharedReduceInput."""
+
+    def __init__(self, unit: _Unit, shared: SharedReduceInput | None) -> None:
+        self.unit = unit
+        self.shared = shared
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        lent = self.shared.lend(size, dtype, self.unit.detail) if self.shared and device.type == "cpu" else None
+        return lent if lent is not None else torch.empty(*size, dtype=dtype, device=device)
+
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op: Any, async_op: bool = False):
-        lent, self._lent = self._lent, None
         with self.unit.identity_scope():
             work = _torch_compat.reduce_scatter_single(output_tensor, input_tensor, op, group, async_op)
-        if lent is not None:
-            if async_op or input_tensor.data_ptr() != lent.data_ptr():
-                self._retired = True  # the block may still be read, or be someone's output: never lend it again
-            else:
-                self.zero_copy_calls += 1
+        if self.shared is not None:
+            self.shared.taken_by(input_tensor, async_op)
         return work

@@ -104,3 +104,4 @@ def reduce_scatter_single(output: Any, input: Any, op: Any, group: Any, async_op
     if hasattr(dist, "reduce_scatter_single"):
         return dist.reduce_scatter_single(output=output, input=input, op=op, group=group, async_op=async_op)
     return dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
+

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -165,7 +166,9 @@ def _parity(rank: int, world: int, case: str, steps: int = 5) -> dict[str, Any]:
                              rtol, atol)
     shard_group = dut_mesh.get_group("shard" if hsdp else 0)
     return {"types": sorted({type(p).__name__ for p in dut.parameters()}),
-            "zero_copy_calls": sum(comm.zero_copy_calls for comm in _reduce_scatters(dut)),
+            "zero_copy_calls": sum(pool.zero_copy_calls for pool in {id(c.shared): c.shared
+                                                                     for c in _reduce_scatters(dut) if c.shared}.values()),
+            "pools": len({id(c.shared) for c in _reduce_scatters(dut) if c.shared}),
             "units_reduced": sum(any(p.requires_grad for p in m.parameters()) for m in [*dut.layers, dut]),
             "shared_ops": shardkit.backend.cpu_backend(shard_group).shared_ops()}
 
@@ -193,7 +196,7 @@ def test_fully_shard_trains_as_torch_fsdp2_and_ddp_on_gloo(ranks, world: int, ca
         # was made in shared memory (5 steps), and the engine read the peers' gradients in place (the blocks';
         # the root's 25 KB go through the slots). Across hosts, nothing is shared.
         if hosts is None or case == "hsdp":
-            assert value["zero_copy_calls"] == 5 * value["units_reduced"], value
+            assert value["zero_copy_calls"] == 5 * value["units_reduced"] and value["pools"] == 1, value
             assert value["shared_ops"] >= 5 * 2, value
         else:
             assert value["zero_copy_calls"] == value["shared_ops"] == 0, value
@@ -397,3 +400,69 @@ def _clip(rank: int, world: int) -> tuple[float, float]:
 @pytest.mark.parametrize("world", [2, 3])
 def test_clip_grad_norm_equals_torchs_on_the_unwrapped_model(ranks, world: int):
     ranks.run(_clip, world, timeout=50)
+
+
+# --- the README's fully_shard section, as written --------------------------------------------------------------------
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _readme_snippet() -> str:
+    readme = (REPO / "README.md").read_text()
+    section = readme[readme.index("\n## Sharding: `shardkit.fully_shard`"):]
+    section = section[:section.index("\n## ", 1)]
+    (code,) = re.findall(r"^```python\n(.*?)^```$", section, flags=re.M | re.S)
+    return code
+
+
+def _run_readme(rank: int, world: int, code: str) -> None:
+    """The snippet wraps the model (the default mesh: the default shardkit group); torch's FSDP2 with the same
+    policy on gloo is the oracle for 3 steps."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    namespace = {"model": tiny_lm()}
+    exec(compile(code, "README.md#sharding-fully_shard", "exec"), namespace)
+    model, optimizer = namespace["model"], namespace["optimizer"]
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    ref = _wrap(torch_fully_shard, tiny_lm(), DeviceMesh.from_group(gloo_world(), "cpu"), mp_policy=policy)
+    ref_optimizer = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    for step in range(3):
+        for m, opt in ((ref, ref_optimizer), (model, optimizer)):
+            lm_loss(m, tokens(rank, step)).backward()
+            opt.step()
+            opt.zero_grad()
+        want = _full(ref)
+        for name, value in _full(model).items():
+            assert_close(value, want[name], f"rank {rank} step {step}: {name}", 1e-5, 1e-6)
+
+
+@pytest.mark.timeout(60)
+def test_the_readme_fully_shard_snippet_runs_as_written(ranks):
+    code = _readme_snippet()
+    assert "from shardkit import fully_shard" in code
+    ranks.run(_run_readme, 2, code, timeout=50)
+
+
+def _fsdp1_front_checkpoint_into_fully_shard(rank: int, world: int, directory: str) -> str:
+    import shardkit
+    from shardkit import checkpoint
+    from shardkit.state_dict import get_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+
+    flat = shardkit.FullyShardedDataParallel(tiny_lm(), auto_wrap_policy={Block})
+    checkpoint.save(dict(zip(("model", "optim"), get_state_dict(flat, _optimizer("adamw", flat.parameters())))),
+                    directory)
+    model = _wrap(shardkit.fully_shard, tiny_lm(), init_device_mesh("cpu", (world,)))
+    state = dict(zip(("model", "optim"), get_state_dict(model, _optimizer("adamw", model.parameters()))))
+    with pytest.raises(RuntimeError) as raised:
+        checkpoint.load(state, directory)
+    return str(raised.value)
+
+
+@pytest.mark.timeout(60)
+def test_a_flat_checkpoint_into_fully_shard_names_the_two_layouts(ranks, tmp_path: Path):
+    # The FSDP1 front still saves flat parameters (issue 26's migration of it is not done): refused with the reason.
+    for message in ranks.run(_fsdp1_front_checkpoint_into_fully_shard, 2, str(tmp_path / "flat"), timeout=50):
+        assert ("model.wte.weight is [96, 64] in both, but the checkpoint holds it as [6144] and the state dict as "
+                "[96, 64]: the layouts differ") in message, message
