@@ -16,7 +16,7 @@ from ._fully_shard import fully_shard
 from .strategy import auto
 from .zero import ZeroRedundancyOptimizer
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 __all__ = ["DistributedDataParallel", "FullyShardedDataParallel", "ZeroCopyUnavailableWarning",
            "ZeroRedundancyOptimizer", "__version__", "all_reduce_", "auto",
            "fsdp", "fully_shard", "hooks", "register_backend", "state_dict", "wrap"]

@@ -4,13 +4,14 @@ A ``ShardedSpace`` is one ``_C.FlatLayout`` as a checkpoint sees it: its paramet
 group its shards are spread over, and this rank's place in that group. Everything a checkpoint does with a
 parameter is asked of it:
 
-- ``sharded_tensor(index, local)``: this rank's piece of parameter ``index`` (or of an optimizer state tensor
-  shaped like it) as a ``ShardedTensor`` over the *flattened* parameter (global size ``(numel,)``), with every
-  rank's piece as metadata -- a pure function of the layout, so building it communicates nothing and copies
-  nothing. A piece of a flat layout is a range of the flattened parameter, not a rectangle of the parameter,
-  hence the flattening; the own shapes travel beside it (``SHAPES_KEY``).
-  torch.distributed.checkpoint (DCP) saves each rank's pieces from that rank and, on load at any world size
-  or layout, reads for each rank the ranges its own pieces need.
+- ``piece_tensor(index, local)``: this rank's piece of parameter ``index`` (or of an optimizer state tensor
+  shaped like it) as a ``PieceTensor``: to torch.distributed.checkpoint (DCP) a tensor of the parameter's own
+  shape of which this rank holds the boxes its piece covers (see PieceTensor) -- a pure function of the layout,
+  so building it communicates nothing and copies nothing. So the checkpoint holds every parameter in its own
+  shape, as torch FSDP2's does: DCP saves each rank's boxes from that rank and, on load at any world size, into
+  any layout (shardkit's flat ones, FSDP2's dim-0 chunks), reads for each rank the boxes its own pieces need.
+  (Checkpoints written before this held flattened parameters, with the own shapes beside them under
+  ``SHAPES_KEY``; ``python -m shardkit checkpoint`` still reads them.)
 - ``cut(index, whole)``: this rank's piece of a whole value (a view).
 - ``gather(pieces)``: every parameter's whole value from every rank's pieces (one all-gather per call).
 
@@ -27,22 +28,103 @@ piece's leaf in the local optimizer).
 from __future__ import annotations
 
 import dataclasses
-import json
 from typing import Any, Iterable
+
+import math
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed._shard.metadata import ShardMetadata
-from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata
-from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
 
-from . import _C, _exchange, _flat
+from . import _C, _exchange, _flat, _torch_compat
 
-# The sharded model state dict's record of each parameter's own shape (its tensors are flattened), a JSON
-# string that DCP saves like any object: what a consumer without the model (``python -m shardkit checkpoint``)
-# reshapes with. load_state_dict ignores it.
+# Checkpoints written before PieceTensor held flattened parameters and this record of their own shapes (a JSON
+# string): what ``python -m shardkit checkpoint`` reshapes such a checkpoint with; load_state_dict ignores it.
 SHAPES_KEY = "_shardkit.shapes"
+
+
+def boxes_of_range(shape: tuple[int, ...], begin: int, end: int) -> list[tuple[tuple[int, ...], tuple[int, ...], int]]:
+    """The elements [begin, end) of a row-major tensor of ``shape`` as the fewest boxes that cover them in order:
+    ``(offsets, sizes, first element)`` each. Every box is itself a contiguous range (a part of one row, whole
+    rows, ...), so it is a view of the range's memory: at most 2 per dimension past the first, plus one."""
+    if begin >= end:
+        return []
+    if not shape:
+        return [((), (), begin)]
+    inner = math.prod(shape[1:])
+    first_row, first_col = divmod(begin, inner)
+    last_row, last_col = divmod(end, inner)
+    out: list[tuple[tuple[int, ...], tuple[int, ...], int]] = []
+
+    def within(row: int, lo: int, hi: int) -> None:
+        for offsets, sizes, first in boxes_of_range(tuple(shape[1:]), lo, hi):
+            out.append(((row, *offsets), (1, *sizes), row * inner + first))
+
+    if first_row == last_row:
+        within(first_row, first_col, last_col)
+        return out
+    if first_col:
+        within(first_row, first_col, inner)
+        first_row += 1
+    if last_row > first_row:
+        out.append(((first_row, *[0] * (len(shape) - 1)), (last_row - first_row, *shape[1:]), first_row * inner))
+    if last_col:
+        within(last_row, 0, last_col)
+    return out
+
+
+class PieceTensor(torch.Tensor):
+    """This rank's piece of a parameter laid out flat (a range of its row-major elements), shown to
+    torch.distributed.checkpoint as the parameter in its own shape of which this rank holds some boxes.
+
+    It is the 1-D piece itself (the same memory: DCP loads into it in place), but ``size()`` / ``shape`` are the
+    parameter's, and it answers DCP's checkpointable protocol (``_torch_compat.dcp_*``): the boxes the range covers
+    (boxes_of_range) as the chunks to write and to read, each a view of the piece. So a flat layout's checkpoint
+    is, to DCP and to every other reader, the same as one of torch FSDP2's dim-0 chunks or of a whole tensor, and
+    DCP reshards between any of them. Every other operation sees the plain 1-D piece (``local``)."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    global_shape: torch.Size
+    local: torch.Tensor
+    boxes: list[tuple[tuple[int, ...], tuple[int, ...], int]]
+
+    @classmethod
+    def of(cls, local: torch.Tensor, shape: torch.Size, begin: int) -> "PieceTensor":
+        piece = torch.Tensor._make_subclass(cls, local.detach(), False)
+        piece.global_shape = torch.Size(shape)
+        piece.local = local.detach()
+        piece.boxes = [(offsets, sizes, first - begin)
+                       for offsets, sizes, first in boxes_of_range(tuple(shape), begin, begin + local.numel())]
+        return piece
+
+    def size(self, dim: int | None = None):  # type: ignore[override]
+        return self.global_shape if dim is None else self.global_shape[dim]
+
+    @property
+    def shape(self) -> torch.Size:  # type: ignore[override]
+        return self.global_shape
+
+    def box(self, offsets: tuple[int, ...]) -> torch.Tensor:
+        """The box at ``offsets``, a view of the piece in the box's shape."""
+        for box_offsets, sizes, start in self.boxes:
+            if tuple(box_offsets) == tuple(offsets):
+                return self.local[start:start + math.prod(sizes)].view(sizes)
+        raise ValueError(f"shardkit: no box of this rank's piece starts at {list(offsets)} (its boxes start at "
+                         f"{[list(o) for o, _, _ in self.boxes]}; parameter shape {list(self.global_shape)})")
+
+    def __create_write_items__(self, fqn: str, obj: Any) -> list[Any]:
+        return [_torch_compat.dcp_shard_write_item(fqn, offsets, sizes, self.global_shape, self.local)
+                for offsets, sizes, _ in self.boxes]
+
+    def __create_chunk_list__(self) -> list[Any]:
+        return [_torch_compat.dcp_chunk(offsets, sizes) for offsets, sizes, _ in self.boxes]
+
+    def __get_tensor_shard__(self, index: Any) -> torch.Tensor:
+        box = self.box(tuple(index.offset))
+        if box.numel() and box.untyped_storage().nbytes() != box.nbytes:
+            box = _C.exact_storage_alias(box)  # a part of a larger buffer: DCP's writer would copy it first
+        return box
 
 
 @dataclasses.dataclass(eq=False)
@@ -66,32 +148,14 @@ class ShardedSpace:
         piece = self.piece(index)
         return whole.reshape(-1)[piece.param_begin:piece.param_begin + piece.numel]
 
-    def sharded_tensor(self, index: int, local: torch.Tensor) -> ShardedTensor | torch.Tensor:
-        """``local`` (this rank's piece, 1-D) as a ShardedTensor over the flattened parameter; ``local`` itself
-        where the space is not sharded (every rank holds the whole parameter; DCP saves it once). A piece that
-        views a larger storage is handed over as ``_C.exact_storage_alias`` of it (same memory), which DCP's
-        writer does not copy."""
-        numel = self.layout.numels[index]
-        if local.numel() and local.untyped_storage().nbytes() != local.nbytes:
-            local = _C.exact_storage_alias(local)  # a piece of a flat buffer: DCP's writer would copy it
-        if self.group is None or numel == 0:
-            return local
-        device = local.device
-        # Every rank gets a shard, an empty one where it holds no piece: torch's ShardedTensor answers `.device`
-        # on a rank without local shards with torch.cuda.current_device() unless the group is gloo's. Empty
-        # shards sit at the end (offset numel), where no real one starts: DCP deduplicates chunks by offset.
-        # Placements name global ranks (a HYBRID_SHARD shard group is a subgroup).
-        metadata = []
-        for r in range(self.layout.world):
-            piece = self.layout.piece(index, r)
-            metadata.append(ShardMetadata(shard_offsets=[piece.param_begin if piece.numel else numel],
-                                          shard_sizes=[piece.numel],
-                                          placement=f"rank:{dist.get_global_rank(self.group, r)}/{device}"))
-        properties = TensorProperties(dtype=local.dtype, layout=torch.strided, requires_grad=False,
-                                      memory_format=torch.contiguous_format, pin_memory=False)
-        return ShardedTensor._init_from_local_shards_and_global_metadata(
-            [Shard(local, metadata[self.rank])], ShardedTensorMetadata(metadata, torch.Size([numel]), properties),
-            process_group=self.group)
+    def piece_tensor(self, index: int, local: torch.Tensor) -> "PieceTensor | torch.Tensor":
+        """``local`` (this rank's piece, 1-D) as a PieceTensor of the parameter in its own shape; where the space
+        is not sharded (every rank holds the whole parameter; DCP saves it once) or the parameter is empty, the
+        whole value itself in its own shape."""
+        shape = self.shapes[index]
+        if self.group is None or self.layout.numels[index] == 0:
+            return local.view(shape)
+        return PieceTensor.of(local, shape, self.piece(index).param_begin)
 
     def gather(self, pieces: list[torch.Tensor | None], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
         """Every parameter's whole value, in its own shape (views of one gathered buffer), from this rank's
@@ -109,12 +173,11 @@ class ShardedSpace:
                 for offset, numel, shape in zip(layout.offsets, layout.numels, self.shapes)]
 
 
-def check_shape(where: str, subject: str, got: Iterable[int], want: Iterable[int], flattened: bool = False) -> None:
+def check_shape(where: str, subject: str, got: Iterable[int], want: Iterable[int]) -> None:
     """Raises ``"{where}: {subject} has shape [..] in the checkpoint but [..] in the model"`` when they differ
     (``where``: who, on which rank, in which call; ``subject``: the parameter or state it is about)."""
     if torch.Size(got) != torch.Size(want):
-        kind = "flattened shape" if flattened else "shape"
-        raise RuntimeError(f"{where}: {subject} has {kind} {list(got)} in the checkpoint but {list(want)} in the model")
+        raise RuntimeError(f"{where}: {subject} has shape {list(got)} in the checkpoint but {list(want)} in the model")
 
 
 # --- model state --------------------------------------------------------------------------------------------
@@ -130,24 +193,20 @@ class Place:
     whole: torch.Tensor | None = None
 
 
-def sharded_entries(entries: dict[str, Any], places: dict[int, Place], prefix: str,
-                    offload_to_cpu: bool) -> dict[str, Any]:
-    """A sharded model state dict: each placed parameter as a ShardedTensor of its piece, other tensors detached,
-    and ``prefix + SHAPES_KEY`` recording the parameters' own shapes by state-dict key. ``entries``: the
-    unwrapped module's state dict with ``keep_vars=True`` (so parameters can be found in ``places`` by identity)."""
+def sharded_entries(entries: dict[str, Any], places: dict[int, Place], offload_to_cpu: bool) -> dict[str, Any]:
+    """A sharded model state dict: each placed parameter as a PieceTensor of its piece, other tensors detached.
+    ``entries``: the unwrapped module's state dict with ``keep_vars=True`` (so parameters can be found in
+    ``places`` by identity)."""
     out: dict[str, Any] = {}
-    shapes: dict[str, list[int]] = {}
     for key, value in entries.items():
         place = places.get(id(value)) if isinstance(value, torch.Tensor) else None
         if place is not None:
-            shapes[key] = list(place.space.shapes[place.index])
             local = place.local.cpu() if offload_to_cpu else place.local
-            out[key] = place.space.sharded_tensor(place.index, local)
+            out[key] = place.space.piece_tensor(place.index, local)
         elif isinstance(value, torch.Tensor):
             out[key] = value.detach().cpu() if offload_to_cpu else value.detach()
         else:
             out[key] = value
-    out[prefix + SHAPES_KEY] = json.dumps(shapes)
     return out
 
 
@@ -155,8 +214,8 @@ def load_entries(where: str, entries: dict[str, Any], places: dict[int, Place],
                  state_dict: dict[str, Any], strict: bool) -> nn.modules.module._IncompatibleKeys:
     """Loads a full or a sharded model state dict (the kind of each value decides) into the live tensors of
     ``entries`` (the unwrapped state dict with keep_vars=True). Each placed parameter gets its piece, or its whole
-    value where this rank holds it whole; a ShardedTensor value whose local shard is the piece itself (DCP loaded
-    into this rank's own sharded state dict) is only checked. No communication. Mismatches raise naming the
+    value where this rank holds it whole; a PieceTensor value that is the piece itself (DCP loaded into this
+    rank's own sharded state dict) is only checked. No communication. Mismatches raise naming the
     parameter and both shapes; missing or unexpected keys raise under ``strict``, naming them."""
     missing = [k for k in entries if k not in state_dict]
     unexpected = [k for k in state_dict if k not in entries and not k.endswith(SHAPES_KEY)]
@@ -174,11 +233,11 @@ def load_entries(where: str, entries: dict[str, Any], places: dict[int, Place],
                 continue
             numel = place.space.layout.numels[place.index]
             own_shape = place.space.shapes[place.index]
-            if isinstance(value, ShardedTensor):
-                check_shape(where, f"parameter {key!r}", value.size(), [numel], flattened=True)
-                for shard in value.local_shards():
-                    if shard.tensor.data_ptr() != place.local.data_ptr() or shard.tensor.numel() != place.local.numel():
-                        place.local.copy_(shard.tensor.reshape(-1))
+            if isinstance(value, PieceTensor):
+                check_shape(where, f"parameter {key!r}", value.size(), own_shape)
+                check_shape(where, f"this rank's piece of parameter {key!r}", value.local.shape, place.local.shape)
+                if value.local.data_ptr() != place.local.data_ptr():
+                    place.local.copy_(value.local)
                 continue
             # a whole parameter: its own shape (a full state dict) or flattened (an unsharded space's sharded one)
             if torch.Size(value.shape) != torch.Size([numel]):
@@ -196,15 +255,15 @@ def load_entries(where: str, entries: dict[str, Any], places: dict[int, Place],
 class Slot:
     """One parameter's piece that this rank's optimizer steps: the tensor the optimizer keys its state by (FSDP:
     the sharded parameter; ZeRO: the piece's leaf), and where the piece lies (``space`` None: the parameter is
-    outside every flat layout and whole on every rank). ``flatten``: such a whole parameter's state tensors go
-    into sharded state dicts flattened, in the format of the pieces' global shape ``(numel,)`` (a shardkit
-    DDP's plain optimizer: its checkpoints load into ZeRO and FSDP and back; DCP saves each value once)."""
+    outside every flat layout and whole on every rank). ``in_place``: such a whole parameter's state tensors go
+    into sharded state dicts as they are, not copied, so that DCP loads into them (a shardkit DDP's plain
+    optimizer; DCP saves each value once, in the parameter's shape, the format of every other front's)."""
 
     name: str
     param: torch.Tensor
     space: ShardedSpace | None = None
     index: int = -1
-    flatten: bool = False
+    in_place: bool = False
 
 
 def _piece_shaped(value: Any, param: torch.Tensor) -> bool:
@@ -260,8 +319,8 @@ def _sharded_value(slot: Slot, value: Any) -> Any:
     if not _piece_shaped(value, slot.param):
         return _copy(value)
     if slot.space is not None:
-        return slot.space.sharded_tensor(slot.index, value.detach().reshape(-1))
-    return value.detach().reshape(-1) if slot.flatten else _copy(value)
+        return slot.space.piece_tensor(slot.index, value.detach().reshape(-1))
+    return value.detach() if slot.in_place else _copy(value)
 
 
 def _gathered_state(optim: torch.optim.Optimizer, slots: list[Slot], spaces: list[ShardedSpace],
@@ -343,16 +402,13 @@ def local_optim_state(where: str, slots: list[Slot], optim_state: dict[str, Any]
 
 
 def _local_value(where: str, slot: Slot, key: str, value: Any) -> Any:
-    if isinstance(value, ShardedTensor):
+    if isinstance(value, PieceTensor):
         if slot.space is not None:
             check_shape(where, f"state {key!r} of parameter {slot.name!r}", value.size(),
-                        [slot.space.layout.numels[slot.index]], flattened=True)
-        shards = value.local_shards()
-        if not shards:
-            return torch.zeros_like(slot.param)
+                        slot.space.shapes[slot.index])
         # Not copied: DCP loaded it in place, usually into this optimizer's own state (see optim_state_dict);
         # the optimizer's load_state_dict takes it as it is (same dtype and device), as torch's does.
-        return shards[0].tensor.detach().reshape(slot.param.shape)
+        return value.local.reshape(slot.param.shape)
     if not isinstance(value, torch.Tensor) or value.dim() == 0:
         return _copy(value)
     if slot.space is None:  # whole: its own shape, or flattened

@@ -105,3 +105,29 @@ def reduce_scatter_single(output: Any, input: Any, op: Any, group: Any, async_op
         return dist.reduce_scatter_single(output=output, input=input, op=op, group=group, async_op=async_op)
     return dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
 
+
+
+# --- DCP's checkpointable protocol: what shardkit._sharded_state.PieceTensor answers DCP with. DCP asks a value for
+# ``__create_write_items__(fqn, obj)`` (planner_helpers._create_write_items), ``__create_chunk_list__()``
+# (_create_chunk_list, on load) and ``__get_tensor_shard__(index)`` (utils.find_tensor_shard) where it has them,
+# as DTensor does (torch 2.13 and 2.14.1 alike); the items and chunks are DCP's public dataclasses.
+def dcp_shard_write_item(fqn: str, offsets: tuple[int, ...], sizes: tuple[int, ...], global_shape: Any,
+                         local: Any) -> Any:
+    """DCP's WriteItem for one box (``offsets``, ``sizes``) of a tensor of ``global_shape`` whose data is ``local``'s
+    dtype (as DCP's own ShardedTensor items: type SHARD, indexed by the box's offsets)."""
+    import torch
+    from torch.distributed.checkpoint.metadata import MetadataIndex, TensorProperties
+    from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+    return WriteItem(index=MetadataIndex(fqn, torch.Size(offsets)), type=WriteItemType.SHARD,
+                     tensor_data=TensorWriteData(chunk=dcp_chunk(offsets, sizes),
+                                                 properties=TensorProperties.create_from_tensor(local),
+                                                 size=torch.Size(global_shape)))
+
+
+def dcp_chunk(offsets: tuple[int, ...], sizes: tuple[int, ...]) -> Any:
+    """DCP's ChunkStorageMetadata of one box."""
+    import torch
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    return ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))

@@ -4,9 +4,9 @@
 An optimizer over a shardkit FSDP model holds, per parameter, state for this rank's piece only (exp_avg and
 exp_avg_sq of AdamW have the piece's 1-D shape; ``step`` is a scalar). Under the model's state_dict_type:
 
-- SHARDED_STATE_DICT: each piece-shaped state tensor becomes a ShardedTensor over the flattened parameter with
-  the parameter's own metadata, so torch.distributed.checkpoint saves it without communication and loads it
-  at any world size; scalars stay as they are.
+- SHARDED_STATE_DICT: each piece-shaped state tensor becomes a PieceTensor (the parameter's own shape to DCP,
+  this rank's boxes of it), so torch.distributed.checkpoint saves it without communication and loads it at any
+  world size, in torch FSDP2's format; scalars stay as they are.
 - FULL_STATE_DICT: each state tensor is gathered (one all-gather per flat parameter and state key) into the
   parameter's own shape, as the unsharded optimizer would hold it.
 
@@ -34,28 +34,28 @@ if TYPE_CHECKING:
 
 
 def _slots(optim: "Optimizer", names: dict[int, str], placed: dict[int, tuple[ShardedSpace, int]],
-           flatten_whole: bool = False) -> tuple[list[Slot], list[list[str]]]:
+           whole_in_place: bool = False) -> tuple[list[Slot], list[list[str]]]:
     """One slot per parameter of the optimizer (in its order), and the names of each param group's parameters.
     ``placed``: id(parameter) -> (its space, its index) for parameters in a flat layout; the others are whole
-    (``flatten_whole``: see Slot.flatten)."""
+    (``whole_in_place``: see Slot.in_place)."""
     slots, group_names = [], []
     for group in optim.param_groups:
         group_names.append([names[id(p)] for p in group["params"]])
         for p in group["params"]:
             space, index = placed.get(id(p), (None, -1))
-            slots.append(Slot(names[id(p)], p, space, index, flatten=flatten_whole and space is None))
+            slots.append(Slot(names[id(p)], p, space, index, in_place=whole_in_place and space is None))
     return slots, group_names
 
 
 def state_dict_of(optim: "Optimizer", names: dict[int, str], spaces: list[tuple[list, ShardedSpace]], *,
                   sharded: bool, rank0_only: bool, group: dist.ProcessGroup, device: torch.device,
-                  flatten_whole: bool = False) -> dict[str, Any]:
+                  whole_in_place: bool = False) -> dict[str, Any]:
     """The name-keyed state dict of a torch optimizer over named parameters, those in ``spaces`` ((parameters,
     space) pairs) holding this rank's pieces, the others whole (a shardkit DDP's with a plain optimizer: no
-    spaces, ``flatten_whole``)."""
+    spaces, ``whole_in_place``)."""
     init_optimizer_state(optim)
     placed = {id(p): (space, i) for params, space in spaces for i, p in enumerate(params)}
-    slots, group_names = _slots(optim, names, placed, flatten_whole)
+    slots, group_names = _slots(optim, names, placed, whole_in_place)
     groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": names_}
               for g, names_ in zip(optim.param_groups, group_names)]
     keep = sharded or not rank0_only or dist.get_rank(group) == 0

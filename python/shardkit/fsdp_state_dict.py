@@ -7,13 +7,12 @@ returns and ``model.load_state_dict()`` takes, as in torch FSDP1:
   a time; with ``FullStateDictConfig(rank0_only=True)`` the other ranks return ``{}`` and never hold more than
   one flat parameter's full values. Loading takes such a dict (from any world size, or from the plain model)
   on every rank; each rank copies its pieces.
-- SHARDED_STATE_DICT: no communication. Every parameter is a ``ShardedTensor`` over the flattened parameter
-  (global size ``(numel,)``): this rank's piece, a view of its shard (no copy), plus every rank's piece as
-  metadata (a pure function of the layout). ``torch.distributed.checkpoint.save/load`` work on it directly, and
-  a checkpoint saved at one world size loads at any other: DCP reads, for each rank, the ranges its pieces
-  need. Loading through DCP writes straight into the shards; ``load_state_dict`` then only checks. The
-  original shapes are recorded under ``"_shardkit.shapes"`` (JSON), for consumers without the model
-  (``python -m shardkit checkpoint consolidate``).
+- SHARDED_STATE_DICT: no communication. Every parameter is a ``PieceTensor`` (_sharded_state.py): this rank's
+  piece, a view of its shard (no copy), which torch.distributed.checkpoint sees as the parameter in its own
+  shape of which this rank holds the boxes its piece covers. ``torch.distributed.checkpoint.save/load`` work on
+  it directly, and the checkpoint is in torch FSDP2's format: it loads at any world size, into this front,
+  ZeRO, ``shardkit.fully_shard`` or torch FSDP2, and theirs load here (DCP reads, for each rank, the boxes its
+  pieces need). Loading through DCP writes straight into the shards; ``load_state_dict`` then only checks.
 
 Buffers are plain tensors in both (every rank holds them whole: DCP saves them once).
 """
@@ -99,7 +98,7 @@ def full_state_dict(model: "FullyShardedDataParallel", config: FullStateDictConf
 
 def sharded_state_dict(model: "FullyShardedDataParallel", config: ShardedStateDictConfig, prefix: str) -> dict[str, Any]:
     model._end_iteration()
-    return sharded_entries(_keys_of(model, prefix), _places(model), prefix, config.offload_to_cpu)
+    return sharded_entries(_keys_of(model, prefix), _places(model), config.offload_to_cpu)
 
 
 def load(model: "FullyShardedDataParallel", state_dict: dict[str, Any], strict: bool) -> nn.modules.module._IncompatibleKeys:

@@ -8,8 +8,8 @@ Chosen as in FSDP1: ``with FullyShardedDataParallel.state_dict_type(ddp, StateDi
 keys prefixed ``module.``), and so it stays inside it.
 
 Model, SHARDED_STATE_DICT: every rank holds every parameter, but writes only its own slice of the ZeRO
-partition: each trainable parameter is a ShardedTensor over the flattened parameter whose local shard is this
-rank's piece of it (a view: no copy, no communication) -- the partition the DDP owns under zero_stage 1|2, the
+partition: each trainable parameter is a PieceTensor (_sharded_state.py: the parameter in its own shape to DCP)
+of this rank's piece of it (a view: no copy, no communication) -- the partition the DDP owns under zero_stage 1|2, the
 same layout computed on the fly under zero_stage 0. DCP then writes every element once, spread over the ranks.
 Loading through DCP fills this rank's pieces; ``load_state_dict`` then all-gathers the pieces into whole
 parameters (a collective). FULL_STATE_DICT: the module's own state dict (no communication: it is whole on
@@ -73,7 +73,7 @@ def model_state_dict(ddp: "DistributedDataParallel", kind: StateDictType,
     """``module_prefix``: ``module.`` for ``ddp.state_dict()``; "" for shardkit.state_dict's canonical names."""
     entries = ddp.module.state_dict(prefix=prefix + module_prefix, keep_vars=True)
     if kind == StateDictType.SHARDED_STATE_DICT:
-        return sharded_entries(entries, _places(_spaces(ddp)), prefix + module_prefix, config.offload_to_cpu)
+        return sharded_entries(entries, _places(_spaces(ddp)), config.offload_to_cpu)
     if getattr(config, "rank0_only", False) and dist.get_rank(ddp.process_group) != 0:
         return {}
     return {key: (value.detach().cpu() if config.offload_to_cpu else value.detach())
@@ -146,15 +146,15 @@ def optim_state_dict_to_load(model: nn.Module, zero: "ZeroRedundancyOptimizer",
 
 def plain_optim_state_dict(ddp: "DistributedDataParallel", optim: torch.optim.Optimizer) -> dict[str, Any]:
     """The name-keyed state dict of a torch optimizer over a shardkit DDP's parameters (every rank holds the
-    whole state: no communication; sharded, the state tensors are flattened, the format of ZeRO's and FSDP's
-    pieces, and DCP saves each value once)."""
+    whole state: no communication; sharded, the state tensors as they are, in their parameters' shapes, the
+    format of ZeRO's and FSDP's pieces, and DCP saves each value once)."""
     from . import fsdp_optim_state
 
     config = ddp._state_dict_config
     return fsdp_optim_state.state_dict_of(
         optim, parameter_names(ddp), [], sharded=ddp._state_dict_type == StateDictType.SHARDED_STATE_DICT,
         rank0_only=getattr(config, "rank0_only", False), group=ddp.process_group, device=torch.device("cpu"),
-        flatten_whole=True)
+        whole_in_place=True)
 
 
 def plain_optim_state_dict_to_load(ddp: "DistributedDataParallel", optim: torch.optim.Optimizer,

@@ -74,7 +74,7 @@ def test_the_wheel_ships_the_license_and_py_typed(clean_python):
     (wheel,) = WHEEL_DIR.glob("shardkit-*.whl")
     with zipfile.ZipFile(wheel) as archive:
         names = set(archive.namelist())
-    assert {"shardkit/py.typed", "shardkit-0.1.0.dist-info/licenses/LICENSE"} <= names, sorted(names)
+    assert {"shardkit/py.typed", "shardkit-0.2.0.dist-info/licenses/LICENSE"} <= names, sorted(names)
 
 
 def test_training_example(clean_python, outside):

@@ -43,15 +43,20 @@ def _save(rank: int, world: int, path: str, strategy: str = "FULL_SHARD") -> dic
     with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
         sharded = model.state_dict()
     shards = [(s.data_ptr(), s.data_ptr() + s.nbytes) for u in model._units for g in u.groups for s in [g.handle.shard]]
+    from shardkit._sharded_state import PieceTensor
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    pieces = 0
     for key, value in sharded.items():
-        if hasattr(value, "local_shards"):  # this rank's pieces lie in its shards: nothing was copied
-            for shard in value.local_shards():
-                piece = shard.tensor
-                if piece.numel():
-                    assert any(begin <= piece.data_ptr() and piece.data_ptr() + piece.nbytes <= end
-                               for begin, end in shards), key
-                    # ... and own a storage of exactly their bytes, which DCP's writer does not copy
-                    assert piece.untyped_storage().nbytes() == piece.nbytes, key
+        if isinstance(value, PieceTensor):  # this rank's pieces lie in its shards: nothing was copied
+            pieces += 1
+            for offsets, _, _ in value.boxes:
+                box = value.__get_tensor_shard__(MetadataIndex(key, torch.Size(offsets)))  # what DCP writes
+                assert any(begin <= box.data_ptr() and box.data_ptr() + box.nbytes <= end
+                           for begin, end in shards), key
+                # ... and own a storage of exactly their bytes, which DCP's writer does not copy
+                assert box.untyped_storage().nbytes() == box.nbytes, key
+    assert pieces or strategy == "NO_SHARD" or world == 1, sorted(sharded)
     dcp.save(sharded, checkpoint_id=path)
     return {k: v.tolist() for k, v in model.state_dict().items()}  # tensors would travel as shared memory
 

@@ -281,15 +281,35 @@ def _global_step(model, optimizer, rank: int, world: int, step: int) -> None:
 
 
 def _wrapped(front: str, world: int):
+    """The same model and AdamW under one front: "torch" (torch FSDP2 on gloo), "shardkit" (shardkit.fully_shard),
+    "fsdp1" (shardkit's FSDP1 front, per-block units) or "zero2" (shardkit DDP, zero_stage=2)."""
     import shardkit
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
     if front == "torch":
         model = _wrap(torch_fully_shard, tiny_lm(), DeviceMesh.from_group(gloo_world(), "cpu"))
-    else:
+    elif front == "shardkit":
         model = _wrap(shardkit.fully_shard, tiny_lm(), init_device_mesh("cpu", (world,)))
+    elif front == "fsdp1":
+        model = shardkit.FullyShardedDataParallel(tiny_lm(), auto_wrap_policy={Block})
+    else:
+        assert front == "zero2", front
+        model = shardkit.DistributedDataParallel(tiny_lm(), zero_stage=2)
+        return model, shardkit.ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW,
+                                                       lr=1e-2, weight_decay=0.01)
     return model, _optimizer("adamw", model.parameters())
+
+
+def _whole(model: nn.Module, optimizer=None):
+    """The model's (and optimizer's) state, every value whole, by the unwrapped model's names, for any front (a
+    collective): shardkit.state_dict's functions, which hand torch's models to torch's."""
+    from shardkit.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
+
+    whole = StateDictOptions(full_state_dict=True)
+    if optimizer is None:
+        return {k: v.detach().clone() for k, v in get_model_state_dict(model, options=whole).items()}
+    return get_state_dict(model, optimizer, options=whole)
 
 
 def _save(rank: int, world: int, front: str, directory: str) -> None:
@@ -305,7 +325,7 @@ def _save(rank: int, world: int, front: str, directory: str) -> None:
     checkpoint.save({"model": model_sd, "optim": optim_sd}, directory)
     for step in range(2, 4):
         _global_step(model, optimizer, rank, world, step)
-    final = _full(model)
+    final = _whole(model)
     if rank == 0:
         torch.save(final, Path(directory).with_suffix(".final.pt"))
 
@@ -316,8 +336,6 @@ def _resume(rank: int, world: int, front: str, directories: list[str]) -> None:
     import torch.distributed.checkpoint as dcp
     from shardkit import checkpoint
     from shardkit.state_dict import get_state_dict, set_state_dict
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-    from torch.distributed.checkpoint.state_dict import get_state_dict as torch_get_state_dict
 
     for directory in directories:
         model, optimizer = _wrapped(front, world)
@@ -325,8 +343,8 @@ def _resume(rank: int, world: int, front: str, directories: list[str]) -> None:
         state = {"model": model_sd, "optim": optim_sd}
         checkpoint.load(state, directory)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        # bitwise: the whole state, gathered by torch's own function, against the checkpoint read by DCP alone
-        full = torch_get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
+        # bitwise: the whole state, gathered, against the checkpoint read by DCP alone into whole tensors
+        full = _whole(model, optimizer)
         saved = {"model": {k: torch.empty_like(v) for k, v in full[0].items()},
                  "optim": _empty_like_tree(full[1])}
         dcp.load(saved, checkpoint_id=directory, process_group=gloo_world())
@@ -335,7 +353,7 @@ def _resume(rank: int, world: int, front: str, directories: list[str]) -> None:
         for step in range(2, 4):
             _global_step(model, optimizer, rank, world, step)
         want = torch.load(Path(directory).with_suffix(".final.pt"))
-        for name, value in _full(model).items():
+        for name, value in _whole(model).items():
             assert_close(value, want[name], f"rank {rank}: resumed from {directory}: {name}", 1e-5, 1e-6)
 
 
@@ -375,6 +393,22 @@ def test_checkpoints_interchange_with_torch_fsdp2_at_every_world_size(ranks, tmp
         directories.append(directory)
     for m in (1, 2, 3, 4):  # every saved world size into every loading world size
         ranks.run(_resume, m, loader, directories, timeout=90)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("saver, n, loads", [
+    ("fsdp1", 2, [("torch", 3), ("shardkit", 1), ("zero2", 4)]),
+    ("zero2", 4, [("torch", 2), ("fsdp1", 3)]),
+    ("torch", 3, [("fsdp1", 2), ("zero2", 4), ("fsdp1", 1)]),
+    ("shardkit", 2, [("fsdp1", 4), ("zero2", 3)]),
+], ids=["fsdp1_front", "zero2", "torch_fsdp2", "fully_shard"])
+def test_checkpoints_of_every_front_load_into_every_other_and_torch_fsdp2(ranks, tmp_path: Path, saver: str, n: int,
+                                                                         loads: list):
+    # One format for shardkit's three fronts and torch FSDP2: parameters and optimizer state in their own shapes.
+    directory = str(tmp_path / f"saved-by-{saver}-at-{n}")
+    ranks.run(_save, n, saver, directory, timeout=60)
+    for loader, m in loads:
+        ranks.run(_resume, m, loader, [directory], timeout=90)
 
 
 def _clip(rank: int, world: int) -> tuple[float, float]:
@@ -444,25 +478,35 @@ def test_the_readme_fully_shard_snippet_runs_as_written(ranks):
     ranks.run(_run_readme, 2, code, timeout=50)
 
 
-def _fsdp1_front_checkpoint_into_fully_shard(rank: int, world: int, directory: str) -> str:
+def _old_flat_checkpoint_into_fully_shard(rank: int, world: int, directory: str) -> str:
+    """A checkpoint in the format shardkit wrote before 0.2 (flattened parameters, their shapes beside them)."""
+    import json
+
+    import torch.distributed.checkpoint as dcp
     import shardkit
     from shardkit import checkpoint
-    from shardkit.state_dict import get_state_dict
+    from shardkit.state_dict import get_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
 
-    flat = shardkit.FullyShardedDataParallel(tiny_lm(), auto_wrap_policy={Block})
-    checkpoint.save(dict(zip(("model", "optim"), get_state_dict(flat, _optimizer("adamw", flat.parameters())))),
-                    directory)
+    plain = tiny_lm()
+    old = {"model": {**{k: v.detach().reshape(-1).clone() for k, v in plain.state_dict().items()},
+                     "_shardkit.shapes": json.dumps({k: list(v.shape) for k, v in plain.state_dict().items()})}}
+    dcp.save(old, checkpoint_id=directory)
     model = _wrap(shardkit.fully_shard, tiny_lm(), init_device_mesh("cpu", (world,)))
-    state = dict(zip(("model", "optim"), get_state_dict(model, _optimizer("adamw", model.parameters()))))
-    with pytest.raises(RuntimeError) as raised:
-        checkpoint.load(state, directory)
+    with pytest.raises(RuntimeError) as raised, pytest.warns(checkpoint.UnverifiedCheckpointWarning):
+        checkpoint.load({"model": get_model_state_dict(model)}, directory)
     return str(raised.value)
 
 
 @pytest.mark.timeout(60)
-def test_a_flat_checkpoint_into_fully_shard_names_the_two_layouts(ranks, tmp_path: Path):
-    # The FSDP1 front still saves flat parameters (issue 26's migration of it is not done): refused with the reason.
-    for message in ranks.run(_fsdp1_front_checkpoint_into_fully_shard, 2, str(tmp_path / "flat"), timeout=50):
+def test_an_old_flat_checkpoint_is_refused_naming_the_layouts_and_consolidates(ranks, tmp_path: Path):
+    directory = tmp_path / "old"
+    for message in ranks.run(_old_flat_checkpoint_into_fully_shard, 2, str(directory), timeout=50):
         assert ("model.wte.weight is [96, 64] in both, but the checkpoint holds it as [6144] and the state dict as "
                 "[96, 64]: the layouts differ") in message, message
+    from shardkit import checkpoint
+
+    checkpoint.consolidate(directory, tmp_path / "plain.pt")
+    plain = torch.load(tmp_path / "plain.pt", weights_only=True)["model"]
+    assert {k: v.shape for k, v in plain.items()} == {k: v.shape for k, v in tiny_lm().state_dict().items()}
+    assert all(torch.equal(plain[k], v) for k, v in tiny_lm().state_dict().items())

@@ -89,8 +89,7 @@ def check_matches(state_dict: dict[str, Any], directory: Path, held_by_some_rank
         else:  # the same parameter, laid out differently: flat (FSDP1 front, ZeRO) against its own shape
             problems.append(
                 f"{key} is {list(mine)} in both, but the checkpoint holds it as {list(saved[key].size)} and the "
-                f"state dict as {list(ours[key].size())}: the layouts differ (shardkit's FSDP1 front and ZeRO "
-                "save parameters flattened; torch FSDP2 and shardkit.fully_shard in their own shapes), so load it "
-                "into a model of the front that saved it")
+                f"state dict as {list(ours[key].size())}: the layouts differ (checkpoints of shardkit before 0.2 "
+                "hold parameters flattened; `python -m shardkit checkpoint consolidate` reads them whole)")
     raise RuntimeError(f"shardkit checkpoint load (rank {rank}): {directory} does not match the state dict: "
                        + "; ".join(problems))

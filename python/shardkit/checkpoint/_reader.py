@@ -62,7 +62,8 @@ def _storage(directory: Path) -> dict:
 
 
 def saved_shapes(directory: Path, metadata: Metadata, paths: dict[str, tuple]) -> dict[str, list[int]]:
-    """The parameters' own shapes, as shardkit's sharded state dicts record them beside the flattened values."""
+    """The parameters' own shapes, as shardkit's sharded state dicts recorded them beside flattened values until
+    they were saved in their own shapes (older checkpoints; none in newer ones)."""
     shapes: dict[str, list[int]] = {}
     for key, path in paths.items():
         if str(path[-1]).endswith(SHAPES_KEY):
