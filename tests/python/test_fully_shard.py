@@ -268,6 +268,51 @@ def test_ranks_that_run_different_units_fail_naming_both(ranks):
         assert "fully_shard unit 'layers.1'" in message and "fully_shard unit 'layers.2'" in message, message
 
 
+
+def _hf_gpt2(rank: int, world: int) -> list[tuple[float, float]]:
+    """Hugging Face GPT-2 from a config (tied wte / lm_head), each GPT2Block then the root, as the HF Trainer's
+    FSDP2 plug-in wraps it: shardkit against torch FSDP2 on gloo."""
+    import shardkit
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from test_fsdp_models import gpt2
+    from test_fsdp_models import tokens as gpt2_tokens
+
+    models = []
+    for shard, mesh in ((torch_fully_shard, DeviceMesh.from_group(gloo_world(), "cpu")),
+                        (shardkit.fully_shard, init_device_mesh("cpu", (world,)))):
+        model = gpt2()
+        for block in model.transformer.h:
+            shard(block, mesh=mesh)
+        shard(model, mesh=mesh)
+        assert model.lm_head.weight is model.transformer.wte.weight
+        models.append(model)
+    optimizers = [_optimizer("adamw", m.parameters()) for m in models]
+    losses = []
+    for step in range(5):
+        ids = gpt2_tokens(rank, step)
+        pair = []
+        for model, opt in zip(models, optimizers):
+            loss = model(ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            pair.append(float(loss))
+        want, got = _full(models[0]), _full(models[1])
+        for name, value in want.items():
+            assert_close(got[name], value, f"rank {rank} step {step}: {name}", 1e-5, 1e-6)
+        losses.append(tuple(pair))
+    return losses
+
+
+@pytest.mark.timeout(120)
+def test_hugging_face_gpt2_trains_as_with_torch_fsdp2(ranks):
+    pytest.importorskip("transformers")
+    for losses in ranks.run(_hf_gpt2, 2, timeout=110):
+        for torch_loss, shardkit_loss in losses:
+            assert shardkit_loss == pytest.approx(torch_loss, rel=1e-5), losses
+
 # --- checkpoints: torch FSDP2 <-> shardkit.fully_shard, at other world sizes, through shardkit.checkpoint ---------
 GLOBAL_ROWS = 12  # one global batch per step, split evenly over 1, 2, 3 or 4 ranks
 
