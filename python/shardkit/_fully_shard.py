@@ -38,7 +38,8 @@ from torch import nn
 
 from . import _torch_compat
 from ._collective_identity import collectives_for
-from .backend import shared_buffer, zero_copy_unavailable
+from ._resident_memory import ResidentSharedMemory
+from .backend import shared_buffer, warn_zero_copy_unavailable, zero_copy_unavailable
 
 _torch_fully_shard = _torch_compat.fsdp2_fully_shard()
 _AllGather, _ReduceScatter = _torch_compat.fsdp2_comm_interfaces()
@@ -105,60 +106,72 @@ class UnitAllGather(_AllGather):
 
 
 class SharedReduceInput:
-    """The memory in which the units sharded over one group make their reduce-scatter inputs: one block, every
-    rank of the group mapping every rank's, as large as the largest input so far (so about the largest unit's
-    gradients: what FSDP2 itself allocates for that unit's reduce-scatter), lent to one reduce-scatter at a time.
+    """The memory in which the units sharded over one group make their reduce-scatter inputs: one block of
+    shared memory, every rank of the group mapping every rank's, as large as the largest input so far, lent to
+    one reduce-scatter at a time. Between uses only the second-largest input's size stays resident (the largest,
+    often the root's with the embedding, is needed once per iteration; see _resident_memory.py).
 
-    ``lend`` hands it out for a reduce-scatter's input; ``give_back`` once a synchronous reduce-scatter has read
-    it. While it is out, every request gets ordinary memory: FSDP2 asks for the input first and then for the
-    output (which becomes the sharded gradients and is kept), so the output never lands in it. Where a call does
-    not take the block as its input (an asynchronous one, or a torch that asks in another order), the block is
-    never lent again: ordinary memory from then on, never a block two tensors share. Lending and return happen at
+    ``lend`` hands it out for a reduce-scatter's input; ``taken_by`` once the reduce-scatter has been issued.
+    While it is out, every request gets ordinary memory: FSDP2 asks for the input first and then for the output
+    (which becomes the sharded gradients and is kept), so the output never lands in it. Where a call does not take
+    the block as its input (an asynchronous one, or a torch that asks in another order), the block is never lent
+    again: ordinary memory from then on, never a block two tensors share. Lending and return happen at
     collectives, in the same order on every rank, so every rank's input lies at the same place in its region, as
-    the engine requires. Growing the block is itself a collective on the group (``shared_buffer``), issued by
-    every rank at the same reduce-scatter. Shared by the units through ``for_group`` (weakly: it goes with them)."""
+    the engine requires, and every rank makes the same decisions. Growing the block (``shared_buffer``) and
+    making pages resident past the kept part (one MIN allreduce) are collectives on the group, issued by every
+    rank at the same reduce-scatter. Shared by the units through ``for_group`` (weakly: it goes with them)."""
 
     _by_group: "weakref.WeakValueDictionary[str, SharedReduceInput]" = weakref.WeakValueDictionary()
 
     @classmethod
     def for_group(cls, group: dist.ProcessGroup) -> "SharedReduceInput":
-        name = group.group_name
-        pool = cls._by_group.get(name)
+        pool = cls._by_group.get(group.group_name)
         if pool is None or pool.group is not group:
-            pool = cls._by_group[name] = cls(group)
+            pool = cls._by_group[group.group_name] = cls(group)
         return pool
 
     def __init__(self, group: dist.ProcessGroup) -> None:
         self.group = group
-        self._block: torch.Tensor | None = None
+        self._memory: ResidentSharedMemory | None = None
+        self._sizes: dict[int, int] = {}  # id(unit) -> bytes of its input: the same values on every rank
         self._lent: torch.Tensor | None = None
         self._retired = False
         self.zero_copy_calls = 0  # reduce-scatters whose input lay in the block
 
-    def lend(self, size, dtype: torch.dtype, who: str) -> torch.Tensor | None:
+    def lend(self, size, dtype: torch.dtype, unit: _Unit) -> torch.Tensor | None:
         if self._retired or self._lent is not None:
             return None
         nbytes = math.prod(int(s) for s in size) * dtype.itemsize
-        if self._block is None or self._block.numel() < nbytes:
-            self._block = None  # the old block goes before the new one is mapped
-            self._block = shared_buffer(nbytes, self.group, who="shardkit.fully_shard",
-                                        what=f"the reduce-scatter input of {who}")
-            if self._block is None:  # no room in /dev/shm (shared_buffer warned, on every rank)
+        self._sizes[id(unit)] = nbytes
+        if self._memory is None or self._memory.memory.numel() < nbytes:
+            self._memory = None  # the old block goes before the new one is mapped
+            block = shared_buffer(nbytes, self.group, who="shardkit.fully_shard",
+                                  what=f"the reduce-scatter input of {unit.detail}")
+            if block is None:  # no room in /dev/shm (shared_buffer warned, on every rank)
                 self._retired = True
                 return None
-        self._lent = self._block[:nbytes].view(dtype).view(*size)
+            self._memory = ResidentSharedMemory(block, self.group)
+        sizes = sorted(self._sizes.values())
+        self._memory.set_kept(sizes[-2] if len(sizes) > 1 else 0)
+        why = self._memory.ensure(nbytes)
+        if why is not None:
+            warn_zero_copy_unavailable("shardkit.fully_shard", f"the reduce-scatter input of {unit.detail} "
+                                       f"({nbytes} bytes) this iteration", why)
+            return None
+        self._lent = self._memory.memory[:nbytes].view(dtype).view(*size)
         return self._lent
 
     def taken_by(self, input_tensor: torch.Tensor, async_op: bool) -> None:
         """After a reduce-scatter was issued: the block is back where it was that call's input and the call is
-        done; otherwise it is never lent again."""
+        done (its pages past the kept part go back to /dev/shm); otherwise it is never lent again."""
         lent, self._lent = self._lent, None
         if lent is None:
             return
         if async_op or input_tensor.data_ptr() != lent.data_ptr():
             self._retired = True
-        else:
-            self.zero_copy_calls += 1
+            return
+        self.zero_copy_calls += 1
+        self._memory.release()
 
 
 class UnitReduceScatter(_ReduceScatter):
@@ -170,7 +183,7 @@ class UnitReduceScatter(_ReduceScatter):
         self.shared = shared
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        lent = self.shared.lend(size, dtype, self.unit.detail) if self.shared and device.type == "cpu" else None
+        lent = self.shared.lend(size, dtype, self.unit) if self.shared and device.type == "cpu" else None
         return lent if lent is not None else torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,

@@ -55,6 +55,7 @@ from torch import nn
 
 from . import _C, _agreement, _profiling, fsdp_optim_state, zero_state_dict
 from ._collective_identity import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, CollectiveLedger, backend_checks_identity
+from ._resident_memory import ResidentSharedMemory
 from .backend import (compare_identities_across_hosts, host_groups, shared_buffer, warn_zero_copy_unavailable,
                       zero_copy_unavailable)
 from .fsdp_state_dict import (FullStateDictConfig, ShardedStateDictConfig, StateDictType, full_state_dict,
@@ -66,8 +67,6 @@ __all__ = ["BackwardPrefetch", "CPUOffload", "FullStateDictConfig", "FullySharde
            "ShardedStateDictConfig", "ShardingStrategy", "StateDictType"]
 
 _BROADCAST_BUCKET_BYTES = 250 << 20
-# Zero-copy gradient memory past the part kept between iterations is given back only if at least this much can go.
-_GIVE_BACK_MIN_BYTES = 256 << 10
 
 
 class ShardingStrategy(enum.Enum):
@@ -231,8 +230,13 @@ class FullyShardedDataParallel(nn.Module):
             u.module._shardkit_fsdp_unit = u
             u.module.register_forward_pre_hook(self._make_pre_forward(u), with_kwargs=True)
             u.module.register_forward_hook(self._make_post_forward(u))
-        self._reduce_memory = self._zero_copy_memory(managed)
-        self._reduce_memory_kept, self._reduce_memory_resident = self._resident_plan()
+        memory = self._zero_copy_memory(managed)
+        # Every unit but the largest fits in the second-largest unit's gradient size: only that much stays
+        # resident between iterations (see _resident_memory.py).
+        self._reduce_memory = None if memory is None else ResidentSharedMemory(memory, self._shard_group)
+        if self._reduce_memory is not None:
+            sizes = sorted(g.handle.reduce_input_bytes for u in self._units for g in u.groups if g.trainable)
+            self._reduce_memory.set_kept(sizes[-2] if len(sizes) > 1 else 0)
 
         # Iteration state.
         self._require_backward_grad_sync = True
@@ -300,24 +304,6 @@ class FullyShardedDataParallel(nn.Module):
         if not sizes or zero_copy_unavailable(self._shard_group) is not None:  # gloo, or a group across hosts
             return None
         return shared_buffer(max(sizes), self._shard_group, who="shardkit FSDP", what="the flat gradients")
-
-    def _resident_plan(self) -> tuple[int, int]:
-        """(bytes of the zero-copy memory kept resident between iterations, bytes resident now). Every unit but
-        the largest fits in the second-largest unit's gradient size, so only that much stays; the rest (often
-        the root's, with the embedding) is given back to /dev/shm at the end of each iteration and allocated
-        again when the largest gradient is made — when the copying path would allocate it too — so the memory
-        is not held through forward. Kept whole where less than _GIVE_BACK_MIN_BYTES would go, and where the
-        kernel cannot allocate pages with an error instead of SIGBUS (before Linux 5.14)."""
-        memory = self._reduce_memory
-        if memory is None:
-            return 0, 0
-        if _C.reserve_shared_pages(memory, 0, min(memory.numel(), 1)) is not None:
-            return memory.numel(), memory.numel()
-        sizes = sorted(g.handle.reduce_input_bytes for u in self._units for g in u.groups if g.trainable)
-        kept = sizes[-2] if len(sizes) > 1 else 0
-        if memory.numel() - kept < _GIVE_BACK_MIN_BYTES:  # not worth page faults and an allreduce per iteration
-            kept = memory.numel()
-        return kept, memory.numel()
 
     def _broadcast_from_rank0(self, tensors: list[torch.Tensor]) -> None:
         # Replicas first, then inside each shard group: every rank ends with global rank 0's values.
@@ -578,7 +564,7 @@ class FullyShardedDataParallel(nn.Module):
         """Runs (the backward of _FullParameterViews) when autograd has every gradient of `group`'s parameters
         for one backward pass (None: the parameter got none), in parameter order."""
         sync = self._require_backward_grad_sync
-        memory = self._reduce_memory if sync else None
+        memory = self._reduce_memory.memory if sync and self._reduce_memory is not None else None
         made_in_memory = memory is not None and group.handle.flattens_into_memory
         if made_in_memory:
             self._finish_reductions()  # the one in flight reads the memory this gradient is about to be made in
@@ -627,7 +613,8 @@ class FullyShardedDataParallel(nn.Module):
             ledger.verify()
         self.collective_counts["identity_checks"] += bool(ledgers)
         self._finish_reductions()
-        self._release_reduce_memory()
+        if self._reduce_memory is not None:
+            self._reduce_memory.release()
         for u in self._units:
             for g in u.groups:
                 g.training_views = None
@@ -636,34 +623,15 @@ class FullyShardedDataParallel(nn.Module):
 
     def _resident_reduce_memory(self, needed: int, unit: _Unit) -> torch.Tensor | None:
         """The zero-copy memory with its first `needed` bytes allocated, or None: this unit is reduced from
-        ordinary memory. Past the part kept between iterations the pages are allocated again here, and every rank
-        of the shard group must have had them — a MIN over the shard group, issued by every rank at the same point
-        (the sizes are the same everywhere) — so that where one rank finds no room in /dev/shm, every rank warns
-        and takes ordinary memory (ranks that disagreed would fail the reduce-scatter; none is killed by SIGBUS)."""
-        memory = self._reduce_memory
-        if needed <= self._reduce_memory_kept:
-            return memory
-        why = None
-        if needed > self._reduce_memory_resident:
-            why = _C.reserve_shared_pages(memory, self._reduce_memory_resident, needed - self._reduce_memory_resident)
-        everyone_has_it = torch.tensor([0 if why else 1], dtype=torch.int32)
-        dist.all_reduce(everyone_has_it, op=dist.ReduceOp.MIN, group=self._shard_group)
-        if everyone_has_it.item():
-            self._reduce_memory_resident = max(self._reduce_memory_resident, needed)
-            return memory
-        self._release_reduce_memory(whatever_is_resident=True)  # what this rank did get goes back
+        ordinary memory this iteration (a rank of the shard group had no room in /dev/shm: every rank warns).
+        A collective on the shard group past the kept part (ResidentSharedMemory.ensure)."""
+        why = self._reduce_memory.ensure(needed)
+        if why is None:
+            return self._reduce_memory.memory
         name = unit.name or "(root)"
         warn_zero_copy_unavailable("shardkit FSDP", f"the flat gradient of unit '{name}' ({needed} bytes) this "
-                                   "iteration", why or "another rank of the shard group has no room in /dev/shm")
+                                   "iteration", why)
         return None
-
-    def _release_reduce_memory(self, whatever_is_resident: bool = False) -> None:
-        """Gives the zero-copy memory past what is kept back to /dev/shm (no reduction reads it any more);
-        `whatever_is_resident`: also pages a failed reservation may have left allocated."""
-        memory, kept = self._reduce_memory, self._reduce_memory_kept
-        if memory is not None and (self._reduce_memory_resident > kept or whatever_is_resident):
-            if _C.release_shared_pages(memory, kept, memory.numel() - kept):
-                self._reduce_memory_resident = kept
 
     def _finish_reductions(self) -> None:
         """Waits for the reductions in flight, in issue order (every rank waits on the same collectives), and

@@ -51,7 +51,7 @@ def _fsdp_when_dev_shm_fills_up(rank: int) -> dict:
             model(x).square().mean().backward()
 
     step(0)
-    released = zero_copy._reduce_memory_resident < zero_copy._reduce_memory.numel()
+    released = zero_copy._reduce_memory.resident < zero_copy._reduce_memory.memory.numel()
     dist.barrier()
     if rank == 0:
         with open(filler, "wb") as f:  # fill /dev/shm: the released pages cannot be had again

@@ -36,13 +36,13 @@ class TinyLM(nn.Module):
     """Token embedding, ``depth`` Blocks, a final norm and an LM head tied to the embedding (the tied weight is
     the root unit's, as torch's guides place it)."""
 
-    def __init__(self, depth: int = 3) -> None:
+    def __init__(self, depth: int = 3, vocab: int = VOCAB) -> None:
         super().__init__()
         self.skip: set[int] = set()  # layers the forward leaves out (a rank taking another branch)
-        self.wte = nn.Embedding(VOCAB, D)
+        self.wte = nn.Embedding(vocab, D)
         self.layers = nn.ModuleList([Block(D) for _ in range(depth)])
         self.norm = nn.LayerNorm(D)
-        self.lm_head = nn.Linear(D, VOCAB, bias=False)
+        self.lm_head = nn.Linear(D, vocab, bias=False)
         self.lm_head.weight = self.wte.weight
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -53,9 +53,9 @@ class TinyLM(nn.Module):
         return self.lm_head(self.norm(h))
 
 
-def tiny_lm(seed: int = 0, depth: int = 3) -> TinyLM:
+def tiny_lm(seed: int = 0, depth: int = 3, vocab: int = VOCAB) -> TinyLM:
     torch.manual_seed(seed)
-    return TinyLM(depth)
+    return TinyLM(depth, vocab)
 
 
 def tokens(rank: int, step: int, micro: int = 0, rows: int | None = None) -> torch.Tensor:
@@ -65,7 +65,7 @@ def tokens(rank: int, step: int, micro: int = 0, rows: int | None = None) -> tor
 
 def lm_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
     logits = model(batch[:, :-1])
-    return F.cross_entropy(logits.reshape(-1, VOCAB).float(), batch[:, 1:].reshape(-1))
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), batch[:, 1:].reshape(-1))
 
 
 def _optimizer(name: str, params) -> torch.optim.Optimizer:
@@ -312,6 +312,37 @@ def test_hugging_face_gpt2_trains_as_with_torch_fsdp2(ranks):
     for losses in ranks.run(_hf_gpt2, 2, timeout=110):
         for torch_loss, shardkit_loss in losses:
             assert shardkit_loss == pytest.approx(torch_loss, rel=1e-5), losses
+
+
+def _big_root(rank: int, world: int) -> dict[str, int]:
+    """A root (embedding + LM head) 16x a block's size: between iterations only a block's reduce-scatter input
+    stays resident in the shared block; the root's part is given back and allocated again (one MIN allreduce)."""
+    import shardkit
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    ref = _wrap(torch_fully_shard, tiny_lm(vocab=4096), DeviceMesh.from_group(gloo_world(), "cpu"))
+    dut = _wrap(shardkit.fully_shard, tiny_lm(vocab=4096), init_device_mesh("cpu", (world,)))
+    optimizers = [_optimizer("adamw", m.parameters()) for m in (ref, dut)]
+    for step in range(3):
+        for model, opt in zip((ref, dut), optimizers):
+            lm_loss(model, tokens(rank, step)).backward()
+            opt.step()
+            opt.zero_grad()
+        want = _full(ref)
+        for name, value in _full(dut).items():
+            assert_close(value, want[name], f"rank {rank} step {step}: {name}", 1e-5, 1e-6)
+    (pool,) = {id(c.shared): c.shared for c in _reduce_scatters(dut)}.values()
+    return {"resident": pool._memory.resident, "kept": pool._memory.kept, "bytes": pool._memory.memory.numel(),
+            "block_input": 4 * sum(p.numel() for p in tiny_lm().layers[0].parameters()),
+            "zero_copy_calls": pool.zero_copy_calls}
+
+
+@pytest.mark.timeout(60)
+def test_only_the_second_largest_reduce_input_stays_resident(ranks):
+    for got in ranks.run(_big_root, 2, timeout=50):
+        assert got["kept"] == got["resident"] == got["block_input"] < got["bytes"], got
+        assert got["zero_copy_calls"] == 4 * 3, got
 
 # --- checkpoints: torch FSDP2 <-> shardkit.fully_shard, at other world sizes, through shardkit.checkpoint ---------
 GLOBAL_ROWS = 12  # one global batch per step, split evenly over 1, 2, 3 or 4 ranks

@@ -377,8 +377,8 @@ def _fsdp_zero_copy(rank, world, variant):
     memory = zero_copy._reduce_memory
     if memory is not None:  # between iterations only a block's gradient size stays allocated
         block_bytes = zero_copy._units[1].groups[0].handle.reduce_input_bytes
-        assert zero_copy._reduce_memory_kept == block_bytes < memory.numel(), (block_bytes, memory.numel())
-        assert zero_copy._reduce_memory_resident == block_bytes
+        assert memory.kept == block_bytes < memory.memory.numel(), (block_bytes, memory.memory.numel())
+        assert memory.resident == block_bytes
     return memory is not None, ran, zero_copy.collective_counts["reduce_scatter"]
 
 
@@ -441,7 +441,7 @@ def _one_rank_without_room(rank, world):
     again = backend.shared_ops() - before
     warned = [str(w.message) for w in caught if issubclass(w.category, shardkit.ZeroCopyUnavailableWarning)
               and "no zero-copy memory for the flat gradient of unit '(root)'" in str(w.message)]
-    return same, without, again, warned, zero_copy._reduce_memory_resident == zero_copy._reduce_memory_kept
+    return same, without, again, warned, zero_copy._reduce_memory.resident == zero_copy._reduce_memory.kept
 
 
 def test_fsdp_rank_without_room_for_its_memory_makes_every_rank_use_ordinary_memory(ranks):
