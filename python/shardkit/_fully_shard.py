@@ -2,7 +2,7 @@
 semantics, its ``FSDPModule`` methods and its DTensor state — running its collectives through shardkit.
 
 Why torch's own FSDP2 and not a front of shardkit's (the choice issue 26 asked to make with figures; the figures
-are in docs/fsdp2.md): FSDP2's state is DTensors, so torch's ``get_state_dict`` / ``set_state_dict``,
+are in docs/fully_shard.md): FSDP2's state is DTensors, so torch's ``get_state_dict`` / ``set_state_dict``,
 ``dcp.save`` / ``dcp.load``, ``clip_grad_norm_`` and DTensor code work on it unchanged and its checkpoints are
 torch FSDP2's, bit for bit, at any world size. What a fused front could still win is the copies around the
 collectives, and on this machine that bound is small (shardkit's fused FSDP1 front, one copy per byte, steps in
@@ -112,8 +112,9 @@ class SharedReduceInput:
     often the root's with the embedding, is needed once per iteration; see _resident_memory.py).
 
     ``lend`` hands it out for a reduce-scatter's input; ``taken_by`` once the reduce-scatter has been issued.
-    While it is out, every request gets ordinary memory: FSDP2 asks for the input first and then for the output
-    (which becomes the sharded gradients and is kept), so the output never lands in it. Where a call does not take
+    From the first request of a reduce-scatter until it is issued, every further request gets ordinary memory:
+    FSDP2 asks for the input first and then for the output (which becomes the sharded gradients and is kept),
+    so the output never lands in it, also where the input could not have it. Where a call does not take
     the block as its input (an asynchronous one, or a torch that asks in another order), the block is never lent
     again: ordinary memory from then on, never a block two tensors share. Lending and return happen at
     collectives, in the same order on every rank, so every rank's input lies at the same place in its region, as
@@ -135,12 +136,18 @@ class SharedReduceInput:
         self._memory: ResidentSharedMemory | None = None
         self._sizes: dict[int, int] = {}  # id(unit) -> bytes of its input: the same values on every rank
         self._lent: torch.Tensor | None = None
+        self._asked = False  # a reduce-scatter has asked for memory and not been issued yet
         self._retired = False
         self.zero_copy_calls = 0  # reduce-scatters whose input lay in the block
 
+    def retire(self) -> None:
+        """Ordinary memory from now on (the same decision on every rank); the block goes."""
+        self._retired, self._memory, self._lent = True, None, None
+
     def lend(self, size, dtype: torch.dtype, unit: _Unit) -> torch.Tensor | None:
-        if self._retired or self._lent is not None:
+        if self._retired or self._asked:
             return None
+        self._asked = True
         nbytes = math.prod(int(s) for s in size) * dtype.itemsize
         self._sizes[id(unit)] = nbytes
         if self._memory is None or self._memory.memory.numel() < nbytes:
@@ -148,7 +155,7 @@ class SharedReduceInput:
             block = shared_buffer(nbytes, self.group, who="shardkit.fully_shard",
                                   what=f"the reduce-scatter input of {unit.detail}")
             if block is None:  # no room in /dev/shm (shared_buffer warned, on every rank)
-                self._retired = True
+                self.retire()
                 return None
             self._memory = ResidentSharedMemory(block, self.group)
         sizes = sorted(self._sizes.values())
@@ -164,11 +171,11 @@ class SharedReduceInput:
     def taken_by(self, input_tensor: torch.Tensor, async_op: bool) -> None:
         """After a reduce-scatter was issued: the block is back where it was that call's input and the call is
         done (its pages past the kept part go back to /dev/shm); otherwise it is never lent again."""
-        lent, self._lent = self._lent, None
+        lent, self._lent, self._asked = self._lent, None, False
         if lent is None:
             return
         if async_op or input_tensor.data_ptr() != lent.data_ptr():
-            self._retired = True
+            self.retire()
             return
         self.zero_copy_calls += 1
         self._memory.release()
@@ -188,6 +195,8 @@ class UnitReduceScatter(_ReduceScatter):
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op: Any, async_op: bool = False):
+        if self.shared is not None and group is not self.shared.group:
+            self.shared.retire()  # FSDPModule.set_separate_reduce_scatter_group: the block is not this group's
         with self.unit.identity_scope():
             work = _torch_compat.reduce_scatter_single(output_tensor, input_tensor, op, group, async_op)
         if self.shared is not None:

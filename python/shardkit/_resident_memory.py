@@ -26,14 +26,22 @@ GIVE_BACK_MIN_BYTES = 256 << 10
 class ResidentSharedMemory:
     """``memory`` (a uint8 tensor of shared memory, every page allocated), of which ``kept`` bytes stay allocated
     between uses (``set_kept``). ``ensure(needed)`` before a use of the first ``needed`` bytes, ``release()``
-    after it."""
+    after it.
+
+    Whether a call communicates must be the same on every rank, so it depends only on what every rank knows
+    alike: ``resident`` is the bytes the protocol has made resident (a failed release leaves more pages than
+    that, which is harmless; reserving pages that are there is a no-op), and whether pages can be given back at
+    all is agreed once, here. Constructing it is a collective on ``group``."""
 
     def __init__(self, memory: torch.Tensor, group: dist.ProcessGroup) -> None:
         self.memory = memory
         self.group = group
-        self.resident = memory.numel()  # bytes allocated now, from the start
-        # Whether pages can be allocated with an error instead of SIGBUS (else the memory stays whole).
-        self.can_give_back = _C.reserve_shared_pages(memory, 0, min(memory.numel(), 1)) is None
+        self.resident = memory.numel()  # bytes made resident, as every rank counts them: all, from the start
+        # Whether pages can be allocated with an error instead of SIGBUS on every rank (else it stays whole).
+        mine = _C.reserve_shared_pages(memory, 0, min(memory.numel(), 1)) is None
+        everyone = torch.tensor([1 if mine else 0], dtype=torch.int32)
+        dist.all_reduce(everyone, op=dist.ReduceOp.MIN, group=group)
+        self.can_give_back = bool(everyone.item())
         self.kept = memory.numel()
 
     def set_kept(self, kept: int) -> None:
@@ -45,12 +53,10 @@ class ResidentSharedMemory:
     def ensure(self, needed: int) -> str | None:
         """Makes the first ``needed`` bytes resident; None where every rank of the group has them, else why not
         (this rank's reason, or that another rank's failed), with the pages this rank got given back. A collective
-        on the group where ``needed`` exceeds ``kept`` (the same on every rank), else no communication."""
-        if needed <= self.kept:
+        on the group where ``needed`` exceeds ``resident`` (the same on every rank), else no communication."""
+        if needed <= self.resident:
             return None
-        why = None
-        if needed > self.resident:
-            why = _C.reserve_shared_pages(self.memory, self.resident, needed - self.resident)
+        why = _C.reserve_shared_pages(self.memory, self.resident, needed - self.resident)
         everyone_has_it = torch.tensor([0 if why else 1], dtype=torch.int32)
         dist.all_reduce(everyone_has_it, op=dist.ReduceOp.MIN, group=self.group)
         if everyone_has_it.item():
@@ -63,5 +69,5 @@ class ResidentSharedMemory:
         """Gives the memory past ``kept`` back to /dev/shm (no use reads it any more); ``whatever_is_resident``: also
         pages a failed reservation may have left allocated."""
         if self.resident > self.kept or whatever_is_resident:
-            if _C.release_shared_pages(self.memory, self.kept, self.memory.numel() - self.kept):
-                self.resident = self.kept
+            _C.release_shared_pages(self.memory, self.kept, self.memory.numel() - self.kept)
+            self.resident = min(self.resident, self.kept)  # as counted; pages a failed release left are harmless

@@ -28,9 +28,8 @@ piece's leaf in the local optimizer).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterable
-
 import math
+from typing import Any, Iterable
 
 import torch
 import torch.distributed as dist
@@ -81,12 +80,15 @@ class PieceTensor(torch.Tensor):
     parameter's, and it answers DCP's checkpointable protocol (``_torch_compat.dcp_*``): the boxes the range covers
     (boxes_of_range) as the chunks to write and to read, each a view of the piece. So a flat layout's checkpoint
     is, to DCP and to every other reader, the same as one of torch FSDP2's dim-0 chunks or of a whole tensor, and
-    DCP reshards between any of them. Every other operation sees the plain 1-D piece (``local``)."""
-
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    DCP reshards between any of them. Torch operations on it see the plain 1-D piece (``local``, elements
+    ``begin`` .. ``begin + numel`` of the parameter), except a copy into a tensor of another shape, which raises
+    (code that stages a state dict by its values' sizes, as ``dcp.async_save``'s stagers do, would otherwise
+    broadcast the piece into a whole parameter): save with ``shardkit.checkpoint.save`` or ``dcp.save``.
+    ``copy.deepcopy`` and ``torch.save`` keep it a PieceTensor."""
 
     global_shape: torch.Size
     local: torch.Tensor
+    begin: int
     boxes: list[tuple[tuple[int, ...], tuple[int, ...], int]]
 
     @classmethod
@@ -94,9 +96,34 @@ class PieceTensor(torch.Tensor):
         piece = torch.Tensor._make_subclass(cls, local.detach(), False)
         piece.global_shape = torch.Size(shape)
         piece.local = local.detach()
+        piece.begin = begin
         piece.boxes = [(offsets, sizes, first - begin)
                        for offsets, sizes, first in boxes_of_range(tuple(shape), begin, begin + local.numel())]
         return piece
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.copy_ and len(args) > 1 and isinstance(args[1], PieceTensor) \
+                and not isinstance(args[0], PieceTensor) and args[0].shape != args[1].local.shape:
+            piece = args[1]
+            raise TypeError(f"shardkit: a PieceTensor (this rank's {piece.local.numel()} elements, from element "
+                            f"{piece.begin} on, of a parameter of shape {list(piece.global_shape)}) cannot be "
+                            f"copied into a tensor of shape {list(args[0].shape)}: a sharded state dict of "
+                            "shardkit's FSDP1 front or ZeRO saves with shardkit.checkpoint.save or dcp.save (not "
+                            "dcp.async_save); piece.local is the piece as a plain tensor")
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:
+        return (f"PieceTensor(elements {self.begin}..{self.begin + self.local.numel()} of shape "
+                f"{list(self.global_shape)}: {self.local!r})")
+
+    def __deepcopy__(self, memo: dict) -> "PieceTensor":
+        return PieceTensor.of(self.local.clone(), self.global_shape, self.begin)
+
+    def __reduce_ex__(self, protocol: int):
+        return (_piece_tensor, (self.local, tuple(self.global_shape), self.begin))
 
     def size(self, dim: int | None = None):  # type: ignore[override]
         return self.global_shape if dim is None else self.global_shape[dim]
@@ -121,10 +148,20 @@ class PieceTensor(torch.Tensor):
         return [_torch_compat.dcp_chunk(offsets, sizes) for offsets, sizes, _ in self.boxes]
 
     def __get_tensor_shard__(self, index: Any) -> torch.Tensor:
-        box = self.box(tuple(index.offset))
-        if box.numel() and box.untyped_storage().nbytes() != box.nbytes:
-            box = _C.exact_storage_alias(box)  # a part of a larger buffer: DCP's writer would copy it first
-        return box
+        return _exact(self.box(tuple(index.offset)))
+
+
+def _piece_tensor(local: torch.Tensor, shape: tuple[int, ...], begin: int) -> PieceTensor:
+    """Unpickling (torch.load) a PieceTensor."""
+    return PieceTensor.of(local, torch.Size(shape), begin)
+
+
+def _exact(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``, or where it is a part of a larger storage an alias of exactly its bytes (_C.exact_storage_alias,
+    the same memory): DCP's writer copies a tensor whose storage is larger than it before writing."""
+    if tensor.numel() and tensor.untyped_storage().nbytes() != tensor.nbytes:
+        return _C.exact_storage_alias(tensor)
+    return tensor
 
 
 @dataclasses.dataclass(eq=False)
@@ -154,7 +191,7 @@ class ShardedSpace:
         whole value itself in its own shape."""
         shape = self.shapes[index]
         if self.group is None or self.layout.numels[index] == 0:
-            return local.view(shape)
+            return _exact(local).view(shape)
         return PieceTensor.of(local, shape, self.piece(index).param_begin)
 
     def gather(self, pieces: list[torch.Tensor | None], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
@@ -171,6 +208,16 @@ class ShardedSpace:
             _exchange.all_gather_single(whole, mine, group=self.group)
         return [whole[offset:offset + numel].view(shape)
                 for offset, numel, shape in zip(layout.offsets, layout.numels, self.shapes)]
+
+
+def check_piece(where: str, subject: str, value: PieceTensor, piece: Any) -> None:
+    """Raises where ``value`` is not this rank's ``piece`` (a _C.FlatLayout piece) of the same parameter: another
+    layout's piece of the same size would land in the wrong place."""
+    if (value.begin, value.local.numel()) != (piece.param_begin, piece.numel):
+        raise RuntimeError(f"{where}: {subject} holds elements {value.begin}..{value.begin + value.local.numel()} "
+                           f"of it, but this rank's piece is elements {piece.param_begin}.."
+                           f"{piece.param_begin + piece.numel}: a state dict of another layout; load it through "
+                           "DCP (dcp.load or shardkit.checkpoint.load), which reshards")
 
 
 def check_shape(where: str, subject: str, got: Iterable[int], want: Iterable[int]) -> None:
@@ -235,7 +282,7 @@ def load_entries(where: str, entries: dict[str, Any], places: dict[int, Place],
             own_shape = place.space.shapes[place.index]
             if isinstance(value, PieceTensor):
                 check_shape(where, f"parameter {key!r}", value.size(), own_shape)
-                check_shape(where, f"this rank's piece of parameter {key!r}", value.local.shape, place.local.shape)
+                check_piece(where, f"parameter {key!r}", value, place.space.piece(place.index))
                 if value.local.data_ptr() != place.local.data_ptr():
                     place.local.copy_(value.local)
                 continue
@@ -298,7 +345,7 @@ def optim_state_dict(optim: torch.optim.Optimizer, slots: list[Slot], spaces: li
                      device: torch.device, keep: bool = True) -> dict[str, Any]:
     """The name-keyed optimizer state dict ``{"state": {name: {key: value}}, "param_groups": groups}``.
 
-    Sharded: each piece-shaped state tensor as ``space.sharded_tensor`` (no communication; a rank holds the
+    Sharded: each piece-shaped state tensor as ``space.piece_tensor`` (no communication; a rank holds the
     names it has pieces of). Full: every state tensor in its parameter's own shape on every rank, gathered per
     space and state key (a collective over ``group``, whose ranks agree first, in one object exchange, on the
     keys and dtypes and on the scalar state of pieces they do not hold). A rank with ``keep`` False (rank0_only)
@@ -403,9 +450,12 @@ def local_optim_state(where: str, slots: list[Slot], optim_state: dict[str, Any]
 
 def _local_value(where: str, slot: Slot, key: str, value: Any) -> Any:
     if isinstance(value, PieceTensor):
-        if slot.space is not None:
-            check_shape(where, f"state {key!r} of parameter {slot.name!r}", value.size(),
-                        slot.space.shapes[slot.index])
+        subject = f"state {key!r} of parameter {slot.name!r}"
+        if slot.space is None:
+            raise RuntimeError(f"{where}: {subject} is a piece of it (elements {value.begin} on), but this rank "
+                               "holds the parameter whole: load a full state dict, or through DCP")
+        check_shape(where, subject, value.size(), slot.space.shapes[slot.index])
+        check_piece(where, subject, value, slot.space.piece(slot.index))
         # Not copied: DCP loaded it in place, usually into this optimizer's own state (see optim_state_dict);
         # the optimizer's load_state_dict takes it as it is (same dtype and device), as torch's does.
         return value.local.reshape(slot.param.shape)

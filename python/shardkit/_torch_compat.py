@@ -77,7 +77,7 @@ def fsdp2_shard_group(param_group: Any) -> Any:
 
 
 def fsdp2_params(param_group: Any) -> list[Any]:
-    """The original parameters (DTensors) a parameter group manages (``FSDPParamGroup.fsdp_params[i].sharded_param``)."""
+    """The parameters (DTensors) a parameter group manages (``FSDPParamGroup.fsdp_params[i].sharded_param``)."""
     return [fsdp_param.sharded_param for fsdp_param in param_group.fsdp_params]
 
 
@@ -104,7 +104,6 @@ def reduce_scatter_single(output: Any, input: Any, op: Any, group: Any, async_op
     if hasattr(dist, "reduce_scatter_single"):
         return dist.reduce_scatter_single(output=output, input=input, op=op, group=group, async_op=async_op)
     return dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
-
 
 
 # --- DCP's checkpointable protocol: what shardkit._sharded_state.PieceTensor answers DCP with. DCP asks a value for

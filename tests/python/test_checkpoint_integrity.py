@@ -458,3 +458,24 @@ def test_the_readme_checkpoints_snippet_runs_as_written(ranks, tmp_path: Path):
         done = subprocess.run([sys.executable, *command[1:]], capture_output=True, text=True, cwd=tmp_path,
                               timeout=120)
         assert done.returncode == 0, f"{line}\n{done.stderr}"
+
+
+# --- strict: a mismatch on some ranks only stops every rank -------------------------------------------------------
+def _one_rank_asks_for_more(rank: int, world: int, path: str) -> str:
+    from shardkit import checkpoint
+
+    checkpoint.save({"model": {"w": torch.full((4,), float(rank))}}, path)
+    state = {"model": {"w": torch.zeros(4)}}
+    if rank == 1:
+        state["model"]["extra"] = torch.zeros(2)  # only rank 1's state dict does not match
+    return error_of(lambda: checkpoint.load(state, path), RuntimeError, rank)
+
+
+@pytest.mark.timeout(60)
+def test_a_state_dict_that_does_not_match_on_one_rank_stops_every_rank(ranks, tmp_path: Path):
+    path = str(tmp_path / "ckpt")
+    errors = ranks.run(_one_rank_asks_for_more, 2, path, timeout=50)  # rank 0 would wait in dcp.load: a hang
+    assert errors[1] == (f"shardkit checkpoint load (rank 1): {path} does not match the state dict: missing from "
+                         "the checkpoint: ['model.extra']"), errors[1]
+    assert errors[0] == (f"shardkit checkpoint load (rank 0): {path} does not match the state dict: rank 1's state "
+                         "dict does not: missing from the checkpoint: ['model.extra']"), errors[0]

@@ -110,6 +110,19 @@ def _full(model: nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.full_tensor().detach().clone() for name, p in model.named_parameters()}
 
 
+def _train_side_by_side(rank: int, ref: tuple, dut: tuple, steps: int = 3) -> None:
+    """(model, optimizer) pairs, the oracle first, take turns on the same batches; after every step the parameters
+    must agree (fp32)."""
+    for step in range(steps):
+        for model, opt in (ref, dut):
+            lm_loss(model, tokens(rank, step)).backward()
+            opt.step()
+            opt.zero_grad()
+        want = _full(ref[0])
+        for name, value in _full(dut[0]).items():
+            assert_close(value, want[name], f"rank {rank} step {step}: {name}", 1e-5, 1e-6)
+
+
 CASES = {
     # name: (optimizer, reshard_after_forward, bf16, accumulation micro-steps, frozen layer, hsdp)
     "recipe_sgd": ("sgd", None, False, 1, False, False),
@@ -166,11 +179,15 @@ def _parity(rank: int, world: int, case: str, steps: int = 5) -> dict[str, Any]:
                              rtol, atol)
     shard_group = dut_mesh.get_group("shard" if hsdp else 0)
     return {"types": sorted({type(p).__name__ for p in dut.parameters()}),
-            "zero_copy_calls": sum(pool.zero_copy_calls for pool in {id(c.shared): c.shared
-                                                                     for c in _reduce_scatters(dut) if c.shared}.values()),
-            "pools": len({id(c.shared) for c in _reduce_scatters(dut) if c.shared}),
+            "zero_copy_calls": sum(pool.zero_copy_calls for pool in _pools(dut)),
+            "pools": len(_pools(dut)),
             "units_reduced": sum(any(p.requires_grad for p in m.parameters()) for m in [*dut.layers, dut]),
             "shared_ops": shardkit.backend.cpu_backend(shard_group).shared_ops()}
+
+
+def _pools(model: nn.Module) -> list[Any]:
+    """The SharedReduceInput blocks the model's units lend their reduce-scatter inputs from (each once)."""
+    return list({id(c.shared): c.shared for c in _reduce_scatters(model) if c.shared}.values())
 
 
 def _reduce_scatters(model: nn.Module) -> list[Any]:
@@ -323,16 +340,9 @@ def _big_root(rank: int, world: int) -> dict[str, int]:
 
     ref = _wrap(torch_fully_shard, tiny_lm(vocab=4096), DeviceMesh.from_group(gloo_world(), "cpu"))
     dut = _wrap(shardkit.fully_shard, tiny_lm(vocab=4096), init_device_mesh("cpu", (world,)))
-    optimizers = [_optimizer("adamw", m.parameters()) for m in (ref, dut)]
-    for step in range(3):
-        for model, opt in zip((ref, dut), optimizers):
-            lm_loss(model, tokens(rank, step)).backward()
-            opt.step()
-            opt.zero_grad()
-        want = _full(ref)
-        for name, value in _full(dut).items():
-            assert_close(value, want[name], f"rank {rank} step {step}: {name}", 1e-5, 1e-6)
-    (pool,) = {id(c.shared): c.shared for c in _reduce_scatters(dut)}.values()
+    _train_side_by_side(rank, (ref, _optimizer("adamw", ref.parameters())),
+                        (dut, _optimizer("adamw", dut.parameters())))
+    (pool,) = _pools(dut)
     return {"resident": pool._memory.resident, "kept": pool._memory.kept, "bytes": pool._memory.memory.numel(),
             "block_input": 4 * sum(p.numel() for p in tiny_lm().layers[0].parameters()),
             "zero_copy_calls": pool.zero_copy_calls}
@@ -536,15 +546,7 @@ def _run_readme(rank: int, world: int, code: str) -> None:
     model, optimizer = namespace["model"], namespace["optimizer"]
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     ref = _wrap(torch_fully_shard, tiny_lm(), DeviceMesh.from_group(gloo_world(), "cpu"), mp_policy=policy)
-    ref_optimizer = torch.optim.AdamW(ref.parameters(), lr=1e-3)
-    for step in range(3):
-        for m, opt in ((ref, ref_optimizer), (model, optimizer)):
-            lm_loss(m, tokens(rank, step)).backward()
-            opt.step()
-            opt.zero_grad()
-        want = _full(ref)
-        for name, value in _full(model).items():
-            assert_close(value, want[name], f"rank {rank} step {step}: {name}", 1e-5, 1e-6)
+    _train_side_by_side(rank, (ref, torch.optim.AdamW(ref.parameters(), lr=1e-3)), (model, optimizer))
 
 
 @pytest.mark.timeout(60)

@@ -44,10 +44,17 @@ def load(state_dict: dict[str, Any], checkpoint_id: str | Path, *, strict: bool 
     check_for_load(directory, ranks, checksums=verify)
     if strict:
         # A sharded optimizer's state dict names only the parameters this rank holds pieces of (ZeRO-1/2): the
-        # checkpoint's other entries are another rank's, not strangers. One exchange of the names finds out.
+        # checkpoint's other entries are another rank's, not strangers. One exchange of the names finds out; a
+        # second of the verdicts makes every rank raise where any rank's state dict does not match (the others
+        # would otherwise wait in dcp.load for it).
         flat, _ = _torch_compat.flatten_state_dict(state_dict)
         held = set().union(*ranks.all_gather(sorted(k for k, v in flat.items() if isinstance(v, torch.Tensor))))
-        check_matches(state_dict, directory, held_by_some_rank=held)
+        problems = _problems(state_dict, directory, held)
+        everyone = ranks.all_gather(problems)
+        if any(everyone):
+            first = next(r for r, theirs in enumerate(everyone) if theirs)
+            told = problems or [f"rank {first}'s state dict does not: " + "; ".join(everyone[first])]
+            raise RuntimeError(_message(directory, told))
     with ranks.quiet_single_process():
         dcp.load(state_dict, checkpoint_id=str(directory), process_group=process_group)
 
@@ -55,8 +62,18 @@ def load(state_dict: dict[str, Any], checkpoint_id: str | Path, *, strict: bool 
 def check_matches(state_dict: dict[str, Any], directory: Path, held_by_some_rank: set[str] | None = None) -> None:
     """Raises RuntimeError naming the missing, unexpected and mismatched tensors of ``state_dict`` against the
     checkpoint in ``directory`` (only checkpoint entries under ``state_dict``'s top-level keys count; an entry
-    in ``held_by_some_rank``, the keys every rank's state dict holds, is not unexpected)."""
+    in ``held_by_some_rank``, the keys every rank's state dict holds, is not unexpected). No communication."""
+    problems = _problems(state_dict, directory, held_by_some_rank or set())
+    if problems:
+        raise RuntimeError(_message(directory, problems))
+
+
+def _message(directory: Path, problems: list[str]) -> str:
     rank = dist.get_rank() if dist.is_initialized() else 0
+    return f"shardkit checkpoint load (rank {rank}): {directory} does not match the state dict: " + "; ".join(problems)
+
+
+def _problems(state_dict: dict[str, Any], directory: Path, held_by_some_rank: set[str]) -> list[str]:
     metadata = read_metadata(directory)
     flat, paths = _torch_compat.flatten_state_dict(state_dict)
     tops = {path[0] for path in paths.values()}
@@ -65,10 +82,10 @@ def check_matches(state_dict: dict[str, Any], directory: Path, held_by_some_rank
              if isinstance(meta, TensorStorageMetadata) and their_paths[key][0] in tops}
     ours = {key: value for key, value in flat.items() if isinstance(value, torch.Tensor)}
     missing = [key for key in ours if key not in saved]
-    unexpected = [key for key in saved if key not in ours and key not in (held_by_some_rank or ())]
+    unexpected = [key for key in saved if key not in ours and key not in held_by_some_rank]
     mismatched = [key for key in ours if key in saved and torch.Size(saved[key].size) != ours[key].size()]
     if not (missing or unexpected or mismatched):
-        return
+        return []
     their_shapes = saved_shapes(directory, metadata, their_paths)
     our_shapes = {}
     for key, value in flat.items():
@@ -91,5 +108,4 @@ def check_matches(state_dict: dict[str, Any], directory: Path, held_by_some_rank
                 f"{key} is {list(mine)} in both, but the checkpoint holds it as {list(saved[key].size)} and the "
                 f"state dict as {list(ours[key].size())}: the layouts differ (checkpoints of shardkit before 0.2 "
                 "hold parameters flattened; `python -m shardkit checkpoint consolidate` reads them whole)")
-    raise RuntimeError(f"shardkit checkpoint load (rank {rank}): {directory} does not match the state dict: "
-                       + "; ".join(problems))
+    return problems
