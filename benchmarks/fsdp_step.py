@@ -3,6 +3,7 @@
     python benchmarks/fsdp_step.py               # world 2, ~30M-parameter GPT, fp32 then bf16
     python benchmarks/fsdp_step.py --quick       # tiny model, 2 steps: a smoke test (< 2 minutes)
     python benchmarks/fsdp_step.py --precision bf16 --only a b e --rounds 20
+    python benchmarks/fsdp_step.py --world 4 --only a b e k   # writes fsdp_step_w4.*
 
 One job of spawned ranks per precision; their default group is shardkit and they also hold a gloo group
 over the same ranks. Every configuration wraps its own copy of the same seeded GPT (tied embedding / LM
@@ -18,6 +19,7 @@ head, pre-norm blocks of causal attention + MLP) and trains it with AdamW on the
   h  shardkit FSDP HYBRID_SHARD (shard over both ranks, replicate 1)    on shardkit
   i  shardkit FSDP FULL_SHARD                                           on gloo      its wrapper alone
   j  shardkit FSDP FULL_SHARD, flat gradients in ordinary memory        on shardkit  what zero-copy buys (e vs j)
+  k  shardkit.fully_shard (FSDP2's front, per block + root)             on shardkit  the recommended front
 
 (e) makes each flat gradient in the shard group's shared memory, from which the reduce-scatter reads the
 peers' gradients where they lie; (j) takes that memory away (a private switch, for this comparison only), so
@@ -109,7 +111,7 @@ STATE_FIELDS = ("params", "grads", "opt_state", "opt_params")
 class Variant:
     key: str
     label: str
-    wrapper: str             # "fsdp2" | "fsdp1" | "shardkit"
+    wrapper: str             # "fsdp2" | "fully_shard" (shardkit's) | "fsdp1" | "shardkit" (its FSDP1 front)
     backend: str             # "gloo" | "shardkit"
     strategy: str = "FULL_SHARD"
     zero_copy: bool = True   # shardkit FSDP: flat gradients in the shard group's shared memory where it can
@@ -126,6 +128,7 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("h", "shardkit FSDP HYBRID_SHARD / shardkit", "shardkit", "shardkit", "HYBRID_SHARD"),
     Variant("i", "shardkit FSDP FULL_SHARD / gloo", "shardkit", "gloo"),
     Variant("j", "shardkit FSDP FULL_SHARD / shardkit, copying", "shardkit", "shardkit", zero_copy=False),
+    Variant("k", "shardkit.fully_shard / shardkit", "fully_shard", "shardkit"),
 )
 
 
@@ -146,8 +149,13 @@ def build(v: Variant, cfg: ModelConfig, precision: str, groups: dict[str, Any]) 
     module = GPT(cfg)
     bf16 = precision == "bf16"
     group = groups[v.backend]
-    if v.wrapper == "fsdp2":
+    if v.wrapper in ("fsdp2", "fully_shard"):  # the same recipe; shardkit's function or torch's
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        if v.wrapper == "fully_shard":
+            import shardkit
+
+            fully_shard = shardkit.fully_shard  # noqa: F811
 
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16) if bf16 else \
             MixedPrecisionPolicy()
@@ -240,7 +248,7 @@ def setup_groups(rank: int, world: int, store: str, timeout_s: float, keys: Sequ
     dist.init_process_group("shardkit", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=timeout_s))
     groups: dict[str, Any] = {"shardkit": None, "gloo": dist.new_group(backend="gloo")}
-    if any(variant(k).wrapper == "fsdp2" for k in keys):
+    if any(variant(k).wrapper in ("fsdp2", "fully_shard") for k in keys):
         groups["mesh:shardkit"] = init_device_mesh("cpu", (world,))
         groups["mesh:gloo"] = DeviceMesh.from_group(groups["gloo"], "cpu")
     if any(variant(k).strategy == "HYBRID_SHARD" for k in keys):
@@ -457,6 +465,15 @@ def check_targets(precision: str, rows: dict[str, dict[str, Any]]) -> list[dict[
     state = rows["e"]["model_state_vs_ideal"] if rows.get("e", {}).get("status") == "ok" else None
     add("shardkit FULL_SHARD model-state bytes within 1% of 16Ψ/N (fuller rank)", state, 1.01,
         ok=state is not None and abs(state - 1) <= 0.01, shown=f"{state or 0:.4f}× of 16Ψ/N", skip=why)
+    why_k = rows.get("k", {}).get("status", "not run")
+    add("shardkit.fully_shard / shardkit ≤ 0.75× torch FSDP2 / shardkit (k ÷ b, medians)", ratio(rows, "k", "b"),
+        0.75, shown=f"{ratio(rows, 'k', 'b') or 0:.3f}×{paired(rows, 'k', 'b')}", skip=why_k)
+    add("shardkit.fully_shard / shardkit ≤ 0.5× torch FSDP2 / gloo (k ÷ a, medians)", ratio(rows, "k", "a"), 0.5,
+        shown=f"{ratio(rows, 'k', 'a') or 0:.3f}×{paired(rows, 'k', 'a')}", skip=why_k)
+    pk = peak_growth(rows.get("k", {}))
+    add("shardkit.fully_shard peak RSS growth ≤ torch FSDP2's on shardkit (k ÷ b, fuller rank)",
+        None if pk is None or pb is None else pk / pb, 1.0,
+        shown=f"{mib(pk)} vs {mib(pb)} MiB" if pk is not None and pb is not None else "", skip=why_k)
     # Correctness guard: every row's final loss against (a)'s.
     anchor = rows.get("a", {})
     if anchor.get("status") == "ok":
@@ -502,6 +519,7 @@ def plot(results: dict[str, dict[str, dict[str, Any]]], path: Path, cfg: ModelCo
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--world", type=int, default=2, help="ranks (one host)")
     p.add_argument("--quick", action="store_true", help="tiny model, 1 warm-up + 1 timed step: a smoke test")
     p.add_argument("--warmup", type=int, default=2, help="warm-up rounds")
     p.add_argument("--rounds", type=int, default=10, help="timed rounds (one step per configuration each)")
@@ -518,7 +536,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     started = time.monotonic()
-    world = 2
+    world = args.world
     if args.quick:
         cfg, warmup, rounds = QUICK_MODEL, 1, 1
     else:
@@ -572,7 +590,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not args.no_rss:
             for key, row in rows.items():
                 # --quick probes only the rows the targets read: each probe is a fresh launch (~7 s)
-                if row["status"] != "ok" or (args.quick and key not in ("a", "b", "e")):
+                if row["status"] != "ok" or (args.quick and key not in ("a", "b", "e", "k")):
                     continue
                 print(f"[{precision}] RSS probe ({key}) …", file=sys.stderr, flush=True)
                 try:
@@ -588,7 +606,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         checks += check_targets(precision, rows)
 
     elapsed = time.monotonic() - started
-    stem = "fsdp_step_quick" if args.quick else "fsdp_step"
+    stem = ("fsdp_step_quick" if args.quick else "fsdp_step") + ("" if world == 2 else f"_w{world}")
     config = {"world": world, "model": dataclasses.asdict(cfg), "n_params": psi, "ideal_model_state_bytes": ideal,
               "lr": LR, "optimizer": "AdamW", "threads_per_rank": 1, "order": "interleaved rounds, rotated start",
               "timing": "barrier, then forward+loss+backward+optimizer.step+zero_grad; slowest rank per step; "
