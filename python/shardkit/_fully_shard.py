@@ -19,7 +19,8 @@ What shardkit adds, per ``fully_shard`` call (a unit), through FSDP2's custom-co
 - **Collective identities.** Each unit's all-gathers and reduce-scatters carry the unit's identity (its module
   path in the root, e.g. ``layers.3``); shardkit's backend compares it on every rank of the group, so ranks whose
   forward or backward runs different units fail at the first collective that pairs them, naming both units,
-  instead of exchanging the wrong parameters (see _collective_identity.py).
+  instead of exchanging the wrong parameters (see _collective_identity.py). On other backends (gloo, NCCL) a
+  UnitLedger compares them at the end of each backward, before an optimizer can step.
 
 Everything else is torch's: where the plug-ins do not apply (another backend, CUDA parameters, a unit with
 several meshes from ``shard_placement_fn``) the unit runs exactly as torch FSDP2 does.
@@ -27,6 +28,7 @@ several meshes from ``shard_placement_fn``) the unit runs exactly as torch FSDP2
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import weakref
@@ -37,7 +39,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import _torch_compat
-from ._collective_identity import collectives_for
+from ._collective_identity import ALL_GATHER, REDUCE_SCATTER, CollectiveLedger, backend_checks_identity, collectives_for
 from ._resident_memory import ResidentSharedMemory
 from .backend import shared_buffer, warn_zero_copy_unavailable, zero_copy_unavailable
 
@@ -67,27 +69,72 @@ def _plug_in(fsdp_module: nn.Module) -> None:
     if len(groups) != 1:
         return
     param_group = groups[0]
-    unit = _Unit(param_group)
-    fsdp_module.set_custom_all_gather(UnitAllGather(unit))
     shard_group = _torch_compat.fsdp2_shard_group(param_group)
-    zero_copy = (param_group.device.type == "cpu" and shard_group.size() > 1
-                 and zero_copy_unavailable(shard_group) is None)
+    on_cpu = param_group.device.type == "cpu"
+    checked_by_backend = shard_group.size() == 1 or backend_checks_identity(shard_group, on_cpu)
+    unit = _Unit(param_group, None if checked_by_backend else UnitLedger.for_group(shard_group))
+    fsdp_module.set_custom_all_gather(UnitAllGather(unit))
+    zero_copy = on_cpu and shard_group.size() > 1 and zero_copy_unavailable(shard_group) is None
     shared = SharedReduceInput.for_group(shard_group) if zero_copy else None
     fsdp_module.set_custom_reduce_scatter(UnitReduceScatter(unit, shared))
 
 
 class _Unit:
     """How a unit's collectives name it: its module path in the root (FSDP2 learns it at the root's first
-    forward, before any collective), and its parameters' count and elements."""
+    forward, before any collective), and its parameters' count and elements; and, where the backend does not
+    compare identities, the ledger that records them."""
 
-    def __init__(self, param_group: Any) -> None:
+    def __init__(self, param_group: Any, ledger: "UnitLedger | None") -> None:
         self._param_group = param_group
+        self.ledger = ledger
         params = _torch_compat.fsdp2_params(param_group)
         self.detail = f"{len(params)} parameters, {sum(p.numel() for p in params)} elements"
 
-    def identity_scope(self):
+    @contextlib.contextmanager
+    def identity_scope(self, kind: int):
+        """Around one collective of ``kind``: it carries the unit's identity (and is recorded in the ledger)."""
         path = _torch_compat.fsdp2_module_path(self._param_group)
-        return collectives_for(f"fully_shard unit '{path or '(root)'}'", self.detail)
+        with collectives_for(f"fully_shard unit '{path or '(root)'}'", self.detail) as identity:
+            if self.ledger is not None:
+                self.ledger.record(kind, identity)
+            yield
+
+
+class UnitLedger:
+    """Where the shard group's backend does not compare collective identities (torch's gloo or NCCL, CUDA
+    tensors): the units' all-gathers and reduce-scatters on it, recorded in issue order (a CollectiveLedger) and
+    compared across the ranks at the end of each backward that reduced a gradient — before an optimizer can
+    step — so ranks that ran different units of the same shapes (which such a backend pairs silently) raise,
+    naming both. The check is an autograd callback queued at the backward's first reduce-scatter, after FSDP2's
+    own end-of-backward callback (queued at the root's pre-backward), so it sees that callback's collectives
+    too. One per group, shared by its units (weakly)."""
+
+    _by_group: "weakref.WeakValueDictionary[str, UnitLedger]" = weakref.WeakValueDictionary()
+
+    @classmethod
+    def for_group(cls, group: dist.ProcessGroup) -> "UnitLedger":
+        ledger = cls._by_group.get(group.group_name)
+        if ledger is None or ledger.ledger.group is not group:
+            ledger = cls._by_group[group.group_name] = cls(group)
+        return ledger
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.ledger = CollectiveLedger(group, "shard group", "shardkit.fully_shard")
+        self._graph_task = None  # the backward pass whose check is queued
+        self.checks = 0  # backwards that ended with the check
+
+    def record(self, kind: int, identity: int) -> None:
+        self.ledger.record(kind, identity)
+        if kind == REDUCE_SCATTER:
+            task = _torch_compat.current_graph_task()
+            if task is not None and task != self._graph_task:
+                self._graph_task = task
+                _torch_compat.queue_end_of_backward(self._check)
+
+    def _check(self) -> None:
+        if self.ledger.entries:
+            self.ledger.verify()
+            self.checks += 1
 
 
 class UnitAllGather(_AllGather):
@@ -101,7 +148,7 @@ class UnitAllGather(_AllGather):
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  async_op: bool = False):
-        with self.unit.identity_scope():
+        with self.unit.identity_scope(ALL_GATHER):
             return _torch_compat.all_gather_single(output_tensor, input_tensor, group, async_op)
 
 
@@ -197,7 +244,7 @@ class UnitReduceScatter(_ReduceScatter):
                  op: Any, async_op: bool = False):
         if self.shared is not None and group is not self.shared.group:
             self.shared.retire()  # FSDPModule.set_separate_reduce_scatter_group: the block is not this group's
-        with self.unit.identity_scope():
+        with self.unit.identity_scope(REDUCE_SCATTER):
             work = _torch_compat.reduce_scatter_single(output_tensor, input_tensor, op, group, async_op)
         if self.shared is not None:
             self.shared.taken_by(input_tensor, async_op)

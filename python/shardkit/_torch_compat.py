@@ -130,3 +130,21 @@ def dcp_chunk(offsets: tuple[int, ...], sizes: tuple[int, ...]) -> Any:
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
     return ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
+
+
+# --- autograd's end-of-backward callbacks (what FSDP1 and FSDP2 use too) ---------------------------------------
+def current_graph_task() -> int | None:
+    """The id of the backward pass this thread is running (``torch._C._current_graph_task_id``), None outside
+    one."""
+    import torch
+
+    task = torch._C._current_graph_task_id()
+    return None if task == -1 else task
+
+
+def queue_end_of_backward(callback: Any) -> None:
+    """Runs ``callback`` once the current backward pass has finished (``Variable._execution_engine.queue_callback``;
+    callbacks run in the order queued)."""
+    import torch
+
+    torch.autograd.Variable._execution_engine.queue_callback(callback)

@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import _C, _agreement, _profiling, fsdp_optim_state, zero_state_dict
+from . import _C, _agreement, _profiling, _torch_compat, fsdp_optim_state, zero_state_dict
 from ._collective_identity import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, CollectiveLedger, backend_checks_identity
 from ._resident_memory import ResidentSharedMemory
 from .backend import (compare_identities_across_hosts, host_groups, shared_buffer, warn_zero_copy_unavailable,
@@ -550,10 +550,10 @@ class FullyShardedDataParallel(nn.Module):
     def _pre_backward(self, unit: _Unit) -> None:
         # One end-of-backward callback per backward pass (graph task): a pass that raised never ran its
         # callback, and a flag left set by it would leave every later pass without one.
-        task = torch._C._current_graph_task_id()
+        task = _torch_compat.current_graph_task()
         if task != self._callback_task:
             self._callback_task = task
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            _torch_compat.queue_end_of_backward(self._end_of_backward)
         if not self._orders_frozen and unit not in self._backward_order:
             self._backward_order.append(unit)
         self._unshard(unit)

@@ -39,6 +39,7 @@ class TinyLM(nn.Module):
     def __init__(self, depth: int = 3, vocab: int = VOCAB) -> None:
         super().__init__()
         self.skip: set[int] = set()  # layers the forward leaves out (a rank taking another branch)
+        self.order: list[int] | None = None  # the order the forward runs the layers in (None: as listed)
         self.wte = nn.Embedding(vocab, D)
         self.layers = nn.ModuleList([Block(D) for _ in range(depth)])
         self.norm = nn.LayerNorm(D)
@@ -47,9 +48,9 @@ class TinyLM(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.wte(tokens)
-        for i, layer in enumerate(self.layers):
+        for i in self.order or range(len(self.layers)):
             if i not in self.skip:
-                h = layer(h)
+                h = self.layers[i](h)
         return self.lm_head(self.norm(h))
 
 
@@ -283,6 +284,40 @@ def _skipped_unit(rank: int, world: int) -> str:
 def test_ranks_that_run_different_units_fail_naming_both(ranks):
     for message in ranks.run(_skipped_unit, 2, timeout=50):
         assert "fully_shard unit 'layers.1'" in message and "fully_shard unit 'layers.2'" in message, message
+
+
+def _reordered_units_on_gloo(rank: int, world: int) -> dict[str, Any]:
+    """On a gloo mesh (no identities in the backend), after a good step rank 1 runs layers 2 and 1 swapped: the
+    same number of collectives of the same shapes, which gloo pairs silently. The ledger's check at the end of
+    that backward raises on every rank, before the optimizer steps."""
+    import shardkit
+    from torch.distributed.device_mesh import DeviceMesh
+
+    model = _wrap(shardkit.fully_shard, tiny_lm(), DeviceMesh.from_group(gloo_world(), "cpu"))
+    optimizer = _optimizer("sgd", model.parameters())
+    lm_loss(model, tokens(rank, 0)).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    (ledger,) = {id(c.unit.ledger): c.unit.ledger for c in _reduce_scatters(model)}.values()
+    checks_after_good_step = ledger.checks
+    if rank == 1:
+        model.order = [0, 2, 1]
+    try:
+        lm_loss(model, tokens(rank, 1)).backward()
+    except RuntimeError as error:
+        return {"message": str(error), "checks": checks_after_good_step}
+    return {"message": "no error", "checks": checks_after_good_step}
+
+
+@pytest.mark.timeout(60)
+def test_on_gloo_ranks_that_run_units_in_another_order_fail_at_the_end_of_backward(ranks):
+    for got in ranks.run(_reordered_units_on_gloo, 2, timeout=50):
+        message = got["message"]
+        assert got["checks"] == 1, got  # the good step was checked, and passed
+        assert message.startswith("shardkit.fully_shard (rank ") and "ranks ran different units' collectives on the " \
+            "shard group" in message, message
+        assert "an all-gather of fully_shard unit 'layers.1'" in message, message
+        assert "an all-gather of fully_shard unit 'layers.2'" in message, message
 
 
 
