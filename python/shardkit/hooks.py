@@ -225,9 +225,9 @@ def register(ddp_model: torch.nn.Module, state: Any, kind: str) -> None:
     None (the default group) for "fp16"/"bf16". Like register_comm_hook, once per model."""
     if kind not in _KINDS:
         raise ValueError(f"shardkit.hooks.register: unknown kind {kind!r}; expected one of {', '.join(_KINDS)}")
-    from .ddp import DistributedDataParallel as ShardkitDDP  # here, not at the top: ddp imports this module
-
-    is_shardkit = isinstance(ddp_model, ShardkitDDP)
+    # shardkit's DDP (a torch DDP subclass) is the one whose reducer is shardkit's: no import of ddp, which
+    # imports this module (imports run one way: ddp -> hooks).
+    is_shardkit = isinstance(getattr(ddp_model, "reducer", None), _C.Reducer)
     if not is_shardkit and not isinstance(ddp_model, torch.nn.parallel.DistributedDataParallel):
         raise TypeError(f"shardkit.hooks.register: expected a DistributedDataParallel model (torch's or shardkit's), "
                         f"got {type(ddp_model).__name__}")

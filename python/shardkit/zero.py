@@ -72,6 +72,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from . import _exchange, _flat, _profiling
+from .zero_state_dict import LOCAL_PIECES_KEY
 
 __all__ = ["ELEMENTWISE_OPTIMIZERS", "ZeroRedundancyOptimizer"]
 
@@ -85,8 +86,6 @@ ELEMENTWISE_OPTIMIZERS: tuple[type[Optimizer], ...] = tuple(
 
 _warned_classes: set[type] = set()
 _GROUP_ONLY_KEYS = ("params", "param_names")
-# Marks a state dict holding this rank's pieces' state already cut (zero_state_dict.optim_state_dict_to_load).
-LOCAL_PIECES_KEY = "shardkit_zero_local_pieces"  # keys of an outer param group that the local optimizer never sees
 
 
 @dataclasses.dataclass(eq=False)

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import _flat
+from . import _flat, fsdp_optim_state
 from ._sharded_state import (Place, ShardedSpace, Slot, check_param_groups, init_optimizer_state, load_entries,
                              local_optim_state, sharded_entries)
 from ._sharded_state import optim_state_dict as name_keyed_state
@@ -39,13 +39,15 @@ if TYPE_CHECKING:
     from .zero import ZeroRedundancyOptimizer
 
 _PREFIX = "module."  # a DDP's state-dict prefix (nn.Module naming of its `module` attribute)
+# Marks a state dict holding this rank's pieces' state already cut (optim_state_dict_to_load), which
+# ZeroRedundancyOptimizer.load_state_dict takes as it is.
+LOCAL_PIECES_KEY = "shardkit_zero_local_pieces"  # keys of an outer param group that the local optimizer never sees
 
 
 def parameter_names(model: nn.Module) -> dict[int, str]:
-    """id(parameter) -> its name in the unwrapped model (a shardkit or torch DDP's ``module.`` dropped)."""
-    from .ddp import DistributedDataParallel
-
-    while isinstance(model, (DistributedDataParallel, nn.parallel.DistributedDataParallel)):
+    """id(parameter) -> its name in the unwrapped model (a shardkit or torch DDP's ``module.`` dropped; shardkit's
+    is a torch DDP subclass)."""
+    while isinstance(model, nn.parallel.DistributedDataParallel):
         model = model.module
     return {id(p): name for name, p in model.named_parameters()}
 
@@ -132,8 +134,6 @@ def optim_state_dict_to_load(model: nn.Module, zero: "ZeroRedundancyOptimizer",
                              optim_state_dict: dict[str, Any]) -> dict[str, Any]:
     """This rank's pieces' state cut from a name-keyed dict (full or sharded, any world size, saved by ZeRO or
     FSDP), as ``zero.load_state_dict`` takes it."""
-    from .zero import LOCAL_PIECES_KEY
-
     where = f"ZeroRedundancyOptimizer (rank {zero.rank}) optim_state_dict_to_load"
     slots, _, group_names = _slots(model, zero)
     check_param_groups(where, optim_state_dict["param_groups"], group_names)
@@ -148,8 +148,6 @@ def plain_optim_state_dict(ddp: "DistributedDataParallel", optim: torch.optim.Op
     """The name-keyed state dict of a torch optimizer over a shardkit DDP's parameters (every rank holds the
     whole state: no communication; sharded, the state tensors as they are, in their parameters' shapes, the
     format of ZeRO's and FSDP's pieces, and DCP saves each value once)."""
-    from . import fsdp_optim_state
-
     config = ddp._state_dict_config
     return fsdp_optim_state.state_dict_of(
         optim, parameter_names(ddp), [], sharded=ddp._state_dict_type == StateDictType.SHARDED_STATE_DICT,
@@ -159,7 +157,5 @@ def plain_optim_state_dict(ddp: "DistributedDataParallel", optim: torch.optim.Op
 
 def plain_optim_state_dict_to_load(ddp: "DistributedDataParallel", optim: torch.optim.Optimizer,
                                    optim_state_dict: dict[str, Any]) -> dict[str, Any]:
-    from . import fsdp_optim_state
-
     where = f"shardkit DDP (rank {dist.get_rank(ddp.process_group)}) optim_state_dict_to_load"
     return fsdp_optim_state.state_dict_to_load(where, optim, parameter_names(ddp), [], optim_state_dict)
