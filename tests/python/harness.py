@@ -13,6 +13,7 @@ import faulthandler
 import multiprocessing as mp
 import os
 import queue
+import signal
 import subprocess
 import sys
 import time
@@ -128,6 +129,16 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, workdir: Path, t
             outcomes[rank].error = f"rank {rank} {how}\n{stacks}"
     results.close()
     return outcomes
+
+
+def survivors(outcomes: list[RankOutcome], victim: int) -> list[RankOutcome]:
+    """The outcomes of every rank but ``victim``, after checking that the victim was SIGKILLed (a test killed it)
+    and that every other rank finished without raising."""
+    assert outcomes[victim].exitcode == -signal.SIGKILL, f"rank {victim} (the victim): {outcomes[victim]}"
+    others = [o for o in outcomes if o.rank != victim]
+    for outcome in others:
+        assert outcome.ok, f"rank {outcome.rank}: {outcome.error or outcome}"
+    return others
 
 
 def run(fn: Callable[..., Any], world_size: int, *args: Any, **kwargs: Any) -> list[Any]:

@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
+import harness
 from collective_cases import topology_env
 from ddp_cases import (Pair, assert_modules_match, batch, bn_net, error_of, gloo_world, loss_fn, mlp, sgd,
                        shardkit_ddp, two_heads, wide_mlp)
@@ -146,9 +147,7 @@ def _join_until_a_rank_dies(rank, world):
 @pytest.mark.parametrize("hosts", [None, [0, 1, 1]], ids=["1host", "1+2hosts"])
 def test_rank_killed_while_others_have_joined(ranks, hosts):
     outcomes = ranks.launch(_join_until_a_rank_dies, 3, timeout=90, pg_timeout=60, env=topology_env(hosts))
-    assert outcomes[2].exitcode == -signal.SIGKILL, outcomes[2].error
-    for outcome in outcomes[:2]:
-        assert outcome.ok, outcome.error
+    for outcome in harness.survivors(outcomes, 2):
         assert not isinstance(outcome.value, str), f"rank {outcome.rank}: {outcome.value}"
         elapsed, message = outcome.value
         assert elapsed < 20.0, f"rank {outcome.rank} took {elapsed:.1f} s (the group timeout is 60 s): {message}"
