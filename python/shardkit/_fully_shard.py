@@ -100,25 +100,35 @@ class _Unit:
             yield
 
 
-class UnitLedger:
+class _OnePerGroup:
+    """One instance per process group, shared by the units sharded over it (held weakly: it goes with them).
+    A subclass keeps its group in ``self.group``."""
+
+    group: dist.ProcessGroup
+
+    def __init_subclass__(cls) -> None:
+        super().__init_subclass__()
+        cls._by_group = weakref.WeakValueDictionary()  # group name -> instance, per subclass
+
+    @classmethod
+    def for_group(cls, group: dist.ProcessGroup):
+        found = cls._by_group.get(group.group_name)
+        if found is None or found.group is not group:  # a group of that name made anew
+            found = cls._by_group[group.group_name] = cls(group)
+        return found
+
+
+class UnitLedger(_OnePerGroup):
     """Where the shard group's backend does not compare collective identities (torch's gloo or NCCL, CUDA
     tensors): the units' all-gathers and reduce-scatters on it, recorded in issue order (a CollectiveLedger) and
     compared across the ranks at the end of each backward that reduced a gradient — before an optimizer can
     step — so ranks that ran different units of the same shapes (which such a backend pairs silently) raise,
     naming both. The check is an autograd callback queued at the backward's first reduce-scatter, after FSDP2's
     own end-of-backward callback (queued at the root's pre-backward), so it sees that callback's collectives
-    too. One per group, shared by its units (weakly)."""
-
-    _by_group: "weakref.WeakValueDictionary[str, UnitLedger]" = weakref.WeakValueDictionary()
-
-    @classmethod
-    def for_group(cls, group: dist.ProcessGroup) -> "UnitLedger":
-        ledger = cls._by_group.get(group.group_name)
-        if ledger is None or ledger.ledger.group is not group:
-            ledger = cls._by_group[group.group_name] = cls(group)
-        return ledger
+    too. One per group (``for_group``)."""
 
     def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
         self.ledger = CollectiveLedger(group, "shard group", "shardkit.fully_shard")
         self._graph_task = None  # the backward pass whose check is queued
         self.checks = 0  # backwards that ended with the check
@@ -152,7 +162,7 @@ class UnitAllGather(_AllGather):
             return _torch_compat.all_gather_single(output_tensor, input_tensor, group, async_op)
 
 
-class SharedReduceInput:
+class SharedReduceInput(_OnePerGroup):
     """The memory in which the units sharded over one group make their reduce-scatter inputs: one block of
     shared memory, every rank of the group mapping every rank's, as large as the largest input so far, lent to
     one reduce-scatter at a time. Between uses only the second-largest input's size stays resident (the largest,
@@ -167,16 +177,7 @@ class SharedReduceInput:
     collectives, in the same order on every rank, so every rank's input lies at the same place in its region, as
     the engine requires, and every rank makes the same decisions. Growing the block (``shared_buffer``) and
     making pages resident past the kept part (one MIN allreduce) are collectives on the group, issued by every
-    rank at the same reduce-scatter. Shared by the units through ``for_group`` (weakly: it goes with them)."""
-
-    _by_group: "weakref.WeakValueDictionary[str, SharedReduceInput]" = weakref.WeakValueDictionary()
-
-    @classmethod
-    def for_group(cls, group: dist.ProcessGroup) -> "SharedReduceInput":
-        pool = cls._by_group.get(group.group_name)
-        if pool is None or pool.group is not group:
-            pool = cls._by_group[group.group_name] = cls(group)
-        return pool
+    rank at the same reduce-scatter. One per group (``for_group``)."""
 
     def __init__(self, group: dist.ProcessGroup) -> None:
         self.group = group

@@ -35,10 +35,15 @@ def _train_until_a_rank_dies(rank, world, victim, wrapper):
     torch.manual_seed(0)
     # *_zero_copy: buckets / flat gradients in shared memory (one host), the middle layer's past the 32 KB
     # small-message size, so the victim dies while the survivors wait in the shared-buffer reduction.
-    width = 128 if wrapper.endswith("_zero_copy") else 64
+    width = 128 if wrapper.endswith("_zero_copy") or wrapper == "fully_shard" else 64
     model = torch.nn.Sequential(torch.nn.Linear(32, width), torch.nn.Tanh(), torch.nn.Linear(width, width),
                                 torch.nn.Tanh(), torch.nn.Linear(width, 4))
-    if wrapper.startswith("fsdp"):  # one unit per Linear: all-gathers and reduce-scatters all through backward
+    if wrapper == "fully_shard":  # FSDP2's recipe, one unit per Linear, then the root
+        for layer in model[::2]:
+            shardkit.fully_shard(layer)
+        ddp = shardkit.fully_shard(model)
+        optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    elif wrapper.startswith("fsdp"):  # one unit per Linear: all-gathers and reduce-scatters all through backward
         # HYBRID_SHARD: shard groups of each host's ranks, replicate groups across hosts (subgroups of the world).
         strategy = shardkit.fsdp.ShardingStrategy.HYBRID_SHARD if wrapper == "fsdp_hybrid" else None
         ddp = shardkit.FullyShardedDataParallel(model, auto_wrap_policy={torch.nn.Linear},
@@ -88,7 +93,8 @@ def _train_until_a_rank_dies(rank, world, victim, wrapper):
     return elapsed, message, later, zero_copy
 
 
-@pytest.mark.parametrize("wrapper", ["ddp", "ddp_zero_copy", "zero1", "zero2", "fsdp", "fsdp_zero_copy", "fsdp_hybrid"])
+@pytest.mark.parametrize("wrapper", ["ddp", "ddp_zero_copy", "zero1", "zero2", "fsdp", "fsdp_zero_copy", "fsdp_hybrid",
+                                     "fully_shard"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_rank_killed_mid_backward(ranks, case, wrapper):
     world, hosts, victim = CASES[case]
