@@ -9,8 +9,9 @@ The start-up (``backend._create_backend``) talks through the group's c10d Store:
 - ``shardkit/shm_name/<h>``: host ``h``'s segment name, drawn by its first rank.
 - gloo's own rendezvous (the inner backends), through :class:`WatchedStore`.
 - the C++ constructor: the segment's attach protocol and first sync, which watch the same pids and the notice.
-- ``shardkit/started`` and ``shardkit/all_started/<n>``: the end, which every rank passes together (a counter,
-  and the key its last rank sets for the n-th start-up on this Store): a group starts on every rank or on none.
+- ``shardkit/connected``: every rank passes together once its gloo backends are connected, before anything that may
+  fail on purpose (a peer still connecting to a rank that gave up would wait out gloo's retries: ``all_connected``).
+- ``shardkit/started``: the end, which every rank passes together: a group starts on every rank or on none.
 - ``shardkit/abort`` (``_C.ABORT_KEY``): the notice. A rank that fails anywhere above, or sees a peer on its host
   exit, writes why (the first writer wins); every wait polls it. So a failure on one host reaches the others.
 
@@ -125,15 +126,28 @@ class StartupWatch:
                 return error
             time.sleep(0.02)
 
-    def all_started(self, size: int) -> None:
-        """The start-up's end: returns once every rank of the group has reached it; raises StartupFailed, as every
-        wait here, where one failed or died on the way (a group half started on some hosts would leave their ranks
-        to learn of it only at their first collective)."""
-        count = self.store.add("shardkit/started", 1)
-        generation = (count - 1) // size  # which start-up on this Store (a group re-made on it counts on)
+    def all_reached(self, stage: str, size: int, waiting_for: str) -> None:
+        """Returns once every rank of the group has reached ``stage``; raises StartupFailed, as every wait here,
+        where one failed or died on the way. A counter per stage, and the key its last rank sets for the n-th
+        start-up on this Store (a group re-made on it counts on)."""
+        count = self.store.add(f"shardkit/{stage}", 1)
+        generation = (count - 1) // size
         if count % size == 0:
-            self.store.set(f"shardkit/all_started/{generation}", "1")
-        self.wait_for([f"shardkit/all_started/{generation}"], "waiting for every rank to finish its start-up")
+            self.store.set(f"shardkit/{stage}/all/{generation}", "1")
+        self.wait_for([f"shardkit/{stage}/all/{generation}"], waiting_for)
+
+    def all_connected(self, size: int) -> None:
+        """Every rank has its gloo backends connected. Until then no rank may fail on purpose: gloo connects each
+        pair with retries that nothing can interrupt, so a peer that gave up (the notice) while this rank still
+        connects to it would hold this rank there ~10 s before its error shows (seen in CI: a /dev/shm without room
+        failed rank 0 in the segment's creation while rank 1 was still connecting to rank 3, which had read the
+        notice and left)."""
+        self.all_reached("connected", size, "waiting for every rank to connect its gloo backends")
+
+    def all_started(self, size: int) -> None:
+        """The start-up's end: returns once every rank of the group has reached it (a group half started on some
+        hosts would leave their ranks to learn of it only at their first collective)."""
+        self.all_reached("started", size, "waiting for every rank to finish its start-up")
 
     def watched(self) -> dict[int, int]:
         """{group rank: pid} of the peers read so far whose pids this rank can watch: on its host, in its pid

@@ -179,6 +179,7 @@ def _start(options, watch: _startup.StartupWatch, global_ranks: list[int], timeo
         inter_host = _startup.connect_gloo(watch, dist.PrefixStore("shardkit/inter", store), config.host_index,
                                            topology.num_hosts, timeout, "the host leaders' gloo backend")
     _GLOO_STORES[str(options.group_id)] = watch.kept_stores
+    watch.all_connected(size)
     job_store = _job_store(store, not options.global_ranks_in_group)
     backend = _C.ProcessGroupShardkit(rank, size, config, store, fallback, inter_host, job_store)
     watch.all_started(size)

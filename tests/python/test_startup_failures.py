@@ -72,7 +72,9 @@ def _die_in_start_up(rank: int, victim: int, how: str) -> None:
         _C.ProcessGroupShardkit = late
 
 
-def _init_timed(rank: int, world: int, store_path: str, victim: int, how: str):
+def _init_timed(rank: int, world: int, store_path: str, victim: int, how: str, store_port: int | None = None):
+    """init_process_group("shardkit") timed; through a FileStore at ``store_path``, or the TCPStore server at
+    ``store_port`` (see the store_port fixture)."""
     import torch.distributed as dist
 
     import shardkit  # noqa: F401 - registers the backend
@@ -80,24 +82,45 @@ def _init_timed(rank: int, world: int, store_path: str, victim: int, how: str):
     _die_in_start_up(rank, victim, how)
     start = time.monotonic()
     try:
-        dist.init_process_group("shardkit", init_method=f"file://{store_path}", rank=rank, world_size=world,
-                                timeout=INIT_TIMEOUT)
+        if store_port is None:
+            dist.init_process_group("shardkit", init_method=f"file://{store_path}", rank=rank, world_size=world,
+                                    timeout=INIT_TIMEOUT)
+        else:
+            store = dist.TCPStore("127.0.0.1", store_port, world, is_master=False, timeout=INIT_TIMEOUT)
+            dist.init_process_group("shardkit", store=dist.PrefixStore(store_path, store), rank=rank,
+                                    world_size=world, timeout=INIT_TIMEOUT)
     except Exception as error:  # noqa: BLE001 - the test reads the message
         return time.monotonic() - start, f"{type(error).__name__}: {error}"
     return None
+
+
+@pytest.fixture(scope="module")
+def store_port():
+    """A TCPStore server in the test's process (port 0: the kernel picks a free one), for the ranks' start-up.
+    Not a FileStore: a victim killed at an arbitrary moment (creator_after_create kills from a thread) can die
+    between the two writes of one FileStore record, and torch's FileStore then spins forever re-reading the torn
+    record under its file lock, so every survivor's next Store call hangs (seen in CI: 45 s in
+    StartupWatch.publish's compare_set). A TCPStore server drops a client that died mid-message."""
+    import torch.distributed as dist
+
+    server = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False,
+                           timeout=INIT_TIMEOUT)
+    yield server.port
+    del server
 
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("how", ["before_attach", "creator_after_create"])
 @pytest.mark.parametrize("world, hosts", [(2, None), (4, None), (4, [0, 0, 1, 1])],
                          ids=["w2", "w4", "2x2hosts"])
-def test_a_rank_dying_in_start_up_is_named_by_every_peer_within_2s(ranks, tmp_path: Path, world: int, hosts, how: str):
+def test_a_rank_dying_in_start_up_is_named_by_every_peer_within_2s(ranks, tmp_path: Path, world: int, hosts, how: str,
+                                                                   store_port: int):
     # On simulated hosts the other host's ranks cannot watch the victim's pid: they hear of it through the notice.
     victims = [0] if how == "creator_after_create" else [0, world - 1]
     for victim in victims:
-        store = str(tmp_path / f"store-{victim}")
-        outcomes = ranks.launch(_init_timed, world, store, victim, how, backend=None, timeout=45,
-                                env=topology_env(hosts))
+        prefix = f"{tmp_path.name}-{victim}"  # this launch's keys on the shared server
+        outcomes = ranks.launch(_init_timed, world, prefix, victim, how, store_port=store_port, backend=None,
+                                timeout=45, env=topology_env(hosts))
         for outcome in harness.survivors(outcomes, victim):
             assert outcome.value is not None, f"rank {outcome.rank}: the start-up succeeded without rank {victim}"
             elapsed, message = outcome.value
