@@ -1,5 +1,5 @@
 // FlatParamHandle: the parameters of one FSDP unit that share a dtype and requires_grad, as one flat,
-// sharded parameter (shardkit.FullyShardedDataParallel, python/shardkit/fsdp.py, drives it from module hooks).
+// sharded parameter (shardkit.FullyShardedDataParallel, python/shardkit/fsdp/_fsdp1.py, drives it from module hooks).
 //
 // Layout: core::FlatLayout over the parameters' numels, the shard group's size and a 16-byte alignment.
 // Between steps this rank holds only `shard` (S elements of the parameters' own dtype, the master copy);

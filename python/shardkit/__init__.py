@@ -7,18 +7,18 @@ from __future__ import annotations
 
 import torch  # noqa: F401  (loads libtorch before the extension)
 
-from . import _C, fsdp, hooks, wrap
+from . import _C, checkpoint, fsdp, hooks, wrap
 from . import state_dict  # noqa: E402  (after fsdp and ddp, which it wraps)
 from .backend import ZeroCopyUnavailableWarning, all_reduce_, register_backend
 from .ddp import DistributedDataParallel
 from .fsdp import FullyShardedDataParallel
-from ._fully_shard import fully_shard
+from .fsdp import fully_shard
 from .strategy import auto
 from .zero import ZeroRedundancyOptimizer
 
 __version__ = "0.2.0"
 __all__ = ["DistributedDataParallel", "FullyShardedDataParallel", "ZeroCopyUnavailableWarning",
            "ZeroRedundancyOptimizer", "__version__", "all_reduce_", "auto",
-           "fsdp", "fully_shard", "hooks", "register_backend", "state_dict", "wrap"]
+           "checkpoint", "fsdp", "fully_shard", "hooks", "register_backend", "state_dict", "wrap"]
 
 register_backend()

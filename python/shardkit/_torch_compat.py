@@ -106,7 +106,7 @@ def reduce_scatter_single(output: Any, input: Any, op: Any, group: Any, async_op
     return dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
 
 
-# --- DCP's checkpointable protocol: what shardkit._sharded_state.PieceTensor answers DCP with. DCP asks a value for
+# --- DCP's checkpointable protocol: what shardkit.checkpoint._sharded_state.PieceTensor answers DCP with. DCP asks a value for
 # ``__create_write_items__(fqn, obj)`` (planner_helpers._create_write_items), ``__create_chunk_list__()``
 # (_create_chunk_list, on load) and ``__get_tensor_shard__(index)`` (utils.find_tensor_shard) where it has them,
 # as DTensor does (torch 2.13 and 2.14.1 alike); the items and chunks are DCP's public dataclasses.

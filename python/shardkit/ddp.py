@@ -23,9 +23,10 @@ from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.nn.parallel import DistributedDataParallel as _TorchDDP
 
-from . import _C, _agreement, _flat, _profiling, zero_state_dict
+from . import _C, _agreement, _flat, _profiling
+from .checkpoint import _zero_state_dict as zero_state_dict
 from .backend import compare_identities_across_hosts, shared_buffer, warn_zero_copy_unavailable, zero_copy_unavailable
-from .fsdp_state_dict import FullStateDictConfig, ShardedStateDictConfig, StateDictType
+from .checkpoint._fsdp_state_dict import FullStateDictConfig, ShardedStateDictConfig, StateDictType
 from .hooks import check_state_group
 
 _DEFAULT_BUCKET_CAP_MB = 25
@@ -422,7 +423,7 @@ class DistributedDataParallel(_TorchDDP):
         partition.mark_parameters()
         return partition
 
-    # --- checkpoints (shardkit.zero_state_dict) --------------------------------------------------------
+    # --- checkpoints (shardkit/checkpoint/_zero_state_dict.py) --------------------------------------------------------
     def state_dict(self, *args: Any, destination=None, prefix: str = "", keep_vars: bool = False):
         """nn.Module's (keys prefixed ``module.``, as torch DDP's); inside
         ``FullyShardedDataParallel.state_dict_type(self, ...)`` the full or sharded one it names, the same keys."""

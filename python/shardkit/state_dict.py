@@ -4,7 +4,7 @@
 torch's own functions recognise torch's wrappers only (FSDP1/2, DDP, TP): on any other module they call
 ``model.state_dict()`` and ``optimizer.state_dict()`` and rename parameters by identity, which would gather a
 shardkit FSDP model in full and give its optimizer state in piece shapes. These choose shardkit's state dicts
-instead (shardkit.fsdp_state_dict, shardkit.zero_state_dict, shardkit.fsdp_optim_state):
+instead (shardkit/checkpoint: _fsdp_state_dict, _zero_state_dict, _fsdp_optim_state):
 
 - models: a shardkit ``FullyShardedDataParallel`` or ``DistributedDataParallel`` (any zero_stage), canonical
   names (the unwrapped model's: no ``module.`` prefix), so a checkpoint from one loads into the other;
@@ -31,10 +31,10 @@ from torch import nn
 from torch.distributed.checkpoint import state_dict as _torch_sd
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-from . import zero_state_dict
+from .checkpoint import _zero_state_dict as zero_state_dict
 from .ddp import DistributedDataParallel
 from .fsdp import FullyShardedDataParallel
-from .fsdp_state_dict import FullStateDictConfig, ShardedStateDictConfig, StateDictType
+from .checkpoint._fsdp_state_dict import FullStateDictConfig, ShardedStateDictConfig, StateDictType
 
 __all__ = ["StateDictOptions", "get_model_state_dict", "get_optimizer_state_dict", "get_state_dict",
            "set_model_state_dict", "set_optimizer_state_dict", "set_state_dict"]

@@ -43,7 +43,7 @@ def _save(rank: int, world: int, path: str, strategy: str = "FULL_SHARD") -> dic
     with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
         sharded = model.state_dict()
     shards = [(s.data_ptr(), s.data_ptr() + s.nbytes) for u in model._units for g in u.groups for s in [g.handle.shard]]
-    from shardkit._sharded_state import PieceTensor
+    from shardkit.checkpoint._sharded_state import PieceTensor
     from torch.distributed.checkpoint.metadata import MetadataIndex
 
     pieces = 0

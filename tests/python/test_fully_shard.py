@@ -192,7 +192,8 @@ def _pools(model: nn.Module) -> list[Any]:
 
 
 def _reduce_scatters(model: nn.Module) -> list[Any]:
-    from shardkit import _fully_shard, _torch_compat
+    from shardkit import _torch_compat
+    from shardkit.fsdp import _fully_shard
 
     comms = [group._reduce_scatter_comm for m in model.modules() if hasattr(m, "set_custom_reduce_scatter")
              for group in _torch_compat.fsdp2_param_groups(m)]

@@ -1,4 +1,4 @@
-"""PieceTensor and boxes_of_range (python/shardkit/_sharded_state.py): a flat layout's piece of a parameter, shown
+"""PieceTensor and boxes_of_range (python/shardkit/checkpoint/_sharded_state.py): a flat layout's piece of a parameter, shown
 to torch.distributed.checkpoint as the boxes of the parameter it covers. In-process: no ranks.
 
 What each catches: a box that is not the range's elements in order (a checkpoint written or read at the wrong
@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from shardkit._sharded_state import PieceTensor, boxes_of_range, check_piece
+from shardkit.checkpoint._sharded_state import PieceTensor, boxes_of_range, check_piece
 
 SHAPES = [(), (7,), (1, 6), (4, 1), (3, 5), (2, 3, 4), (2, 1, 3), (3, 2, 2, 2)]
 

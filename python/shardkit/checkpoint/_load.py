@@ -21,7 +21,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from .. import _torch_compat
-from .._sharded_state import SHAPES_KEY
+from ._sharded_state import SHAPES_KEY
 from ._ranks import Ranks
 from ._reader import read_metadata, saved_paths, saved_shapes
 from ._verify import check_for_load

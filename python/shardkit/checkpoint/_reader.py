@@ -6,7 +6,7 @@ metadata, ``info`` (what it holds) and ``consolidate`` (one plain ``torch.save``
 - ``consolidate(DIR, OUT.pt, optim=True)``: one plain state dict, written with ``torch.save``, that
   ``torch.load(OUT, weights_only=True)`` reads without shardkit. Tensors are read one at a time (never the
   whole checkpoint in memory besides the output) and take their parameters' own shapes again where the
-  checkpoint recorded them (shardkit's sharded state dicts flatten parameters; see fsdp_state_dict). The
+  checkpoint recorded them (shardkit's sharded state dicts flatten parameters; see _fsdp_state_dict.py). The
   nesting of what was saved is kept: ``{"model": {...}, "optim": {"state": ..., "param_groups": [...]}}``
   for a save of ``{"model": ..., "optim": ...}``.
 """
@@ -26,7 +26,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from .._sharded_state import SHAPES_KEY
+from ._sharded_state import SHAPES_KEY
 from ._manifest import read_manifest
 
 

@@ -38,10 +38,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import _torch_compat
-from ._collective_identity import ALL_GATHER, REDUCE_SCATTER, CollectiveLedger, backend_checks_identity, collectives_for
+from .. import _torch_compat
+from .._collective_identity import ALL_GATHER, REDUCE_SCATTER, CollectiveLedger, backend_checks_identity, collectives_for
 from ._resident_memory import ResidentSharedMemory
-from .backend import shared_buffer, warn_zero_copy_unavailable, zero_copy_unavailable
+from ..backend import shared_buffer, warn_zero_copy_unavailable, zero_copy_unavailable
 
 _torch_fully_shard = _torch_compat.fsdp2_fully_shard()
 _AllGather, _ReduceScatter = _torch_compat.fsdp2_comm_interfaces()
@@ -58,7 +58,7 @@ def fully_shard(module: Any, **kwargs: Any) -> Any:
 
 fully_shard.__doc__ = ("shardkit's ``fully_shard``: torch FSDP2's, with its collectives run through shardkit "
                        "(zero-copy reduce-scatter on one host, unit identities checked on every rank; see "
-                       "shardkit/_fully_shard.py). torch's documentation follows.\n\n" + (fully_shard.__doc__ or ""))
+                       "shardkit/fsdp/_fully_shard.py). torch's documentation follows.\n\n" + (fully_shard.__doc__ or ""))
 
 
 def _plug_in(fsdp_module: nn.Module) -> None:

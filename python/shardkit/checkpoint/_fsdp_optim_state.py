@@ -25,12 +25,12 @@ import torch.distributed as dist
 
 from ._sharded_state import ShardedSpace, Slot, check_param_groups, init_optimizer_state, local_optim_state
 from ._sharded_state import optim_state_dict as name_keyed_state
-from .fsdp_state_dict import StateDictType, spaces
+from ._fsdp_state_dict import StateDictType, spaces
 
 if TYPE_CHECKING:
     from torch.optim import Optimizer
 
-    from .fsdp import FullyShardedDataParallel
+    from ..fsdp._fsdp1 import FullyShardedDataParallel
 
 
 def _slots(optim: "Optimizer", names: dict[int, str], placed: dict[int, tuple[ShardedSpace, int]],

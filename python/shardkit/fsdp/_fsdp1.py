@@ -53,15 +53,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import _C, _agreement, _profiling, _torch_compat, fsdp_optim_state, zero_state_dict
-from ._collective_identity import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, CollectiveLedger, backend_checks_identity
+from .. import _C, _agreement, _profiling, _torch_compat
+from .._collective_identity import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, CollectiveLedger, backend_checks_identity
 from ._resident_memory import ResidentSharedMemory
-from .backend import (compare_identities_across_hosts, host_groups, shared_buffer, warn_zero_copy_unavailable,
+from ..backend import (compare_identities_across_hosts, host_groups, shared_buffer, warn_zero_copy_unavailable,
                       zero_copy_unavailable)
-from .fsdp_state_dict import (FullStateDictConfig, ShardedStateDictConfig, StateDictType, full_state_dict,
+from ..checkpoint import _fsdp_optim_state as fsdp_optim_state
+from ..checkpoint import _zero_state_dict as zero_state_dict
+from ..checkpoint._fsdp_state_dict import (FullStateDictConfig, ShardedStateDictConfig, StateDictType, full_state_dict,
                               sharded_state_dict)
-from .fsdp_state_dict import load as load_state_dict_into
-from .wrap import as_policy, assign_parameters, choose_units
+from ..checkpoint._fsdp_state_dict import load as load_state_dict_into
+from ..ddp import DistributedDataParallel
+from ..wrap import as_policy, assign_parameters, choose_units
+from ..zero import ZeroRedundancyOptimizer
 
 __all__ = ["BackwardPrefetch", "CPUOffload", "FullStateDictConfig", "FullyShardedDataParallel", "MixedPrecision",
            "ShardedStateDictConfig", "ShardingStrategy", "StateDictType"]
@@ -342,10 +346,8 @@ class FullyShardedDataParallel(nn.Module):
     def state_dict_type(module: nn.Module, state_dict_type: StateDictType,
                         state_dict_config: FullStateDictConfig | ShardedStateDictConfig | None = None) -> Iterator[None]:
         """FSDP1's context: inside it, state_dict() and load_state_dict() of every shardkit FSDP root and every
-        shardkit DistributedDataParallel in ``module`` use ``state_dict_type`` (see shardkit.fsdp_state_dict and
-        shardkit.zero_state_dict), and so do optim_state_dict() and optim_state_dict_to_load()."""
-        from .ddp import DistributedDataParallel
-
+        shardkit DistributedDataParallel in ``module`` use ``state_dict_type`` (see shardkit/checkpoint/_fsdp_state_dict.py
+        and _zero_state_dict.py), and so do optim_state_dict() and optim_state_dict_to_load()."""
         config = state_dict_config or (FullStateDictConfig() if state_dict_type == StateDictType.FULL_STATE_DICT
                                        else ShardedStateDictConfig())
         expected = FullStateDictConfig if state_dict_type == StateDictType.FULL_STATE_DICT else ShardedStateDictConfig
@@ -390,8 +392,8 @@ class FullyShardedDataParallel(nn.Module):
     def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer,
                          optim_state_dict: dict[str, Any] | None = None, group: Any = None) -> dict[str, Any]:
         """FSDP1's name-keyed optimizer state dict, full or sharded as the model's state_dict_type says: of an
-        optimizer over a shardkit FSDP model (shardkit.fsdp_optim_state), or of a shardkit
-        ZeroRedundancyOptimizer over any model (shardkit.zero_state_dict). A collective when full. An optimizer
+        optimizer over a shardkit FSDP model (checkpoint/_fsdp_optim_state.py), or of a shardkit
+        ZeroRedundancyOptimizer over any model (checkpoint/_zero_state_dict.py). A collective when full. An optimizer
         that never stepped gets its state tensors created first (a zero-learning-rate step), so a checkpoint
         can be loaded into them."""
         if optim_state_dict is not None or group is not None:
@@ -736,14 +738,10 @@ class _PostBackward:
 
 # --- helpers -----------------------------------------------------------------------------------------------
 def _is_zero(optim: torch.optim.Optimizer) -> bool:
-    from .zero import ZeroRedundancyOptimizer
-
     return isinstance(optim, ZeroRedundancyOptimizer)
 
 
 def _is_ddp(model: nn.Module) -> bool:
-    from .ddp import DistributedDataParallel
-
     return isinstance(model, DistributedDataParallel)
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import _C
+from .. import _C
 
 # Less than this past ``kept`` is not worth the page faults and an allreduce per iteration: it stays.
 GIVE_BACK_MIN_BYTES = 256 << 10

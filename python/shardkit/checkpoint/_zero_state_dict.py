@@ -1,5 +1,5 @@
 """State dicts of shardkit.DistributedDataParallel (any zero_stage) and shardkit.ZeroRedundancyOptimizer, in
-the format of shardkit.FullyShardedDataParallel's (fsdp_state_dict.py, fsdp_optim_state.py): a checkpoint saved
+the format of shardkit.FullyShardedDataParallel's (_fsdp_state_dict.py, _fsdp_optim_state.py): a checkpoint saved
 by one loads into the other, at any world size.
 
 Chosen as in FSDP1: ``with FullyShardedDataParallel.state_dict_type(ddp, StateDictType.X, config):`` then
@@ -28,15 +28,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import _flat, fsdp_optim_state
+from .. import _flat
+from . import _fsdp_optim_state as fsdp_optim_state
 from ._sharded_state import (Place, ShardedSpace, Slot, check_param_groups, init_optimizer_state, load_entries,
                              local_optim_state, sharded_entries)
 from ._sharded_state import optim_state_dict as name_keyed_state
-from .fsdp_state_dict import FullStateDictConfig, ShardedStateDictConfig, StateDictType
+from ._fsdp_state_dict import FullStateDictConfig, ShardedStateDictConfig, StateDictType
 
 if TYPE_CHECKING:
-    from .ddp import DistributedDataParallel
-    from .zero import ZeroRedundancyOptimizer
+    from ..ddp import DistributedDataParallel
+    from ..zero import ZeroRedundancyOptimizer
 
 _PREFIX = "module."  # a DDP's state-dict prefix (nn.Module naming of its `module` attribute)
 # Marks a state dict holding this rank's pieces' state already cut (optim_state_dict_to_load), which

@@ -30,7 +30,7 @@ from torch import nn
 from ._sharded_state import SHAPES_KEY, Place, ShardedSpace, load_entries, sharded_entries
 
 if TYPE_CHECKING:
-    from .fsdp import FullyShardedDataParallel, _FlatGroup
+    from ..fsdp._fsdp1 import FullyShardedDataParallel, _FlatGroup
 
 __all__ = ["SHAPES_KEY", "FullStateDictConfig", "ShardedStateDictConfig", "StateDictType"]
 

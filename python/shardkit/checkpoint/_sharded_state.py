@@ -15,8 +15,8 @@ parameter is asked of it:
 - ``cut(index, whole)``: this rank's piece of a whole value (a view).
 - ``gather(pieces)``: every parameter's whole value from every rank's pieces (one all-gather per call).
 
-The model and optimizer state dicts of shardkit.FullyShardedDataParallel (fsdp_state_dict.py) and of
-shardkit.DistributedDataParallel / ZeroRedundancyOptimizer (zero_state_dict.py) are built from these, with
+The model and optimizer state dicts of shardkit.FullyShardedDataParallel (_fsdp_state_dict.py) and of
+shardkit.DistributedDataParallel / ZeroRedundancyOptimizer (_zero_state_dict.py) are built from these, with
 one format: a checkpoint saved by either loads into the other (the optimizer state always keyed by parameter
 names; the model state too through shardkit.state_dict.get_state_dict).
 
@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import _C, _exchange, _flat, _torch_compat
+from .. import _C, _exchange, _flat, _torch_compat
 
 # Checkpoints written before PieceTensor held flattened parameters and this record of their own shapes (a JSON
 # string): what ``python -m shardkit checkpoint`` reshapes such a checkpoint with; load_state_dict ignores it.
