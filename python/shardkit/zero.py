@@ -72,7 +72,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from . import _exchange, _flat, _profiling
-from .zero_state_dict import LOCAL_PIECES_KEY
+from .checkpoint._zero_state_dict import LOCAL_PIECES_KEY
 
 __all__ = ["ELEMENTWISE_OPTIMIZERS", "ZeroRedundancyOptimizer"]
 
@@ -160,6 +160,10 @@ class ZeroRedundancyOptimizer(Optimizer):
                     outer.setdefault(key, value)
         self._consolidated: dict[int, dict[str, Any]] | None = None  # per-parameter state, on rank `to`
         self._consolidated_to: int | None = None
+        # Whether any rank may hold optimizer state (a step, or a load of a non-empty state): the same on every
+        # rank. Until then state_dict() needs no consolidation, as libraries that call it right after
+        # construction (accelerate's prepare) expect.
+        self._may_hold_state = False
         if self._ddp_partition is not None and self._ddp_partition.stage == 2:
             self._ddp_partition.optimizer = weakref.ref(self)
         self._initialized = True
@@ -276,6 +280,7 @@ class ZeroRedundancyOptimizer(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._consolidated = None  # a consolidated state is stale once the optimizer has stepped
+        self._may_hold_state = True
         with torch.no_grad(), _profiling.span("shardkit::zero.step"):
             self._sync_options()
             for piece, grad in zip(self._pieces, self._owned_grads()):
@@ -379,8 +384,14 @@ class ZeroRedundancyOptimizer(Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """On the rank given to the last consolidate_state_dict(): the unsharded optimizer's state_dict.
 
-        Raises RuntimeError elsewhere, before consolidate_state_dict() and after a step() that followed it.
+        Before any step() (and any load of a non-empty state) there is no state to consolidate: every rank returns
+        the param_groups with an empty ``state``, as the unsharded optimizer would. Otherwise raises RuntimeError
+        elsewhere, before consolidate_state_dict() and after a step() that followed it.
         """
+        if self._consolidated is None and not self._may_hold_state:
+            packed = super().state_dict()
+            packed["state"] = {}
+            return packed
         if self._consolidated is None:
             if self._consolidated_to is not None and self._consolidated_to != self.rank:
                 where = f"the state was consolidated to rank {self._consolidated_to}, not this one"
@@ -400,7 +411,9 @@ class ZeroRedundancyOptimizer(Optimizer):
         world size); call on every rank with the same dict. Each rank keeps only its slice of the state.
 
         Also takes what ``FullyShardedDataParallel.optim_state_dict_to_load(model, this, name_keyed)`` returns:
-        this rank's pieces' state already cut (see zero_state_dict.py), marked with ``LOCAL_PIECES_KEY``."""
+        this rank's pieces' state already cut (see checkpoint/_zero_state_dict.py), marked with ``LOCAL_PIECES_KEY``."""
+        # A rank's cut pieces may be empty where another's are not: only the whole dict says "no state anywhere".
+        self._may_hold_state = LOCAL_PIECES_KEY in state_dict or bool(state_dict.get("state"))
         if LOCAL_PIECES_KEY in state_dict:
             mark = {"world": self.world_size, "rank": self.rank}
             if state_dict[LOCAL_PIECES_KEY] != mark:

@@ -539,14 +539,19 @@ def _errors(rank, world):
     def error_of(fn, kind=RuntimeError):
         return error_of_rank(fn, kind, rank)
 
+    # Before any step there is no state to consolidate: every rank answers as the unsharded optimizer would
+    # (accelerate's prepare calls state_dict() right away).
+    messages["fresh"] = opt.state_dict()
+    messages["plain_fresh"] = torch.optim.SGD(mlp().parameters(), lr=0.1, momentum=0.9).state_dict()
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
     messages["before"] = error_of(opt.state_dict)
     opt.consolidate_state_dict(to=1)
     if rank == 1:
         opt.state_dict()
     else:
         messages["elsewhere"] = error_of(opt.state_dict)
-    for p in model.parameters():
-        p.grad = torch.ones_like(p)
     opt.step()
     if rank == 1:
         messages["stale"] = error_of(opt.state_dict)
@@ -581,6 +586,7 @@ def _errors(rank, world):
 def test_errors_and_warnings(ranks):
     results = ranks.run(_errors, 2, timeout=60)
     for rank, m in enumerate(results):
+        assert m["fresh"] == m["plain_fresh"], (m["fresh"], m["plain_fresh"])
         assert f"rank {rank}" in m["before"] and "consolidate_state_dict(to=" in m["before"], m["before"]
         assert "0..1" in m["bad_to"] and "got 2" in m["bad_to"], m["bad_to"]
         assert "add_param_group" in m["add_group"], m["add_group"]
