@@ -1,0 +1,7 @@
+"""shardkit inside the tools people train with. One module per tool, each importing that tool (install it
+yourself: shardkit does not depend on any of them):
+
+- ``shardkit.integrations.accelerate``: ``Accelerator`` and ``ShardkitPlugin`` for Hugging Face accelerate.
+
+These sit on top of the package (DESIGN.md, "Python"): they import shardkit's fronts, nothing imports them.
+"""

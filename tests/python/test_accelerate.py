@@ -1,0 +1,314 @@
+"""shardkit inside Hugging Face accelerate (python/shardkit/integrations/accelerate.py), tried as its users train.
+
+- Every strategy trains exactly as accelerate's own Accelerator does with torch's DDP on gloo (the anchor, run
+  in its own launch), on one host and on two simulated hosts (SHARDKIT_HOST_ID: the hierarchical engine): the same loop (``prepare``, ``accumulate`` over 2 micro-batches, ``backward``,
+  ``clip_grad_norm_``, ``step``), the same parameters after 3 steps, the same global gradient norm.
+- The process group is shardkit's and accelerate says so; a CPU job is distributed without ``cpu=True``.
+- ``save_model`` writes a plain Hugging Face checkpoint (no prefix, the tied weight once) that
+  ``from_pretrained`` loads with no missing key, equal to the trained model.
+- ``save_state`` at one world size, ``load_state`` at another: the resumed run continues as the run that never
+  stopped.
+- Wrong use raises, naming the feature: a model wrapped twice, an unknown strategy, ``strategy="auto"``.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("accelerate")
+
+GLOBAL_BATCH = 12  # divisible by every world size used (1, 2, 3, 4) and by the 2 micro-batches
+STEPS = 3
+DIM = 16
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(DIM)
+        self.fc = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.fc(self.norm(x)))
+
+
+class TiedLM(nn.Module):
+    """An embedding tied to the output head, two blocks: what Hugging Face causal LMs look like."""
+
+    def __init__(self, vocab: int = 50) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, DIM)
+        self.blocks = nn.Sequential(Block(), Block())
+        self.head = nn.Linear(DIM, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.embed(tokens)))
+
+
+def _data(step: int, micro: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's share of micro-batch ``micro`` of global step ``step`` (the same global data at any world)."""
+    g = torch.Generator().manual_seed(1000 * step + micro)
+    tokens = torch.randint(0, 50, (GLOBAL_BATCH // 2, 5), generator=g)
+    share = GLOBAL_BATCH // 2 // world
+    return tokens[rank * share:(rank + 1) * share, :-1], tokens[rank * share:(rank + 1) * share, 1:]
+
+
+def _train(accelerator, model, optimizer, rank: int, world: int, steps: range) -> list[float]:
+    norms = []
+    for step in steps:
+        for micro in range(2):
+            x, y = _data(step, micro, rank, world)
+            with accelerator.accumulate(model):
+                logits = model(x)
+                loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:
+                    norms.append(float(accelerator.clip_grad_norm_(model.parameters(), max_norm=0.5)))
+                optimizer.step()
+                optimizer.zero_grad()
+    return norms
+
+
+def _full_params(accelerator, model) -> dict:
+    """The whole model as numpy arrays (tensors would travel back through shared memory the rank frees)."""
+    return {k: v.detach().numpy().copy() for k, v in accelerator.get_state_dict(model).items()}
+
+
+def _run(rank: int, world: int, store: str, strategy: str | None, steps: int = STEPS, auto_wrap: bool = True):
+    from accelerate.utils import InitProcessGroupKwargs
+
+    torch.manual_seed(0)
+    model = TiedLM()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    handlers = [InitProcessGroupKwargs(init_method=f"file://{store}")]
+    if strategy is None:  # the anchor: accelerate's own Accelerator, torch's DDP on gloo
+        from accelerate import Accelerator
+
+        accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2, kwargs_handlers=handlers)
+    else:
+        from shardkit.integrations.accelerate import Accelerator, ShardkitPlugin
+
+        plugin = ShardkitPlugin(strategy=strategy, auto_wrap={Block} if auto_wrap and strategy in ("fully_shard", "fsdp") else None)
+        accelerator = Accelerator(gradient_accumulation_steps=2, kwargs_handlers=handlers, shardkit_plugin=plugin)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    norms = _train(accelerator, model, optimizer, rank, world, range(steps))
+    import torch.distributed as dist
+
+    params = _full_params(accelerator, model)  # a collective for the sharded strategies: every rank calls it
+    return {"norms": norms, "params": params if rank == 0 else None,
+            "backend": accelerator.state.backend, "pg_backend": dist.get_backend(),
+            "processes": accelerator.num_processes, "wrapper": type(model).__name__,
+            "optimizer": type(getattr(optimizer, "optimizer", optimizer)).__name__}
+
+
+@pytest.fixture(scope="module")
+def anchor(tmp_path_factory):
+    from harness import run
+
+    workdir = tmp_path_factory.mktemp("anchor")
+    return run(_run, 2, str(workdir / "store"), None, workdir=workdir, backend=None, timeout=90)
+
+
+@pytest.mark.parametrize("hosts", [None, [0, 1]], ids=["one_host", "2_simulated_hosts"])
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "fully_shard", "fsdp"])
+def test_every_strategy_trains_as_accelerate_with_torch_ddp_on_gloo(ranks, tmp_path, anchor, strategy, hosts):
+    from collective_cases import topology_env
+    from harness import run
+
+    results = run(_run, 2, str(tmp_path / "store"), strategy, workdir=tmp_path, backend=None, timeout=90,
+                  env=topology_env(hosts))
+    assert anchor[0]["pg_backend"] == "gloo" and anchor[0]["wrapper"] == "DistributedDataParallel"
+    for result in results:
+        assert result["backend"] == "shardkit" and result["pg_backend"] == "shardkit", result
+        assert result["processes"] == 2, "a CPU job launched distributed must run distributed without cpu=True"
+        torch.testing.assert_close(torch.tensor(result["norms"]), torch.tensor(anchor[0]["norms"]),
+                                   rtol=1e-5, atol=1e-6)
+    expected_optimizer = "ZeroRedundancyOptimizer" if strategy in ("zero1", "zero2") else "AdamW"
+    assert results[0]["optimizer"] == expected_optimizer
+    ours, theirs = results[0]["params"], anchor[0]["params"]
+    assert sorted(ours) == sorted(theirs)  # the unwrapped model's names, no prefix
+    for name in theirs:
+        torch.testing.assert_close(torch.from_numpy(ours[name]), torch.from_numpy(theirs[name]), rtol=1e-5, atol=1e-6,
+                                   msg=f"{strategy}: {name}")
+
+
+# --- save_model -> from_pretrained ---------------------------------------------------------------------------
+
+def _save_hf_model(rank: int, world: int, store: str, strategy: str, directory: str):
+    from accelerate.utils import InitProcessGroupKwargs
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+    from shardkit.integrations.accelerate import Accelerator, ShardkitPlugin
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2, tie_word_embeddings=True)
+    model = GPT2LMHeadModel(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    plugin = ShardkitPlugin(strategy=strategy, auto_wrap={GPT2Block} if strategy in ("fully_shard", "fsdp") else None)
+    accelerator = Accelerator(kwargs_handlers=[InitProcessGroupKwargs(init_method=f"file://{store}")],
+                              shardkit_plugin=plugin)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    tokens = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(rank))
+    accelerator.backward(model(input_ids=tokens, labels=tokens).loss)
+    optimizer.step()
+    # The two ways accelerate's guides save a Hugging Face model: save_model (weights; the config beside it) ...
+    accelerator.save_model(model, f"{directory}/save_model")
+    if accelerator.is_main_process:
+        accelerator.unwrap_model(model).config.save_pretrained(f"{directory}/save_model")
+    # ... and save_pretrained of the unwrapped model with the accelerator's state dict.
+    accelerator.unwrap_model(model).save_pretrained(f"{directory}/save_pretrained",
+                                                    is_main_process=accelerator.is_main_process,
+                                                    save_function=accelerator.save,
+                                                    state_dict=accelerator.get_state_dict(model))
+    trained = _full_params(accelerator, model)
+    accelerator.wait_for_everyone()
+    if rank != 0:
+        return None
+    from safetensors.torch import load_file
+
+    result = {"trained": trained}
+    for way in ("save_model", "save_pretrained"):
+        saved = load_file(f"{directory}/{way}/model.safetensors")
+        loaded, info = GPT2LMHeadModel.from_pretrained(f"{directory}/{way}", output_loading_info=True)
+        result[way] = {"saved_keys": sorted(saved), "info": {k: list(v) for k, v in info.items() if k != "error_msgs"},
+                       "loaded": {k: v.detach().numpy().copy() for k, v in loaded.state_dict().items()}}
+    return result
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero2", "fully_shard", "fsdp"])
+def test_save_model_writes_a_plain_hugging_face_checkpoint(tmp_path, strategy):
+    pytest.importorskip("transformers")
+    from harness import run
+
+    result = run(_save_hf_model, 2, str(tmp_path / "store"), strategy, str(tmp_path / "model"), workdir=tmp_path,
+                 backend=None, timeout=120)[0]
+    for way in ("save_model", "save_pretrained"):
+        saved = result[way]
+        assert not any(k.startswith("module.") for k in saved["saved_keys"]), (way, saved["saved_keys"][:3])
+        assert "transformer.wte.weight" in saved["saved_keys"] and "lm_head.weight" not in saved["saved_keys"], way
+        assert not any(saved["info"].values()), (way, saved["info"])  # nothing missing, unexpected or mismatched
+        for name, value in result["trained"].items():
+            torch.testing.assert_close(torch.from_numpy(saved["loaded"][name]), torch.from_numpy(value), rtol=0,
+                                       atol=0, msg=f"{strategy}, {way}: {name}")
+
+
+# --- save_state at one world size, load_state at another -----------------------------------------------------
+
+def _resume(rank: int, world: int, store: str, strategy: str, directory: str, phase: str):
+    from accelerate.utils import InitProcessGroupKwargs
+
+    from shardkit.integrations.accelerate import Accelerator, ShardkitPlugin
+
+    torch.manual_seed(0)
+    model = TiedLM()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    plugin = ShardkitPlugin(strategy=strategy, auto_wrap={Block} if strategy in ("fully_shard", "fsdp") else None)
+    accelerator = Accelerator(gradient_accumulation_steps=2, shardkit_plugin=plugin,
+                              kwargs_handlers=[InitProcessGroupKwargs(init_method=f"file://{store}")])
+    model, optimizer = accelerator.prepare(model, optimizer)
+    if phase == "save":
+        _train(accelerator, model, optimizer, rank, world, range(2))
+        accelerator.save_state(directory)
+        norms = _train(accelerator, model, optimizer, rank, world, range(2, 3))
+    else:
+        accelerator.load_state(directory)
+        norms = _train(accelerator, model, optimizer, rank, world, range(2, 3))
+    params = _full_params(accelerator, model)
+    return {"norms": norms, "params": params if rank == 0 else None}
+
+
+@pytest.mark.parametrize("strategy,save_world,load_world", [("zero2", 2, 3), ("fully_shard", 2, 3), ("fsdp", 3, 2),
+                                                           ("zero1", 2, 1)])
+def test_save_state_resumes_at_another_world_size(tmp_path, strategy, save_world, load_world):
+    from harness import run
+
+    directory = str(tmp_path / "checkpoint")
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    uninterrupted = run(_resume, save_world, str(tmp_path / "a" / "store"), strategy, directory, "save",
+                        workdir=tmp_path / "a", backend=None, timeout=120)[0]
+    resumed = run(_resume, load_world, str(tmp_path / "b" / "store"), strategy, directory, "load",
+                  workdir=tmp_path / "b", backend=None, timeout=120)[0]
+    torch.testing.assert_close(torch.tensor(resumed["norms"]), torch.tensor(uninterrupted["norms"]), rtol=1e-5, atol=1e-6)
+    for name, value in uninterrupted["params"].items():
+        torch.testing.assert_close(torch.from_numpy(resumed["params"][name]), torch.from_numpy(value), rtol=1e-5,
+                                   atol=1e-6, msg=f"{strategy}: {name}")
+
+
+# --- wrong use -------------------------------------------------------------------------------------------------
+
+def test_plugin_refuses_what_it_cannot_do():
+    from shardkit.integrations.accelerate import ShardkitPlugin
+
+    with pytest.raises(NotImplementedError, match=r"ShardkitPlugin\(strategy='auto'\) is not built yet"):
+        ShardkitPlugin(strategy="auto")
+    with pytest.raises(ValueError, match=r"strategy must be one of ddp, zero1, zero2, fully_shard, fsdp, got 'zero3'"):
+        ShardkitPlugin(strategy="zero3")
+    with pytest.raises(ValueError, match=r"comm_hook='fp16' applies to ddp, zero1 and zero2, not to strategy='fsdp'"):
+        ShardkitPlugin(strategy="fsdp", comm_hook="fp16")
+    with pytest.raises(ValueError, match=r"auto_wrap applies to fully_shard and fsdp, not to strategy='ddp'"):
+        ShardkitPlugin(auto_wrap={Block})
+
+
+def _wrapped_twice(rank: int, world: int, store: str):
+    from accelerate.utils import InitProcessGroupKwargs
+
+    import shardkit
+    from shardkit.integrations.accelerate import Accelerator, ShardkitPlugin
+
+    accelerator = Accelerator(kwargs_handlers=[InitProcessGroupKwargs(init_method=f"file://{store}")],
+                              shardkit_plugin=ShardkitPlugin(strategy="zero2"))
+    errors = {}
+    for name, model in (("shardkit_ddp", shardkit.DistributedDataParallel(TiedLM())),
+                        ("inner_fsdp", nn.Sequential(shardkit.FullyShardedDataParallel(TiedLM())))):
+        try:
+            accelerator.prepare(model)
+        except ValueError as error:
+            errors[name] = str(error)
+    sgd = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
+    for p in sgd.param_groups[0]["params"]:
+        sgd.state[p] = {"momentum_buffer": torch.zeros_like(p)}
+    try:
+        accelerator.prepare(sgd)
+    except ValueError as error:
+        errors["stateful_optimizer"] = str(error)
+    return errors
+
+
+def test_prepare_refuses_a_model_already_wrapped_and_an_optimizer_with_state(tmp_path):
+    from harness import run
+
+    errors = run(_wrapped_twice, 2, str(tmp_path / "store"), workdir=tmp_path, backend=None, timeout=60)[0]
+    assert "the model is already wrapped (DistributedDataParallel)" in errors["shardkit_ddp"], errors
+    assert "a submodule is already wrapped (FullyShardedDataParallel)" in errors["inner_fsdp"], errors
+    assert "the SGD already holds state" in errors["stateful_optimizer"], errors
+
+
+# --- the README's accelerate section, as written ----------------------------------------------------------------
+
+def test_the_readme_shows_the_example_and_it_runs_under_torchrun(tmp_path):
+    import re
+    from pathlib import Path
+
+    from harness import run_torchrun
+
+    repo = Path(__file__).resolve().parents[2]
+    example = repo / "examples" / "accelerate_train.py"
+    readme = (repo / "README.md").read_text()
+    section = readme[readme.index("\n## Hugging Face accelerate\n"):]
+    section = section[:section.index("\n## ", 1)]
+    (code_lang, code), (cmd_lang, cmd) = re.findall(r"^```(\w*)\n(.*?)^```$", section, flags=re.M | re.S)
+    assert (code_lang, cmd_lang) == ("python", "bash")
+    assert code == example.read_text().split("\n", 2)[2]  # the example's two comment lines, then the README's code
+    assert cmd == "torchrun --standalone --nproc_per_node=2 examples/accelerate_train.py\n"
+
+    result = run_torchrun(example, 2, timeout=150, cwd=tmp_path)
+    assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    assert re.fullmatch(r"2 processes on shardkit: last gradient norm \d+\.\d{3}\n", result.stdout), result.stdout
+    assert (tmp_path / "accelerate_checkpoint" / "shardkit").is_dir()
