@@ -17,9 +17,9 @@ one flat layout of shardkit (csrc/core/flat_layout.h), with alignment 1::
 Who owns it: a shardkit DDP with zero_stage 1|2 computes the partition at construction (its trainable
 parameters in module order) and owns it; the optimizer built over that model's parameters reads it (found
 through a weak reference the DDP leaves on its parameters, see _flat.py), so the optimizer may be built at
-any time, after a forward and backward too. The optimizer's trainable parameters must then come in the
-partition's order (``model.parameters()`` order; param groups may split it but not permute it), else it
-raises naming the first parameter that differs. Over any other parameters (a plain model, torch's DDP) the
+any time, after a forward and backward too. It finds each of its parameters in the partition by identity, so
+its param groups may order and interleave them as they like (the index in state_dict() is the optimizer's
+own numbering, as the unsharded optimizer's). Over any other parameters (a plain model, torch's DDP) the
 optimizer lays out its own partition the same way.
 
 The local optimizer (``self.optim``) sees one leaf Parameter per (parameter, rank) overlap, a view of the
@@ -175,8 +175,10 @@ class ZeroRedundancyOptimizer(Optimizer):
         zero_stage=2 needs exactly the DDP's trainable parameters on the DDP's process group (the reducer
         writes their gradients into the DDP's shards, nowhere else) and one live optimizer per model.
         zero_stage=1 falls back to the optimizer's own partition when the parameters or the group differ
-        (the all-gather then copies into the parameters instead of landing in place). Either stage raises
-        when the same parameters come in another order than the partition's."""
+        (the all-gather then copies into the parameters instead of landing in place). The optimizer's order
+        and groups are its own: each parameter is found in the partition by identity, and its index in the
+        optimizer's numbering (state_dict's) is where the caller put it, so groups may interleave the model's
+        order (transformers' weight-decay / no-decay groups do)."""
         partitions = _flat.partitions_of(trainable)
         if not partitions:
             return None
@@ -202,15 +204,6 @@ class ZeroRedundancyOptimizer(Optimizer):
             raise ValueError(f"ZeroRedundancyOptimizer (rank {self.rank}): with zero_stage=2 the optimizer must hold "
                              f"exactly the DDP model's trainable parameters; missing: {missing or 'none'}, "
                              f"{foreign} not the model's")
-        for space in partition.spaces:
-            ours = [p for p in trainable if p.dtype == space.dtype]
-            for position, (p, q) in enumerate(zip(ours, space.params)):
-                if p is not q:
-                    raise ValueError(
-                        f"ZeroRedundancyOptimizer (rank {self.rank}): the parameters are not in the order of the "
-                        f"zero_stage={stage} DDP's partition: {str(space.dtype).removeprefix('torch.')} parameter "
-                        f"#{position} is {partition.names[id(p)]} here but {partition.names[id(q)]} in the DDP; "
-                        "pass them in model.parameters() order (param groups may split that order, not permute it)")
         if stage == 2:
             attached = partition.optimizer() if partition.optimizer is not None else None
             if attached is not None:
