@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -84,8 +85,8 @@ def full_state_dict(model: "FullyShardedDataParallel", config: FullStateDictConf
                 gathered[id(p)] = value.cpu() if config.offload_to_cpu else value
         del values  # before the next gather allocates: a rank that keeps nothing holds one unit at a time
     if not keep:
-        return {}
-    out: dict[str, Any] = {}
+        return OrderedDict()
+    out: dict[str, Any] = OrderedDict()  # as torch's: generic code (accelerate) drops tied duplicates only from one
     for key, value in _keys_of(model, prefix).items():
         if isinstance(value, torch.Tensor) and id(value) in gathered:
             out[key] = gathered[id(value)]

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections import OrderedDict
 from typing import Any, Iterable
 
 import torch
@@ -243,8 +244,8 @@ class Place:
 def sharded_entries(entries: dict[str, Any], places: dict[int, Place], offload_to_cpu: bool) -> dict[str, Any]:
     """A sharded model state dict: each placed parameter as a PieceTensor of its piece, other tensors detached.
     ``entries``: the unwrapped module's state dict with ``keep_vars=True`` (so parameters can be found in
-    ``places`` by identity)."""
-    out: dict[str, Any] = {}
+    ``places`` by identity). An OrderedDict, as torch's state dicts are."""
+    out: dict[str, Any] = OrderedDict()
     for key, value in entries.items():
         place = places.get(id(value)) if isinstance(value, torch.Tensor) else None
         if place is not None:

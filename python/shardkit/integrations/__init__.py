@@ -2,6 +2,8 @@
 yourself: shardkit does not depend on any of them):
 
 - ``shardkit.integrations.accelerate``: ``Accelerator`` and ``ShardkitPlugin`` for Hugging Face accelerate.
+- ``shardkit.integrations.transformers``: ``Trainer`` and ``ShardkitTrainingArguments`` for the Hugging Face
+  Trainer (built on the accelerate integration).
 
 These sit on top of the package (DESIGN.md, "Python"): they import shardkit's fronts, nothing imports them.
 """

@@ -62,11 +62,11 @@ from ..ddp import DistributedDataParallel
 from ..fsdp import FullyShardedDataParallel, fully_shard
 from ..zero import ZeroRedundancyOptimizer
 
-__all__ = ["Accelerator", "ShardkitPlugin", "STRATEGIES"]
+__all__ = ["Accelerator", "ShardkitPlugin", "STRATEGIES", "SHARDED_STATE"]
 
 STRATEGIES = ("ddp", "zero1", "zero2", "fully_shard", "fsdp")
 _COMM_HOOKS = (None, "fp16", "bf16", "powersgd")
-_SHARDED_STATE = ("zero1", "zero2", "fully_shard", "fsdp")  # whose save_state goes through shardkit.checkpoint
+SHARDED_STATE = ("zero1", "zero2", "fully_shard", "fsdp")  # whose save_state goes through shardkit.checkpoint
 CHECKPOINT_SUBDIR = "shardkit"  # inside accelerate's checkpoint directory
 
 
@@ -77,8 +77,9 @@ class ShardkitPlugin:
     strategy: ``"ddp"`` (default), ``"zero1"``, ``"zero2"``, ``"fully_shard"`` or ``"fsdp"`` (the FSDP1 front).
     comm_hook: ddp / zero1 / zero2 only: ``"fp16"``, ``"bf16"`` (shardkit's C++ compress hooks) or
         ``"powersgd"`` (rank ``powersgd_rank``); None: plain allreduce.
-    auto_wrap: fully_shard / fsdp: the block classes sharded as units of their own (e.g. ``{GPT2Block}``);
-        None: the whole model is one unit.
+    auto_wrap: fully_shard / fsdp: the block classes sharded as units of their own, as classes or class names
+        (``{GPT2Block}`` or ``["GPT2Block"]``; a name that no module of the model has raises); None: the whole model
+        is one unit.
     mixed_precision: fully_shard: a ``torch.distributed.fsdp.MixedPrecisionPolicy``; fsdp: a
         ``shardkit.fsdp.MixedPrecision``. None: the parameters' dtype throughout.
     reshard_after_forward: fully_shard's argument (torch's default, True).
@@ -87,7 +88,7 @@ class ShardkitPlugin:
     strategy: str = "ddp"
     comm_hook: str | None = None
     powersgd_rank: int = 1
-    auto_wrap: Iterable[type[nn.Module]] | None = None
+    auto_wrap: Iterable[type[nn.Module] | str] | None = None
     mixed_precision: Any = None
     reshard_after_forward: bool | int = True
 
@@ -190,14 +191,15 @@ class Accelerator(accelerate.Accelerator):
             wrapped = DistributedDataParallel(model, zero_stage=stage, **options)
             _register_comm_hook(wrapped, plugin)
             return wrapped
+        block_classes = _block_classes(model, plugin.auto_wrap)
         if plugin.strategy == "fsdp":
-            return FullyShardedDataParallel(model, auto_wrap_policy=set(plugin.auto_wrap or ()) or None,
+            return FullyShardedDataParallel(model, auto_wrap_policy=set(block_classes) or None,
                                             mixed_precision=plugin.mixed_precision,
                                             device_id=self.device if on_cuda else None)
         options = {"reshard_after_forward": plugin.reshard_after_forward}
         if plugin.mixed_precision is not None:
             options["mp_policy"] = plugin.mixed_precision
-        blocks = [m for m in model.modules() if plugin.auto_wrap and isinstance(m, plugin.auto_wrap) and m is not model]
+        blocks = [m for m in model.modules() if block_classes and isinstance(m, block_classes) and m is not model]
         for block in blocks:
             fully_shard(block, **options)
         return fully_shard(model, **options)
@@ -263,7 +265,7 @@ class Accelerator(accelerate.Accelerator):
         return state
 
     def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs: Any):
-        if not (self._wraps and self.shardkit_plugin.strategy in _SHARDED_STATE):
+        if not (self._wraps and self.shardkit_plugin.strategy in SHARDED_STATE):
             return super().save_state(output_dir, safe_serialization, **kwargs)
         pairs = self._models_and_optimizers()
 
@@ -275,19 +277,12 @@ class Accelerator(accelerate.Accelerator):
             return super().save_state(output_dir, safe_serialization, **kwargs)
 
     def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **kwargs: Any):
-        if not (self._wraps and self.shardkit_plugin.strategy in _SHARDED_STATE):
+        if not (self._wraps and self.shardkit_plugin.strategy in SHARDED_STATE):
             return super().load_state(input_dir, load_kwargs, **kwargs)
         pairs = self._models_and_optimizers()
 
         def load_sharded(models: list, directory: str) -> None:
-            state = _current_state(pairs)
-            _checkpoint_load(state, os.path.join(directory, CHECKPOINT_SUBDIR))
-            for i, (model, optimizer) in enumerate(pairs):
-                if optimizer is None:
-                    _state_dict.set_model_state_dict(model, state[f"model_{i}"])
-                else:
-                    _state_dict.set_state_dict(model, [optimizer], model_state_dict=state[f"model_{i}"],
-                                               optim_state_dict=state[f"optimizer_{i}"])
+            _load_into(pairs, os.path.join(directory, CHECKPOINT_SUBDIR))
             models.clear()  # accelerate loads no model files of its own
 
         with self._shardkit_handles_models_and_optimizers(self._load_model_state_pre_hook, load_sharded):
@@ -334,6 +329,18 @@ def _refuse_wrapped(model: nn.Module) -> None:
         where = "the model is" if found is model else "a submodule is"
         raise ValueError(f"shardkit Accelerator.prepare: {where} already wrapped ({type(found).__name__}); pass the "
                          "plain model and choose the wrapping with ShardkitPlugin(strategy=...)")
+
+
+def _block_classes(model: nn.Module, auto_wrap: tuple[type[nn.Module] | str, ...] | None) -> tuple[type, ...]:
+    """``auto_wrap`` as classes: names are looked up among the model's modules' classes."""
+    if not auto_wrap:
+        return ()
+    present = {type(m).__name__: type(m) for m in model.modules()}
+    missing = [c for c in auto_wrap if isinstance(c, str) and c not in present]
+    if missing:
+        raise ValueError(f"ShardkitPlugin(auto_wrap=...): no module of the {type(model).__name__} is a {missing}; its "
+                         f"module classes are {sorted(present)}")
+    return tuple(present[c] if isinstance(c, str) else c for c in auto_wrap)
 
 
 def _register_comm_hook(model: DistributedDataParallel, plugin: ShardkitPlugin) -> None:
@@ -385,6 +392,19 @@ def _current_state(pairs: list[tuple[nn.Module, torch.optim.Optimizer | None]]) 
         else:
             state[f"model_{i}"], state[f"optimizer_{i}"] = _state_dict.get_state_dict(model, [optimizer])
     return state
+
+
+def _load_into(pairs: list[tuple[nn.Module, torch.optim.Optimizer | None]], directory: str) -> None:
+    """Loads what ``_current_state(pairs)`` saved in ``directory`` (at any world size) into the models and
+    optimizers."""
+    state = _current_state(pairs)
+    _checkpoint_load(state, directory)
+    for i, (model, optimizer) in enumerate(pairs):
+        if optimizer is None:
+            _state_dict.set_model_state_dict(model, state[f"model_{i}"])
+        else:
+            _state_dict.set_state_dict(model, [optimizer], model_state_dict=state[f"model_{i}"],
+                                       optim_state_dict=state[f"optimizer_{i}"])
 
 
 def _own_storage(state: dict[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,165 @@
+"""shardkit inside the Hugging Face Trainer (python/shardkit/integrations/transformers.py), launched as its users
+launch it: ``torchrun`` of a training script whose command line transformers' ``HfArgumentParser`` reads
+(tests/python/trainer_script.py).
+
+- Every strategy trains as transformers' own Trainer with torch's DDP on gloo (the anchor): a small GPT-2, 4 steps
+  of 2 accumulated micro-batches, gradient clipping, a linear schedule; the same logged gradient norms and the same
+  weights.
+- ``save_model`` writes a plain Hugging Face directory (no prefix, the tied weight once) that ``from_pretrained``
+  loads with nothing missing, bitwise equal to the trained weights.
+- ``resume_from_checkpoint`` of a checkpoint saved at one world size, at another, ends where the run that never
+  stopped ended.
+- Wrong use raises, naming the feature.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from harness import run_torchrun  # noqa: E402
+
+SCRIPT = Path(__file__).parent / "trainer_script.py"
+MICRO_BATCH = 6  # samples per micro-batch over all ranks: divisible by every world size used (1, 2, 3)
+# AdamW with the Trainer's two groups (weight decay on matrices, none on biases and norms). Its epsilon is raised
+# from 1e-8: the attention's key bias has a gradient of exactly zero in exact arithmetic (softmax ignores a shift
+# per query), so its computed gradient is rounding noise, which Adam with a tiny epsilon turns into full-size
+# steps; another reduction order (ZeRO clips from shards) then moves it by 1e-5 while every other weight agrees to
+# 1e-7.
+COMMON = ["--max_steps", "4", "--gradient_accumulation_steps", "2", "--max_grad_norm", "0.5", "--learning_rate",
+          "1e-2", "--weight_decay", "0.01", "--adam_epsilon", "1e-4", "--lr_scheduler_type", "linear",
+          "--logging_steps", "1", "--save_steps", "2", "--report_to", "none", "--seed", "0", "--disable_tqdm", "true"]
+STRATEGIES = ["ddp", "zero1", "zero2", "fully_shard", "fsdp"]
+
+
+def _launch(directory: Path, world: int, *extra: str) -> tuple[dict, dict[str, np.ndarray]]:
+    """One torchrun of the script; its facts and arrays (rank 0's)."""
+    directory.mkdir(parents=True)
+    result = directory / "result.npz"
+    args = [*COMMON, "--output_dir", str(directory / "out"), "--per_device_train_batch_size", str(MICRO_BATCH // world),
+            "--result", str(result), *extra]
+    proc = run_torchrun(SCRIPT, world, *args, timeout=240, cwd=directory)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
+    with np.load(result) as data:
+        return json.loads(str(data["facts"])), {k: data[k] for k in data.files if k != "facts"}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The uninterrupted world-2 run of each strategy (and the anchor, None), each launched once, on first use."""
+    root = tmp_path_factory.mktemp("trainer")
+    done: dict = {}
+
+    def run(strategy: str | None):
+        if strategy not in done:
+            extra = ["--anchor", "--use_cpu", "true", "--ddp_backend", "gloo"] if strategy is None else \
+                ["--shardkit_strategy", strategy]
+            done[strategy] = (root / (strategy or "anchor"), *_launch(root / (strategy or "anchor"), 2, *extra))
+        return done[strategy]
+
+    return run
+
+
+def _weights(arrays: dict[str, np.ndarray], kind: str) -> dict[str, torch.Tensor]:
+    return {k.split("/", 1)[1]: torch.from_numpy(v) for k, v in arrays.items() if k.startswith(kind + "/")}
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_every_strategy_trains_as_the_trainer_with_torch_ddp_on_gloo(runs, strategy):
+    _, anchor_facts, anchor_arrays = runs(None)
+    _, facts, arrays = runs(strategy)
+    assert anchor_facts["backend"] == "gloo" and anchor_facts["wrapper"] == "DistributedDataParallel", anchor_facts
+    assert facts["backend"] == "shardkit" and facts["world"] == 2, facts
+    expected = {"ddp": "DistributedDataParallel", "zero1": "DistributedDataParallel",
+                "zero2": "DistributedDataParallel", "fsdp": "FullyShardedDataParallel"}.get(strategy, "FSDPGPT2LMHeadModel")
+    assert facts["wrapper"] == expected, facts
+    assert facts["optimizer"] == ("ZeroRedundancyOptimizer" if strategy.startswith("zero") else "AdamW"), facts
+    assert len(facts["norms"]) == 4
+    torch.testing.assert_close(torch.tensor(facts["norms"]), torch.tensor(anchor_facts["norms"]), rtol=1e-5, atol=1e-6)
+    ours, theirs = _weights(arrays, "trained"), _weights(anchor_arrays, "trained")
+    assert sorted(ours) == sorted(theirs)
+    for name, value in theirs.items():
+        torch.testing.assert_close(ours[name], value, rtol=1e-5, atol=1e-6, msg=f"{strategy}: {name}")
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_save_model_writes_a_directory_from_pretrained_loads(runs, strategy):
+    _, facts, arrays = runs(strategy)
+    assert "transformer.wte.weight" in facts["saved_keys"] and "lm_head.weight" not in facts["saved_keys"], facts
+    assert not any(k.startswith("module.") for k in facts["saved_keys"]), facts["saved_keys"][:3]
+    assert not any(facts["loading_info"].values()), facts["loading_info"]  # nothing missing or unexpected
+    trained, loaded = _weights(arrays, "trained"), _weights(arrays, "loaded")
+    for name, value in trained.items():
+        torch.testing.assert_close(loaded[name], value, rtol=0, atol=0, msg=f"{strategy}: {name}")
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("strategy,load_world", [("ddp", 3), ("zero1", 1), ("zero2", 3), ("fully_shard", 3),
+                                                 ("fsdp", 3)])
+def test_resume_from_checkpoint_at_another_world_size(runs, tmp_path, strategy, load_world):
+    directory, uninterrupted, arrays = runs(strategy)
+    checkpoint = directory / "out" / "checkpoint-2"
+    sharded = strategy != "ddp"
+    assert (checkpoint / "shardkit").is_dir() == sharded and (checkpoint / "optimizer.pt").is_file() != sharded
+    facts, resumed = _launch(tmp_path / "resumed", load_world, "--shardkit_strategy", strategy,
+                             "--resume", str(checkpoint))
+    assert facts["world"] == load_world
+    # The log holds steps 1-2 from the checkpoint's trainer state and steps 3-4 as the resumed run computed them.
+    torch.testing.assert_close(torch.tensor(facts["norms"]), torch.tensor(uninterrupted["norms"]), rtol=1e-5,
+                               atol=1e-6)
+    ours, theirs = _weights(resumed, "trained"), _weights(arrays, "trained")
+    for name, value in theirs.items():
+        torch.testing.assert_close(ours[name], value, rtol=1e-5, atol=1e-6, msg=f"{strategy}: {name}")
+
+
+def test_arguments_refuse_what_they_cannot_do(tmp_path):
+    from transformers import HfArgumentParser, TrainingArguments
+
+    from shardkit.integrations.transformers import ShardkitTrainingArguments, Trainer
+
+    with pytest.raises(ValueError, match=r"ddp_backend must be 'shardkit', got 'gloo'"):
+        ShardkitTrainingArguments(output_dir=str(tmp_path), ddp_backend="gloo")
+    with pytest.raises(ValueError, match=r"strategy must be one of ddp, zero1, zero2, fully_shard, fsdp, got 'zero3'"):
+        ShardkitTrainingArguments(output_dir=str(tmp_path), shardkit_strategy="zero3")
+    with pytest.raises(ValueError, match=r"auto_wrap applies to fully_shard and fsdp, not to strategy='ddp'"):
+        ShardkitTrainingArguments(output_dir=str(tmp_path), shardkit_auto_wrap=["GPT2Block"])
+    parser = HfArgumentParser(ShardkitTrainingArguments)
+    (parsed,) = parser.parse_args_into_dataclasses(["--output_dir", str(tmp_path), "--shardkit_strategy", "zero2",
+                                                    "--shardkit_comm_hook", "bf16"])
+    assert (parsed.shardkit_strategy, parsed.shardkit_comm_hook, parsed.ddp_backend) == ("zero2", "bf16", "shardkit")
+    with pytest.raises(SystemExit):  # argparse's refusal of a choice it does not offer
+        parser.parse_args_into_dataclasses(["--output_dir", str(tmp_path), "--shardkit_strategy", "zero3"])
+    with pytest.raises(TypeError, match=r"args must be ShardkitTrainingArguments, got TrainingArguments"):
+        Trainer(model=torch.nn.Linear(2, 2), args=TrainingArguments(output_dir=str(tmp_path)))
+
+
+@pytest.mark.timeout(300)
+def test_the_readme_shows_the_example_and_it_runs_under_torchrun(tmp_path):
+    import re
+
+    repo = Path(__file__).resolve().parents[2]
+    example = repo / "examples" / "trainer_train.py"
+    readme = (repo / "README.md").read_text()
+    section = readme[readme.index("\n## Hugging Face Trainer\n"):]
+    section = section[:section.index("\n## ", 1)]
+    (code_lang, code), (cmd_lang, cmd) = re.findall(r"^```(\w*)\n(.*?)^```$", section, flags=re.M | re.S)
+    assert (code_lang, cmd_lang) == ("python", "bash")
+    assert code == example.read_text().split("\n", 2)[2]  # the example's two comment lines, then the README's code
+    assert cmd == "torchrun --standalone --nproc_per_node=2 examples/trainer_train.py\n"
+
+    result = run_torchrun(example, 2, timeout=240, cwd=tmp_path)
+    assert result.returncode == 0, f"stdout:\n{result.stdout[-3000:]}\nstderr:\n{result.stderr[-6000:]}"
+    assert re.search(r"^2 processes on shardkit: loss \d+\.\d{3}$", result.stdout, flags=re.M), result.stdout[-3000:]
+    from transformers import GPT2LMHeadModel
+
+    loaded, info = GPT2LMHeadModel.from_pretrained(tmp_path / "trainer_output" / "final", output_loading_info=True)
+    assert not any(v for k, v in info.items() if k != "error_msgs"), info

@@ -1,0 +1,67 @@
+"""One Hugging Face Trainer run, launched by tests/python/test_transformers.py under torchrun.
+
+Its arguments are the Trainer's command line, parsed by transformers' own ``HfArgumentParser`` (as a training script
+of the users' guides does), plus this script's: ``--anchor`` (transformers' own Trainer and TrainingArguments,
+torch's DDP on gloo), ``--resume <checkpoint>`` and ``--result <file>``. It trains a small GPT-2 (no dropout, so
+that runs at different world sizes see the same arithmetic), then ``save_model`` to ``<output_dir>/final``; rank 0
+loads that directory with ``from_pretrained`` and writes what the test compares to ``--result`` (an .npz).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+
+import numpy as np
+import torch
+
+
+@dataclasses.dataclass
+class Case:
+    anchor: bool = False
+    resume: str | None = None
+    result: str = "result.npz"
+
+
+def main() -> None:
+    import torch.distributed as dist
+    from transformers import GPT2Config, GPT2LMHeadModel, HfArgumentParser
+
+    if "--anchor" in sys.argv:
+        from transformers import Trainer, TrainingArguments
+    else:
+        from shardkit.integrations.transformers import ShardkitTrainingArguments as TrainingArguments
+        from shardkit.integrations.transformers import Trainer
+    args, case = HfArgumentParser((TrainingArguments, Case)).parse_args_into_dataclasses()
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True)
+    model = GPT2LMHeadModel(config)
+    tokens = torch.randint(0, 64, (96, 12), generator=torch.Generator().manual_seed(1))
+    dataset = [{"input_ids": t, "labels": t} for t in tokens]
+    trainer = Trainer(model=model, args=args, train_dataset=dataset)
+    trainer.train(resume_from_checkpoint=case.resume)
+    final = f"{args.output_dir}/final"
+    trainer.save_model(final)
+    trained = trainer.accelerator.get_state_dict(trainer.model_wrapped)  # a collective when sharded
+    norms = [entry["grad_norm"] for entry in trainer.state.log_history if "grad_norm" in entry]
+    facts = {"backend": dist.get_backend(), "world": dist.get_world_size(), "norms": norms,
+             "wrapper": type(trainer.model_wrapped).__name__,
+             "optimizer": type(getattr(trainer.optimizer, "optimizer", trainer.optimizer)).__name__}
+    trainer.accelerator.wait_for_everyone()
+    if dist.get_rank() != 0:
+        return
+    from safetensors.torch import load_file
+
+    loaded, info = GPT2LMHeadModel.from_pretrained(final, output_loading_info=True)
+    facts["saved_keys"] = sorted(load_file(f"{final}/model.safetensors"))
+    facts["loading_info"] = {k: sorted(map(str, v)) for k, v in info.items() if k != "error_msgs"}
+    arrays = {f"trained/{k}": v.detach().float().numpy() for k, v in trained.items()}
+    arrays.update({f"loaded/{k}": v.detach().float().numpy() for k, v in loaded.state_dict().items()})
+    np.savez(case.result, facts=np.array(json.dumps(facts)), **arrays)
+
+
+if __name__ == "__main__":
+    main()
