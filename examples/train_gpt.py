@@ -359,6 +359,7 @@ def report(rank: int, world: int, psi: int, row: str, args: argparse.Namespace, 
                                   "held_bytes": [h for h, _ in everyone], "estimate_bytes": predicted,
                                   "ddp_bytes": ddp, "peak_rss_bytes": [rss for _, rss in everyone],
                                   "tokens_per_s": steps * tokens_per_step / elapsed,
+                                  "threads": torch.get_num_threads(),
                                   "first_loss": losses[0], "last_loss": losses[-1],
                                   "first_step": first, "losses": [round(x, 5) for x in losses]}}), flush=True)
 

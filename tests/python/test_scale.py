@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -37,6 +38,10 @@ def test_scale_reports_throughput_efficiency_and_memory(tmp_path: Path):
     for key in (("ddp", 2), ("fsdp", 2)):
         row = by[key]
         assert row["efficiency"] == pytest.approx(row["tokens_per_s"] / (2 * by[(key[0], 1)]["tokens_per_s"]))
+    # The same threads per rank at every world size (torchrun alone gives a one-rank job every core): cores / 2.
+    threads = max(1, (os.cpu_count() or 1) // 2)
+    assert {row["threads"] for row in rows} == {threads}, rows
+    assert f"threads per rank: {threads} (OMP_NUM_THREADS, the same at every world size)" in done.stdout
     assert by[("ddp", 2)]["held_bytes"] == by[("ddp", 1)]["held_bytes"]  # DDP replicates
     assert by[("fsdp", 2)]["held_bytes"] == pytest.approx(by[("fsdp", 1)]["held_bytes"] / 2, rel=0.02)  # sharded
     if importlib.util.find_spec("matplotlib") is not None:  # the plot is optional: the tests' venv may lack it
@@ -54,3 +59,25 @@ def test_a_failing_run_is_reported_and_the_exit_code_says_so(tmp_path: Path):
     assert [row["world"] for row in rows] == [1, 2]
     assert all("exit code" in row["error"] and "--hook: invalid choice: 'nonsense'" in row["error"] for row in rows)
     assert "ddp            1  failed: exit code" in done.stdout
+
+
+SUPERLINEAR = """
+import json, os
+world = int(os.environ["WORLD_SIZE"])
+if os.environ["RANK"] == "0":
+    for step in range(3):  # throughput that grows as world squared: efficiency 2.0 at world 2
+        print(json.dumps({"tokens_per_s": 100.0 * world * world}))
+"""
+
+
+@pytest.mark.timeout(200)
+def test_an_efficiency_out_of_range_is_warned_about(tmp_path: Path):
+    script = tmp_path / "superlinear.py"
+    script.write_text(SUPERLINEAR)
+    done = _scale(tmp_path, "--threads-per-rank", "1", "--", str(script))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert ("shardkit scale: warning: efficiency 2.00 at world 2 is outside [0, 1.1]: the runs did not do the same "
+            "work per rank") in done.stderr, done.stderr[-2000:]
+    rows = json.loads((tmp_path / "scale.json").read_text())["rows"]
+    assert "warning" not in rows[0] and rows[1]["efficiency"] == 2.0 and "outside [0, 1.1]" in rows[1]["warning"]
+    assert "2.00!" in done.stdout.splitlines()[2], done.stdout
