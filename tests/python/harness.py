@@ -13,6 +13,7 @@ import faulthandler
 import multiprocessing as mp
 import os
 import queue
+import re
 import signal
 import subprocess
 import sys
@@ -149,6 +150,24 @@ def run(fn: Callable[..., Any], world_size: int, *args: Any, **kwargs: Any) -> l
         story = "\n".join(f"--- rank {o.rank} ---\n{o.error}" for o in failed)
         raise RanksFailed(f"{len(failed)} of {world_size} ranks failed:\n{story}")
     return [o.value for o in outcomes]
+
+
+def readme_blocks(heading: str) -> list[tuple[str, str]]:
+    """The fenced code blocks, as (language, code), of the README section whose ``## `` heading starts with
+    ``heading``: what a test runs exactly as the README shows it."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme[readme.index(f"\n## {heading}"):]
+    section = section[:section.index("\n## ", 1)]
+    return re.findall(r"^```(\w*)\n(.*?)^```$", section, flags=re.M | re.S)
+
+
+def assert_readme_shows_example(heading: str, example: Path, nproc: int) -> None:
+    """The README section shows ``example``'s code (the file is two comment lines, then exactly the README's
+    code) and the torchrun command that runs it from the repository root."""
+    (code_lang, code), (cmd_lang, cmd) = readme_blocks(heading)
+    assert (code_lang, cmd_lang) == ("python", "bash")
+    assert code == example.read_text().split("\n", 2)[2]
+    assert cmd == f"torchrun --standalone --nproc_per_node={nproc} examples/{example.name}\n"
 
 
 def run_torchrun(script: Path, nproc: int, *args: str, timeout: float = 120.0,

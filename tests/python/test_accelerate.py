@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch
@@ -296,17 +295,10 @@ def test_the_readme_shows_the_example_and_it_runs_under_torchrun(tmp_path):
     import re
     from pathlib import Path
 
-    from harness import run_torchrun
+    from harness import assert_readme_shows_example, run_torchrun
 
-    repo = Path(__file__).resolve().parents[2]
-    example = repo / "examples" / "accelerate_train.py"
-    readme = (repo / "README.md").read_text()
-    section = readme[readme.index("\n## Hugging Face accelerate\n"):]
-    section = section[:section.index("\n## ", 1)]
-    (code_lang, code), (cmd_lang, cmd) = re.findall(r"^```(\w*)\n(.*?)^```$", section, flags=re.M | re.S)
-    assert (code_lang, cmd_lang) == ("python", "bash")
-    assert code == example.read_text().split("\n", 2)[2]  # the example's two comment lines, then the README's code
-    assert cmd == "torchrun --standalone --nproc_per_node=2 examples/accelerate_train.py\n"
+    example = Path(__file__).resolve().parents[2] / "examples" / "accelerate_train.py"
+    assert_readme_shows_example("Hugging Face accelerate", example, 2)
 
     result = run_torchrun(example, 2, timeout=150, cwd=tmp_path)
     assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"

@@ -28,10 +28,10 @@ from pathlib import Path
 import pytest
 import torch
 
+import harness
 from ddp_cases import error_of
 from fsdp_cases import adamw, block_policy, net, train_global
 
-REPO = Path(__file__).resolve().parents[2]
 MANIFEST = ".shardkit-manifest.json"
 
 
@@ -427,13 +427,6 @@ def test_where_directories_cannot_be_exchanged_two_renames_publish_and_a_crash_b
 
 # --- the README's Checkpoints section, as written --------------------------------------------------------------------
 
-def _readme_blocks() -> list[tuple[str, str]]:
-    readme = (REPO / "README.md").read_text()
-    section = readme[readme.index("\n## Checkpoints\n"):]
-    section = section[:section.index("\n## ", 1)]
-    return re.findall(r"^```(\w*)\n(.*?)^```$", section, flags=re.M | re.S)
-
-
 def _run_readme_snippet(rank: int, world: int, code: str, workdir: str) -> dict:
     import os
 
@@ -446,7 +439,7 @@ def _run_readme_snippet(rank: int, world: int, code: str, workdir: str) -> dict:
 
 @pytest.mark.timeout(200)
 def test_the_readme_checkpoints_snippet_runs_as_written(ranks, tmp_path: Path):
-    (code_lang, code), (cmd_lang, commands) = _readme_blocks()[:2]
+    (code_lang, code), (cmd_lang, commands) = harness.readme_blocks("Checkpoints")[:2]
     assert (code_lang, cmd_lang) == ("python", "bash")
     assert "checkpoint.save(" in code and "dcp.save(" not in code
     for got in ranks.run(_run_readme_snippet, 2, code, str(tmp_path), timeout=150):

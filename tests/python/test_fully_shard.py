@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+import harness  # noqa: E402
 from collective_cases import topology_env  # noqa: E402
 from ddp_cases import assert_close, gloo_world  # noqa: E402
 from fsdp_cases import Block  # noqa: E402
@@ -559,16 +559,6 @@ def test_clip_grad_norm_equals_torchs_on_the_unwrapped_model(ranks, world: int):
 
 
 # --- the README's fully_shard section, as written --------------------------------------------------------------------
-REPO = Path(__file__).resolve().parents[2]
-
-
-def _readme_snippet() -> str:
-    readme = (REPO / "README.md").read_text()
-    section = readme[readme.index("\n## Sharding: `shardkit.fully_shard`"):]
-    section = section[:section.index("\n## ", 1)]
-    (code,) = re.findall(r"^```python\n(.*?)^```$", section, flags=re.M | re.S)
-    return code
-
 
 def _run_readme(rank: int, world: int, code: str) -> None:
     """The snippet wraps the model (the default mesh: the default shardkit group); torch's FSDP2 with the same
@@ -587,7 +577,8 @@ def _run_readme(rank: int, world: int, code: str) -> None:
 
 @pytest.mark.timeout(60)
 def test_the_readme_fully_shard_snippet_runs_as_written(ranks):
-    code = _readme_snippet()
+    ((lang, code),) = harness.readme_blocks("Sharding: `shardkit.fully_shard`")
+    assert lang == "python"
     assert "from shardkit import fully_shard" in code
     ranks.run(_run_readme, 2, code, timeout=50)
 

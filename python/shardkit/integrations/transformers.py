@@ -53,7 +53,6 @@ except ImportError as error:  # shardkit does not depend on transformers
                       f"(pip install transformers accelerate; tested with 5.23.0 and 1.15.0): {error}") from error
 
 from . import accelerate as _accelerate
-from ..checkpoint import load as _checkpoint_load
 from ..checkpoint import save as _checkpoint_save
 
 __all__ = ["ShardkitTrainingArguments", "Trainer"]
