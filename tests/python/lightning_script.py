@@ -1,6 +1,6 @@
 """One Lightning run, launched by tests/python/test_lightning.py under torchrun: Lightning's own ``DDPStrategy``
 with the process group backend named on the command line (``shardkit`` or ``gloo``), as a Lightning user writes
-it; rank 0 writes the trained weights and the backend the job ran on to the result file (an .npz)."""
+it (``one_host_per_rank`` after them: simulated hosts); rank 0 writes the trained weights and the backend the job ran on to the result file (an .npz)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,11 @@ import torch
 from torch import nn
 
 
-def main(backend: str, result: str) -> None:
+def main(backend: str, result: str, one_host_per_rank: bool) -> None:
+    if one_host_per_rank:  # each rank on a simulated host of its own: the hierarchical engine
+        import os
+
+        os.environ["SHARDKIT_HOST_ID"] = f"host{os.environ['RANK']}"
     import lightning.pytorch as pl
     import torch.distributed as dist
     from lightning.pytorch.strategies import DDPStrategy
@@ -43,11 +47,16 @@ def main(backend: str, result: str) -> None:
     weights = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, weights)  # every rank holds the same weights
+    hosts = 0
+    if dist.get_backend() == "shardkit":
+        from shardkit.backend import host_topology
+
+        hosts = host_topology().num_hosts
     if dist.get_rank() == 0:
         same = all(np.array_equal(w[k], weights[k]) for w in gathered for k in weights)
         np.savez(result, backend=np.array(dist.get_backend()), ranks_agree=np.array(same),
-                 world=np.array(dist.get_world_size()), **weights, **initial)
+                 world=np.array(dist.get_world_size()), hosts=np.array(hosts), **weights, **initial)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], sys.argv[3:] == ["one_host_per_rank"])

@@ -116,3 +116,14 @@ def test_ddp_zero_and_fsdp_steps_match_torch_ddp(clean_python, outside):
     expected |= {f"rank 0: zero_stage={stage}: parameters and consolidated optimizer state match torch DDP "
                  f"after 3 steps" for stage in (1, 2)}
     assert expected <= lines, out
+
+
+@pytest.mark.parametrize("module,needs", [("accelerate", "Hugging Face accelerate (pip install accelerate"),
+                                          ("transformers", "Hugging Face transformers and accelerate (pip install")])
+def test_an_integration_without_its_library_says_what_to_install(clean_python, outside, module, needs):
+    """The integrations' examples need their library; without it the import names what to install (and
+    ``import shardkit`` itself never reaches them)."""
+    result = subprocess.run([str(clean_python), "-c", f"import shardkit.integrations.{module}"], cwd=outside,
+                            capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
+    assert result.returncode != 0
+    assert f"ImportError: shardkit.integrations.{module} needs {needs}" in result.stderr, result.stderr[-2000:]

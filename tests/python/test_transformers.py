@@ -91,6 +91,19 @@ def test_every_strategy_trains_as_the_trainer_with_torch_ddp_on_gloo(runs, strat
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.parametrize("strategy", ["zero2", "fully_shard"])
+def test_on_two_simulated_hosts_too(runs, tmp_path, strategy):
+    """Each rank on a host of its own: the collectives go through the hierarchical engine (gloo between hosts)."""
+    _, anchor_facts, anchor_arrays = runs(None)
+    facts, arrays = _launch(tmp_path / strategy, 2, "--shardkit_strategy", strategy, "--one_host_per_rank", "true")
+    assert facts["backend"] == "shardkit" and facts["hosts"] == 2, facts
+    torch.testing.assert_close(torch.tensor(facts["norms"]), torch.tensor(anchor_facts["norms"]), rtol=1e-5, atol=1e-6)
+    ours, theirs = _weights(arrays, "trained"), _weights(anchor_arrays, "trained")
+    for name, value in theirs.items():
+        torch.testing.assert_close(ours[name], value, rtol=1e-5, atol=1e-6, msg=f"{strategy}: {name}")
+
+
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_save_model_writes_a_directory_from_pretrained_loads(runs, strategy):
     _, facts, arrays = runs(strategy)
@@ -146,15 +159,10 @@ def test_arguments_refuse_what_they_cannot_do(tmp_path):
 def test_the_readme_shows_the_example_and_it_runs_under_torchrun(tmp_path):
     import re
 
-    repo = Path(__file__).resolve().parents[2]
-    example = repo / "examples" / "trainer_train.py"
-    readme = (repo / "README.md").read_text()
-    section = readme[readme.index("\n## Hugging Face Trainer\n"):]
-    section = section[:section.index("\n## ", 1)]
-    (code_lang, code), (cmd_lang, cmd) = re.findall(r"^```(\w*)\n(.*?)^```$", section, flags=re.M | re.S)
-    assert (code_lang, cmd_lang) == ("python", "bash")
-    assert code == example.read_text().split("\n", 2)[2]  # the example's two comment lines, then the README's code
-    assert cmd == "torchrun --standalone --nproc_per_node=2 examples/trainer_train.py\n"
+    from harness import assert_readme_shows_example
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "trainer_train.py"
+    assert_readme_shows_example("Hugging Face Trainer", example, 2)
 
     result = run_torchrun(example, 2, timeout=240, cwd=tmp_path)
     assert result.returncode == 0, f"stdout:\n{result.stdout[-3000:]}\nstderr:\n{result.stderr[-6000:]}"

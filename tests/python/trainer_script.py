@@ -2,7 +2,8 @@
 
 Its arguments are the Trainer's command line, parsed by transformers' own ``HfArgumentParser`` (as a training script
 of the users' guides does), plus this script's: ``--anchor`` (transformers' own Trainer and TrainingArguments,
-torch's DDP on gloo), ``--resume <checkpoint>`` and ``--result <file>``. It trains a small GPT-2 (no dropout, so
+torch's DDP on gloo), ``--one_host_per_rank`` (simulated hosts: the hierarchical engine), ``--resume <checkpoint>``
+and ``--result <file>``. It trains a small GPT-2 (no dropout, so
 that runs at different world sizes see the same arithmetic), then ``save_model`` to ``<output_dir>/final``; rank 0
 loads that directory with ``from_pretrained`` and writes what the test compares to ``--result`` (an .npz).
 """
@@ -20,6 +21,7 @@ import torch
 @dataclasses.dataclass
 class Case:
     anchor: bool = False
+    one_host_per_rank: bool = False  # each rank on a simulated host of its own (SHARDKIT_HOST_ID)
     resume: str | None = None
     result: str = "result.npz"
 
@@ -33,6 +35,10 @@ def main() -> None:
     else:
         from shardkit.integrations.transformers import ShardkitTrainingArguments as TrainingArguments
         from shardkit.integrations.transformers import Trainer
+    if "--one_host_per_rank" in sys.argv:  # before the process group starts: ShardkitTrainingArguments starts it
+        import os
+
+        os.environ["SHARDKIT_HOST_ID"] = f"host{os.environ['RANK']}"
     args, case = HfArgumentParser((TrainingArguments, Case)).parse_args_into_dataclasses()
 
     torch.manual_seed(0)
@@ -47,7 +53,12 @@ def main() -> None:
     trainer.save_model(final)
     trained = trainer.accelerator.get_state_dict(trainer.model_wrapped)  # a collective when sharded
     norms = [entry["grad_norm"] for entry in trainer.state.log_history if "grad_norm" in entry]
-    facts = {"backend": dist.get_backend(), "world": dist.get_world_size(), "norms": norms,
+    hosts = None
+    if dist.get_backend() == "shardkit":
+        from shardkit.backend import host_topology
+
+        hosts = host_topology().num_hosts
+    facts = {"backend": dist.get_backend(), "world": dist.get_world_size(), "hosts": hosts, "norms": norms,
              "wrapper": type(trainer.model_wrapped).__name__,
              "optimizer": type(getattr(trainer.optimizer, "optimizer", trainer.optimizer)).__name__}
     trainer.accelerator.wait_for_everyone()
