@@ -11,7 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # so ranks (forkserver children) can import test modules
 
-import harness  # noqa: E402
+from support import harness  # noqa: E402
 
 # Four ranks share two cores in CI: keep each rank's intra-op pool to one thread.
 os.environ.setdefault("OMP_NUM_THREADS", "1")

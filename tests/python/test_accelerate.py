@@ -107,7 +107,7 @@ def _run(rank: int, world: int, store: str, strategy: str | None, steps: int = S
 
 @pytest.fixture(scope="module")
 def anchor(tmp_path_factory):
-    from harness import run
+    from support.harness import run
 
     workdir = tmp_path_factory.mktemp("anchor")
     return run(_run, 2, str(workdir / "store"), None, workdir=workdir, backend=None, timeout=90)
@@ -116,8 +116,8 @@ def anchor(tmp_path_factory):
 @pytest.mark.parametrize("hosts", [None, [0, 1]], ids=["one_host", "2_simulated_hosts"])
 @pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "fully_shard", "fsdp"])
 def test_every_strategy_trains_as_accelerate_with_torch_ddp_on_gloo(ranks, tmp_path, anchor, strategy, hosts):
-    from collective_cases import topology_env
-    from harness import run
+    from support.collective_cases import topology_env
+    from support.harness import run
 
     results = run(_run, 2, str(tmp_path / "store"), strategy, workdir=tmp_path, backend=None, timeout=90,
                   env=topology_env(hosts))
@@ -183,7 +183,7 @@ def _save_hf_model(rank: int, world: int, store: str, strategy: str, directory: 
 @pytest.mark.parametrize("strategy", ["ddp", "zero2", "fully_shard", "fsdp"])
 def test_save_model_writes_a_plain_hugging_face_checkpoint(tmp_path, strategy):
     pytest.importorskip("transformers")
-    from harness import run
+    from support.harness import run
 
     result = run(_save_hf_model, 2, str(tmp_path / "store"), strategy, str(tmp_path / "model"), workdir=tmp_path,
                  backend=None, timeout=120)[0]
@@ -225,7 +225,7 @@ def _resume(rank: int, world: int, store: str, strategy: str, directory: str, ph
 @pytest.mark.parametrize("strategy,save_world,load_world", [("zero2", 2, 3), ("fully_shard", 2, 3), ("fsdp", 3, 2),
                                                            ("zero1", 2, 1)])
 def test_save_state_resumes_at_another_world_size(tmp_path, strategy, save_world, load_world):
-    from harness import run
+    from support.harness import run
 
     directory = str(tmp_path / "checkpoint")
     (tmp_path / "a").mkdir()
@@ -281,7 +281,7 @@ def _wrapped_twice(rank: int, world: int, store: str):
 
 
 def test_prepare_refuses_a_model_already_wrapped_and_an_optimizer_with_state(tmp_path):
-    from harness import run
+    from support.harness import run
 
     errors = run(_wrapped_twice, 2, str(tmp_path / "store"), workdir=tmp_path, backend=None, timeout=60)[0]
     assert "the model is already wrapped (DistributedDataParallel)" in errors["shardkit_ddp"], errors
@@ -295,7 +295,7 @@ def test_the_readme_shows_the_example_and_it_runs_under_torchrun(tmp_path):
     import re
     from pathlib import Path
 
-    from harness import assert_readme_shows_example, run_torchrun
+    from support.harness import assert_readme_shows_example, run_torchrun
 
     example = Path(__file__).resolve().parents[2] / "examples" / "accelerate_train.py"
     assert_readme_shows_example("Hugging Face accelerate", example, 2)

@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ddp_cases import error_of
-from fsdp_cases import Block, net
+from support.ddp_cases import error_of
+from support.fsdp_cases import Block, net
 
 PSI = 100_000
 

@@ -28,9 +28,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import harness
-from ddp_cases import error_of
-from fsdp_cases import adamw, block_policy, net, train_global
+from support import harness
+from support.ddp_cases import error_of
+from support.fsdp_cases import adamw, block_policy, net, train_global
 
 MANIFEST = ".shardkit-manifest.json"
 
@@ -187,7 +187,7 @@ def test_a_full_disk_fails_the_save_on_every_rank_and_keeps_the_previous_checkpo
         pytest.skip(f"no mount namespace for a small tmpfs: {why}")
     disk = tmp_path / "disk"
     disk.mkdir()
-    script = Path(__file__).with_name("checkpoint_disk_full_script.py")
+    script = Path(__file__).parent / "support" / "checkpoint_disk_full_script.py"
     shell = 'mount -t tmpfs -o size=9m shardkit-disk "$1" && shift && exec "$@"'
     result = _run([*UNSHARE, "sh", "-c", shell, "sh", str(disk), sys.executable, str(script), str(disk)],
                   timeout=180)

@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddp_cases import assert_close
-from fsdp_cases import adamw, block_policy, net, reference_run, train_global
+from support.ddp_cases import assert_close
+from support.fsdp_cases import adamw, block_policy, net, reference_run, train_global
 
 TWO_HOSTS = [{"SHARDKIT_HOST_ID": host} for host in ("host0", "host0", "host1", "host1")]
 
@@ -161,7 +161,7 @@ def _load_other_model(rank: int, world: int, path: str) -> dict:
     from shardkit import checkpoint
     from shardkit.state_dict import get_state_dict
 
-    from ddp_cases import error_of
+    from support.ddp_cases import error_of
 
     errors = {}
     for label, depth, d_in in (("wider", 3, 9), ("shallower", 2, 7), ("deeper", 4, 7)):

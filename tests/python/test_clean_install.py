@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-import harness
+from support import harness
 
 REPO = Path(__file__).resolve().parents[2]
 CLEAN_VENV = REPO / "build" / "clean-venv"
@@ -107,7 +107,7 @@ def test_collectives_demo(clean_python, outside):
 
 
 def test_ddp_zero_and_fsdp_steps_match_torch_ddp(clean_python, outside):
-    out = torchrun(clean_python, outside, Path(__file__).with_name("clean_install_steps.py"))
+    out = torchrun(clean_python, outside, Path(__file__).parent / "support" / "clean_install_steps.py")
     lines = set(out.splitlines())
     assert f"shardkit from {CLEAN_VENV}" in out, out
     expected = {f"rank 1: zero_stage={stage}: parameters match torch DDP after 3 steps" for stage in (0, 1, 2)}

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from collective_cases import TOPOLOGIES, make_input, reference_reduce, topology_env
+from support.collective_cases import TOPOLOGIES, make_input, reference_reduce, topology_env
 
 MULTI_RANK = [name for name, (world, _) in TOPOLOGIES.items() if world > 1]
 

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from collective_cases import topology_env
+from support.collective_cases import topology_env
 
 
 class TwoHeads(nn.Module):

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from collective_cases import (ALL_DTYPES, SIZES, TOPOLOGIES, assert_close, make_input, ops_for,
+from support.collective_cases import (ALL_DTYPES, SIZES, TOPOLOGIES, assert_close, make_input, ops_for,
                               reference_reduce, topology_env)
 
 EVERY_TOPOLOGY = pytest.mark.parametrize("topology", list(TOPOLOGIES))

@@ -5,7 +5,7 @@ refuses, so world 2 runs through the host-staged route (device -> host -> shared
 csrc/comm/nccl/host_staged_engine.h), and says so once. Not covered on a one-GPU machine: NCCL between ranks
 (the ncclSend/ncclRecv groups of gather, scatter and all-to-all run only their self-copies at world 1); that needs
 a machine with two GPUs, one rank on each. Inputs are built on the CPU
-from the same seeds as tests/python/collective_cases.py and moved to the GPU; each result is compared with
+from the same seeds as tests/python/support/collective_cases.py and moved to the GPU; each result is compared with
 the CPU reference, exactly (float64/integer) or within the reduction's rounding. The errors CUDA adds are
 checked by their messages: tensors on two devices in one collective, point-to-point of CUDA tensors.
 """
@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from collective_cases import assert_close, make_input, reference_reduce
+from support.collective_cases import assert_close, make_input, reference_reduce
 from shardkit import _C
 
 pytestmark = [

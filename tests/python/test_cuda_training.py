@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-from ddp_cases import assert_close, batch, gloo_world, loss_fn, mlp, sgd
+from support.ddp_cases import assert_close, batch, gloo_world, loss_fn, mlp, sgd
 from shardkit import _C
 
 pytestmark = [

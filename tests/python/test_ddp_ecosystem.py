@@ -27,9 +27,9 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-import harness
-from collective_cases import topology_env
-from ddp_cases import (Pair, assert_modules_match, batch, bn_net, error_of, gloo_world, loss_fn, mlp, sgd,
+from support import harness
+from support.collective_cases import topology_env
+from support.ddp_cases import (Pair, assert_modules_match, batch, bn_net, error_of, gloo_world, loss_fn, mlp, sgd,
                        shardkit_ddp, two_heads, wide_mlp)
 
 TINY_BUCKET_MB = 0.0001  # one parameter per bucket after the rebuild

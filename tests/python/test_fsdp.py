@@ -26,8 +26,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ddp_cases import assert_close, error_of
-from fsdp_cases import OPTIMIZERS, Block, FsdpPair, Net, adamw, batch, block_policy, net, sgd
+from support.ddp_cases import assert_close, error_of
+from support.fsdp_cases import OPTIMIZERS, Block, FsdpPair, Net, adamw, batch, block_policy, net, sgd
 
 STEPS = 5
 

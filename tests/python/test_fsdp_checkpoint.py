@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ddp_cases import assert_close, error_of
-from fsdp_cases import adamw, batch, block_policy, net, reference_run, train_global
+from support.ddp_cases import assert_close, error_of
+from support.fsdp_cases import adamw, batch, block_policy, net, reference_run, train_global
 
 
 def _wrap(seed: int, strategy: str = "FULL_SHARD"):

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ddp_cases import adamw, batch, error_of, loss_fn, mlp
+from support.ddp_cases import adamw, batch, error_of, loss_fn, mlp
 
 
 def _bits(value):

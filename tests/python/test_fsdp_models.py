@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fsdp_cases import D_IN, D_OUT, Block, FsdpPair, adamw, batch, block_policy, net
+from support.fsdp_cases import D_IN, D_OUT, Block, FsdpPair, adamw, batch, block_policy, net
 
 WARM = 5  # parity steps
 

@@ -24,10 +24,10 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-import harness  # noqa: E402
-from collective_cases import topology_env  # noqa: E402
-from ddp_cases import assert_close, gloo_world  # noqa: E402
-from fsdp_cases import Block  # noqa: E402
+from support import harness  # noqa: E402
+from support.collective_cases import topology_env  # noqa: E402
+from support.ddp_cases import assert_close, gloo_world  # noqa: E402
+from support.fsdp_cases import Block  # noqa: E402
 
 VOCAB, D, SEQ = 96, 64, 8  # a block's gradients are 66 KB: past the engine's 32 KB zero-copy threshold
 

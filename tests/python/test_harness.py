@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-import harness
+from support import harness
 
 
 def _return_rank(rank, world_size):

@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-from ddp_cases import IN, OUT, batch, loss_fn, shardkit_ddp
+from support.ddp_cases import IN, OUT, batch, loss_fn, shardkit_ddp
 from test_hooks import STEPS, hooks, train_lock_step
 
 CAP = dict(bucket_cap_mb=0.004)  # 4,194 bytes: each 32x32 layer (4,224 bytes with its bias) fills a bucket

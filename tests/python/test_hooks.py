@@ -29,8 +29,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-from ddp_cases import IN, OUT, assert_close, batch, loss_fn, shardkit_ddp
-from ddp_cases import error_of as error_of_rank
+from support.ddp_cases import IN, OUT, assert_close, batch, loss_fn, shardkit_ddp
+from support.ddp_cases import error_of as error_of_rank
 
 STEPS = 10
 

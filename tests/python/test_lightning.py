@@ -11,9 +11,9 @@ import pytest
 
 pytest.importorskip("lightning")
 
-from harness import run_torchrun  # noqa: E402
+from support.harness import run_torchrun  # noqa: E402
 
-SCRIPT = Path(__file__).parent / "lightning_script.py"
+SCRIPT = Path(__file__).parent / "support" / "lightning_script.py"
 
 
 def _fit(directory: Path, backend: str, *placement: str) -> dict[str, np.ndarray]:

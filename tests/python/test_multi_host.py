@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from collective_cases import assert_close, make_input, reference_reduce
+from support.collective_cases import assert_close, make_input, reference_reduce
 from shardkit.backend import HostTopology, host_topology
 
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import harness
-from collective_cases import topology_env
+from support import harness
+from support.collective_cases import topology_env
 
 # (world size, hosts of the ranks, the rank that dies)
 CASES = {

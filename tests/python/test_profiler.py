@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.profiler import ProfilerActivity, profile
 
-from ddp_cases import batch, loss_fn, mlp, sgd
+from support.ddp_cases import batch, loss_fn, mlp, sgd
 
 
 def _labels(trace: Path) -> set[str]:

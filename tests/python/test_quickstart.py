@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-import harness
+from support import harness
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "quickstart.py"

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from collective_cases import make_input, reference_reduce
+from support.collective_cases import make_input, reference_reduce
 
 
 def _input_with_specials(rank, dtype):

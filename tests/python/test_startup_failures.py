@@ -23,8 +23,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-import harness  # noqa: E402
-from collective_cases import topology_env  # noqa: E402
+from support import harness  # noqa: E402
+from support.collective_cases import topology_env  # noqa: E402
 
 INIT_TIMEOUT = timedelta(seconds=60)  # what the peers used to wait out; the test's deadline is below it
 

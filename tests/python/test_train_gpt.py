@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-import harness
+from support import harness
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_gpt.py"
 TINY = ["--layers", "2", "--d-model", "64", "--vocab", "512", "--seq", "16", "--log-every", "100"]

@@ -1,6 +1,6 @@
 """shardkit inside the Hugging Face Trainer (python/shardkit/integrations/transformers.py), launched as its users
 launch it: ``torchrun`` of a training script whose command line transformers' ``HfArgumentParser`` reads
-(tests/python/trainer_script.py).
+(tests/python/support/trainer_script.py).
 
 - Every strategy trains as transformers' own Trainer with torch's DDP on gloo (the anchor): a small GPT-2, 4 steps
   of 2 accumulated micro-batches, gradient clipping, a linear schedule; the same logged gradient norms and the same
@@ -24,9 +24,9 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from harness import run_torchrun  # noqa: E402
+from support.harness import run_torchrun  # noqa: E402
 
-SCRIPT = Path(__file__).parent / "trainer_script.py"
+SCRIPT = Path(__file__).parent / "support" / "trainer_script.py"
 MICRO_BATCH = 6  # samples per micro-batch over all ranks: divisible by every world size used (1, 2, 3)
 # AdamW with the Trainer's two groups (weight decay on matrices, none on biases and norms). Its epsilon is raised
 # from 1e-8: the attention's key bias has a gradient of exactly zero in exact arithmetic (softmax ignores a shift
@@ -159,7 +159,7 @@ def test_arguments_refuse_what_they_cannot_do(tmp_path):
 def test_the_readme_shows_the_example_and_it_runs_under_torchrun(tmp_path):
     import re
 
-    from harness import assert_readme_shows_example
+    from support.harness import assert_readme_shows_example
 
     example = Path(__file__).resolve().parents[2] / "examples" / "trainer_train.py"
     assert_readme_shows_example("Hugging Face Trainer", example, 2)

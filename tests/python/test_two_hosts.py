@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 
-SCRIPT = Path(__file__).with_name("two_host_script.py")
+SCRIPT = Path(__file__).parent / "support" / "two_host_script.py"
 WORLD = 4
 LAUNCH_TIMEOUT = 140.0  # s for one launch (normally ~15 s on 2 busy cores); two fit in pytest-timeout's 300
 # A PID namespace on top of the brief's set: when `unshare` dies, its child (the namespace's init) is killed

@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-import harness
-from fsdp_cases import Block, Net
+from support import harness
+from support.fsdp_cases import Block, Net
 
 
 # --- models ---------------------------------------------------------------------------------------------

@@ -44,8 +44,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-from ddp_cases import IN, OUT, assert_close, assert_modules_match, batch, gloo_world, loss_fn, mlp, shardkit_ddp
-from ddp_cases import error_of as error_of_rank
+from support.ddp_cases import IN, OUT, assert_close, assert_modules_match, batch, gloo_world, loss_fn, mlp, shardkit_ddp
+from support.ddp_cases import error_of as error_of_rank
 
 WORLDS = [2, 3]
 STAGES = [1, 2]

@@ -37,8 +37,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-from collective_cases import TOPOLOGIES, make_input, ops_for, topology_env
-from ddp_cases import assert_modules_match, batch, loss_fn, sgd, shardkit_ddp, wide_mlp
+from support.collective_cases import TOPOLOGIES, make_input, ops_for, topology_env
+from support.ddp_cases import assert_modules_match, batch, loss_fn, sgd, shardkit_ddp, wide_mlp
 
 EVERY_TOPOLOGY = pytest.mark.parametrize("topology", list(TOPOLOGIES))
 R = dist.ReduceOp
@@ -257,7 +257,7 @@ def test_no_room_in_dev_shm_falls_back_with_a_warning():
     why = _namespaces_unavailable()
     if why:
         pytest.skip(f"no mount namespace for a small /dev/shm: {why}")
-    script = Path(__file__).with_name("shm_room_script.py")
+    script = Path(__file__).parent / "support" / "shm_room_script.py"
     shell = 'mount -t tmpfs -o size=24m,mode=1777 shardkit-shm /dev/shm && exec "$@"'
     result = _run([*UNSHARE, "sh", "-c", shell, "sh", sys.executable, str(script)], timeout=150)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -155,7 +155,7 @@ def run(fn: Callable[..., Any], world_size: int, *args: Any, **kwargs: Any) -> l
 def readme_blocks(heading: str) -> list[tuple[str, str]]:
     """The fenced code blocks, as (language, code), of the README section whose ``## `` heading starts with
     ``heading``: what a test runs exactly as the README shows it."""
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[3] / "README.md").read_text()
     section = readme[readme.index(f"\n## {heading}"):]
     section = section[:section.index("\n## ", 1)]
     return re.findall(r"^```(\w*)\n(.*?)^```$", section, flags=re.M | re.S)

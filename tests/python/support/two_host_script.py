@@ -27,9 +27,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-import shardkit
-from collective_cases import assert_close, make_input, reference_reduce
-from ddp_cases import batch, loss_fn, mlp, sgd
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/python: the shared cases
+
+import shardkit  # noqa: E402
+from support.collective_cases import assert_close, make_input, reference_reduce
+from support.ddp_cases import batch, loss_fn, mlp, sgd
 from shardkit.backend import host_id, host_topology
 
 STEPS = 4

@@ -20,7 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-from ddp_cases import assert_close, gloo_world, loss_fn
+from support.ddp_cases import assert_close, gloo_world, loss_fn
 
 D_IN, D, D_OUT = 8, 16, 4
 
