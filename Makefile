@@ -72,7 +72,7 @@ $(VENV)/.peer-deps: $(VENV)/.deps
 PEER_ARGS ?=
 peer-test: build $(VENV)/.peer-deps
 	$(VENV)/bin/python tests/peer/run_peer_suite.py $(PEER_ARGS)
-# --- clean install: the wheel in a venv holding only torch, as the README's Install section says ------------
+# --- clean install: the wheel in a venv holding only torch, as docs/install.md says --------------------------
 # tests/python/test_clean_install.py runs `make clean-venv` (so `make test` covers it) and then the examples
 # from that venv. The wheel is rebuilt when a source changes (ninja recompiles only what changed, in
 # build/temp.*); the venv's torch is installed once; `import numpy` must fail there, or the check proves nothing.

@@ -409,7 +409,7 @@ def rank_main(rank: int, world: int, store: str, run: RunConfig) -> dict[str, An
 
 
 # Where DDP's time goes: a few steps of these configurations under torch.profiler, its CPU time per step summed by
-# what shardkit's profiler labels (README "Profiling") and the aten ops DDP adds name.
+# what shardkit's profiler labels (docs/profiling.md) and the aten ops DDP adds name.
 PHASE_KEYS = ("c", "i", "z")
 PHASES = {
     "aten::copy_": "copies (gradients into buckets, …)",

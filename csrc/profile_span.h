@@ -4,7 +4,7 @@
 // that lasts to the end of the enclosing scope. `label` is an expression yielding a std::string; it is
 // evaluated only while a profiler is observing, so a span costs one RecordFunction check otherwise.
 //
-// Labels follow one scheme, which the README documents and tests/python/test_profiler.py checks:
+// Labels follow one scheme, which docs/profiling.md documents and tests/python/test_profiler.py checks:
 //   shardkit::<collective>                 c10d Work of the backend (async: from issue to completion)
 //   shardkit::ddp.bucket[i]                DDP reducer: launching bucket i's reduction (or its comm hook)
 //   shardkit::ddp.finalize                 DDP reducer: end of backward, waiting and copying back

@@ -320,7 +320,7 @@ def all_reduce_(tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM,
     in place, returning ``tensor``: the same collective (validation, numbering, order with every other
     collective of the group, results and errors), reached without torch's Python wrapper, its dispatcher, a
     Work or a Future. For latency-bound loops of small allreduces, where those cost more than the reduction
-    (README, "Speed"); everything else should call ``torch.distributed.all_reduce``. A collective: every rank
+    (docs/backend.md, "Speed"); everything else should call ``torch.distributed.all_reduce``. A collective: every rank
     of ``group`` calls it in the same order as its other collectives."""
     group = group if group is not None else dist.distributed_c10d._get_default_group()
     entry = _DIRECT.get(id(group))

@@ -181,7 +181,7 @@ class DistributedDataParallel(_TorchDDP):
     def _zero_copy_buckets(self, gradient_as_bucket_view: bool, zero_stage: int) -> Callable[[int], Any] | None:
         """Where the reducer takes its CPU buckets' memory from (``nbytes -> uint8 tensor or None``, a collective
         it calls whenever it builds buckets), or None: ordinary buckets. ``gradient_as_bucket_view=True`` is what
-        asks for zero-copy buckets (README), so there a ZeroCopyUnavailableWarning says why they cannot be had: the
+        asks for zero-copy buckets (docs/ddp.md), so there a ZeroCopyUnavailableWarning says why they cannot be had: the
         group's backend is not shardkit's, the group spans hosts (warned here, once), no room in /dev/shm (warned by
         shardkit.backend.shared_buffer at each refusal). Nothing is asked nor said for CUDA modules (the memory
         is the host's) or zero_stage=2 (which refuses the flag)."""

@@ -1,4 +1,4 @@
-"""torch.profiler shows shardkit's work by name (the scheme of csrc/profile_span.h and README "Profiling").
+"""torch.profiler shows shardkit's work by name (the scheme of csrc/profile_span.h and docs/profiling.md).
 
 Each case profiles real training steps and reads the exported Chrome trace (what a user opens in Perfetto),
 asserting the exact labels: the DDP forward, each bucket's launch and copy-back, the reducer's end of

@@ -134,7 +134,7 @@ class _Unit:
 class FullyShardedDataParallel(nn.Module):
     """ZeRO-3 data parallelism with torch FSDP1's arguments (``use_orig_params=True`` semantics, the only mode).
 
-    See the module docstring for how it works and README "Sharding" for what differs from torch.
+    See the module docstring for how it works and docs/fsdp1.md for what differs from torch.
     """
 
     def __init__(
