@@ -44,7 +44,7 @@ from torch import nn
 
 from . import _exchange, estimate
 
-__all__ = ["AutoPlan", "auto", "plan"]
+__all__ = ["AutoPlan", "agreed_plan", "auto", "plan"]
 
 log = logging.getLogger("shardkit.auto")
 
@@ -81,6 +81,30 @@ def plan(num_params: int, world_size: int, budget_gb: float, precision: str = "f
                     report)
 
 
+def agreed_plan(trainable: list[torch.Tensor], optimizer: str, memory_budget_gb: float | None,
+                group: dist.ProcessGroup, *, headroom_gb: float = 0.0, activation_gb: float = 0.0,
+                who: str = "shardkit.auto") -> AutoPlan:
+    """The plan every rank of ``group`` agrees on (steps 1-3 of the module docstring): ``trainable`` are the model's
+    trainable parameters, ``optimizer`` the estimator's name ("adam" | "sgd"), ``memory_budget_gb`` this rank's
+    budget (None: the device's free memory). A collective (one object exchange): call it on every rank.
+    ``who`` names the caller in errors."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    if not trainable:
+        raise ValueError(f"{who} (rank {rank}): the model has no trainable parameters")
+    mine = memory_budget_gb if memory_budget_gb is not None else _free_memory_gb(trainable[0].device)
+    if not mine > 0:
+        raise ValueError(f"{who} (rank {rank}): memory_budget_gb must be positive, got {mine!r}")
+    budget = min(_exchange.all_gather_object(float(mine), group))
+    return plan(sum(p.numel() for p in trainable), world, budget, _precision(trainable), optimizer, headroom_gb,
+                activation_gb)
+
+
+def log_decision(decided: AutoPlan, chosen: str, rank: int) -> None:
+    """Logs (logger ``shardkit.auto``, rank 0 only) what was chosen and the table behind it."""
+    if rank == 0:
+        log.info("shardkit.auto chose %s (%s GB per rank):\n%s", chosen, f"{decided.budget_gb:g}", decided.report)
+
+
 def auto(model: nn.Module, optimizer_class: type[torch.optim.Optimizer], memory_budget_gb: float | None = None, *,
          process_group: dist.ProcessGroup | None = None, headroom_gb: float = 0.0, activation_gb: float = 0.0,
          auto_wrap_policy: Callable[..., bool] | set[type[nn.Module]] | None = None,
@@ -92,23 +116,15 @@ def auto(model: nn.Module, optimizer_class: type[torch.optim.Optimizer], memory_
     from .zero import ZeroRedundancyOptimizer
 
     group = process_group if process_group is not None else dist.distributed_c10d._get_default_group()
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    rank = dist.get_rank(group)
     trainable = [p for p in model.parameters() if p.requires_grad]
-    if not trainable:
-        raise ValueError(f"shardkit.auto (rank {rank}): the model has no trainable parameters")
-    mine = memory_budget_gb if memory_budget_gb is not None else _free_memory_gb(trainable[0].device)
-    if not mine > 0:
-        raise ValueError(f"shardkit.auto (rank {rank}): memory_budget_gb must be positive, got {mine!r}")
-    budget = min(_exchange.all_gather_object(float(mine), group))
-    decided = plan(sum(p.numel() for p in trainable), world, budget, _precision(trainable),
-                   _optimizer_kind(optimizer_class), headroom_gb, activation_gb)
+    decided = agreed_plan(trainable, _optimizer_kind(optimizer_class), memory_budget_gb, group,
+                          headroom_gb=headroom_gb, activation_gb=activation_gb)
     if decided.strategy == "zero3_offload" and trainable[0].device.type != "cuda":
-        raise RuntimeError(f"shardkit.auto (rank {rank}): only ZeRO-3 + CPU offload fits in {budget:g} GB per rank, "
-                           f"and offloading needs a model on a CUDA device (its parameters are on "
+        raise RuntimeError(f"shardkit.auto (rank {rank}): only ZeRO-3 + CPU offload fits in {decided.budget_gb:g} GB "
+                           f"per rank, and offloading needs a model on a CUDA device (its parameters are on "
                            f"{trainable[0].device}):\n{decided.report}")
-    if rank == 0:
-        log.info("shardkit.auto chose %s (%s GB per rank):\n%s", estimate.STRATEGIES[decided.strategy],
-                 f"{budget:g}", decided.report)
+    log_decision(decided, estimate.STRATEGIES[decided.strategy], rank)
     if decided.strategy == "ddp":
         wrapped: nn.Module = DistributedDataParallel(model, process_group=group)
         optimizer: torch.optim.Optimizer = optimizer_class(wrapped.parameters(), **optimizer_kwargs)
@@ -129,13 +145,18 @@ def default_wrap_policy(model: nn.Module) -> Callable[..., bool] | set[type[nn.M
     """The classes held in the model's ModuleLists (a transformer's blocks); else Psi / 8 parameters per unit."""
     from .wrap import size_based_auto_wrap_policy
 
-    blocks = {type(child) for m in model.modules() if isinstance(m, nn.ModuleList) for child in m
-              if any(True for _ in child.parameters())}
+    blocks = module_list_blocks(model)
     if blocks:
         return blocks
     numel = sum(p.numel() for p in model.parameters())
     return lambda module, recurse, nonwrapped_numel: size_based_auto_wrap_policy(
         module, recurse, nonwrapped_numel, min_num_params=max(1, numel // 8))
+
+
+def module_list_blocks(model: nn.Module) -> set[type[nn.Module]]:
+    """The classes of the modules (with parameters) held in the model's ModuleLists: a transformer's blocks."""
+    return {type(child) for m in model.modules() if isinstance(m, nn.ModuleList) for child in m
+            if any(True for _ in child.parameters())}
 
 
 def _precision(params: list[torch.Tensor]) -> str:
