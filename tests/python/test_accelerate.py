@@ -8,7 +8,10 @@
   ``from_pretrained`` loads with no missing key, equal to the trained model.
 - ``save_state`` at one world size, ``load_state`` at another: the resumed run continues as the run that never
   stopped.
-- Wrong use raises, naming the feature: a model wrapped twice, an unknown strategy, ``strategy="auto"``.
+- ``strategy="auto"`` chooses with shardkit's memory math: a budget that holds DDP's model states gives ddp, one
+  that holds only ZeRO-2's or ZeRO-3's gives zero2 or fully_shard, and the run trains as the anchor; one that
+  holds only ZeRO-3 + CPU offload's raises, naming it.
+- Wrong use raises, naming the feature: a model wrapped twice, an unknown strategy.
 """
 
 from __future__ import annotations
@@ -78,7 +81,19 @@ def _full_params(accelerator, model) -> dict:
     return {k: v.detach().numpy().copy() for k, v in accelerator.get_state_dict(model).items()}
 
 
-def _run(rank: int, world: int, store: str, strategy: str | None, steps: int = STEPS, auto_wrap: bool = True):
+def _auto_budget_gb(choice: str, world: int = 2) -> float:
+    """A memory budget per rank (GB) in which the estimator's ``choice`` is the first rung that fits TiedLM + AdamW."""
+    from shardkit import estimate
+
+    states = estimate.model_states(TIED_LM_PARAMS, world, "fp32", "adam", master_weights=False)
+    return states[choice].total_gb * 1.001
+
+
+TIED_LM_PARAMS = 50 * DIM + 2 * (2 * DIM + DIM * DIM + DIM)  # the tied embedding once, two blocks
+
+
+def _run(rank: int, world: int, store: str, strategy: str | None, steps: int = STEPS, auto_wrap: bool = True,
+         budget: float | None = None):
     from accelerate.utils import InitProcessGroupKwargs
 
     torch.manual_seed(0)
@@ -92,7 +107,8 @@ def _run(rank: int, world: int, store: str, strategy: str | None, steps: int = S
     else:
         from shardkit.integrations.accelerate import Accelerator, ShardkitPlugin
 
-        plugin = ShardkitPlugin(strategy=strategy, auto_wrap={Block} if auto_wrap and strategy in ("fully_shard", "fsdp") else None)
+        units = {Block} if auto_wrap and strategy in ("fully_shard", "fsdp") else None
+        plugin = ShardkitPlugin(strategy=strategy, auto_wrap=units, memory_budget_gb=budget)
         accelerator = Accelerator(gradient_accumulation_steps=2, kwargs_handlers=handlers, shardkit_plugin=plugin)
     model, optimizer = accelerator.prepare(model, optimizer)
     norms = _train(accelerator, model, optimizer, rank, world, range(steps))
@@ -102,6 +118,8 @@ def _run(rank: int, world: int, store: str, strategy: str | None, steps: int = S
     return {"norms": norms, "params": params if rank == 0 else None,
             "backend": accelerator.state.backend, "pg_backend": dist.get_backend(),
             "processes": accelerator.num_processes, "wrapper": type(model).__name__,
+            "resolved": plugin.resolved_strategy if strategy is not None else None,
+            "planned_params": plugin.auto_plan.num_params if strategy == "auto" else None,
             "optimizer": type(getattr(optimizer, "optimizer", optimizer)).__name__}
 
 
@@ -134,6 +152,26 @@ def test_every_strategy_trains_as_accelerate_with_torch_ddp_on_gloo(ranks, tmp_p
     for name in theirs:
         torch.testing.assert_close(torch.from_numpy(ours[name]), torch.from_numpy(theirs[name]), rtol=1e-5, atol=1e-6,
                                    msg=f"{strategy}: {name}")
+
+
+@pytest.mark.parametrize("choice,expected,wrapper", [("ddp", "ddp", "DistributedDataParallel"),
+                                                     ("zero2", "zero2", "DistributedDataParallel"),
+                                                     ("zero3", "fully_shard", "FSDPTiedLM")])
+def test_auto_chooses_by_the_memory_budget_and_trains_as_the_anchor(ranks, tmp_path, anchor, choice, expected, wrapper):
+    from support.harness import run
+
+    results = run(_run, 2, str(tmp_path / "store"), "auto", workdir=tmp_path, backend=None, timeout=90,
+                  budget=_auto_budget_gb(choice))
+    for result in results:  # every rank chose the same
+        assert (result["resolved"], result["wrapper"]) == (expected, wrapper), result
+        assert result["planned_params"] == TIED_LM_PARAMS, result
+        torch.testing.assert_close(torch.tensor(result["norms"]), torch.tensor(anchor[0]["norms"]),
+                                   rtol=1e-5, atol=1e-6)
+    expected_optimizer = "ZeroRedundancyOptimizer" if expected == "zero2" else "AdamW"
+    assert results[0]["optimizer"] == expected_optimizer
+    for name, value in anchor[0]["params"].items():
+        torch.testing.assert_close(torch.from_numpy(results[0]["params"][name]), torch.from_numpy(value), rtol=1e-5,
+                                   atol=1e-6, msg=f"auto ({expected}): {name}")
 
 
 # --- save_model -> from_pretrained ---------------------------------------------------------------------------
@@ -245,13 +283,18 @@ def test_save_state_resumes_at_another_world_size(tmp_path, strategy, save_world
 def test_plugin_refuses_what_it_cannot_do():
     from shardkit.integrations.accelerate import ShardkitPlugin
 
-    with pytest.raises(NotImplementedError, match=r"ShardkitPlugin\(strategy='auto'\) is not built yet"):
-        ShardkitPlugin(strategy="auto")
-    with pytest.raises(ValueError, match=r"strategy must be one of ddp, zero1, zero2, fully_shard, fsdp, got 'zero3'"):
+    assert ShardkitPlugin(strategy="auto").resolved_strategy is None  # decided at the first prepare of a model
+    with pytest.raises(ValueError, match=r"strategy must be one of ddp, zero1, zero2, fully_shard, fsdp or auto, got 'zero3'"):
         ShardkitPlugin(strategy="zero3")
+    with pytest.raises(ValueError, match=r"comm_hook='bf16' applies to ddp, zero1 and zero2, not to strategy='auto'"):
+        ShardkitPlugin(strategy="auto", comm_hook="bf16")
+    with pytest.raises(ValueError, match=r"memory_budget_gb applies to strategy='auto', not to strategy='zero2'"):
+        ShardkitPlugin(strategy="zero2", memory_budget_gb=1.0)
+    with pytest.raises(ValueError, match=r"memory_budget_gb must be a positive number of GB, got -1"):
+        ShardkitPlugin(strategy="auto", memory_budget_gb=-1)
     with pytest.raises(ValueError, match=r"comm_hook='fp16' applies to ddp, zero1 and zero2, not to strategy='fsdp'"):
         ShardkitPlugin(strategy="fsdp", comm_hook="fp16")
-    with pytest.raises(ValueError, match=r"auto_wrap applies to fully_shard and fsdp, not to strategy='ddp'"):
+    with pytest.raises(ValueError, match=r"auto_wrap applies to fully_shard and fsdp .*, not to strategy='ddp'"):
         ShardkitPlugin(auto_wrap={Block})
 
 
@@ -277,6 +320,13 @@ def _wrapped_twice(rank: int, world: int, store: str):
         accelerator.prepare(sgd)
     except ValueError as error:
         errors["stateful_optimizer"] = str(error)
+    offload_only = Accelerator(shardkit_plugin=ShardkitPlugin(strategy="auto",
+                                                              memory_budget_gb=_auto_budget_gb("zero3_offload", world)))
+    model = TiedLM()
+    try:
+        offload_only.prepare(model, torch.optim.AdamW(model.parameters()))
+    except RuntimeError as error:
+        errors["auto_offload"] = str(error)
     return errors
 
 
@@ -287,6 +337,7 @@ def test_prepare_refuses_a_model_already_wrapped_and_an_optimizer_with_state(tmp
     assert "the model is already wrapped (DistributedDataParallel)" in errors["shardkit_ddp"], errors
     assert "a submodule is already wrapped (FullyShardedDataParallel)" in errors["inner_fsdp"], errors
     assert "the SGD already holds state" in errors["stateful_optimizer"], errors
+    assert "ShardkitPlugin(strategy='auto') (rank 0): only ZeRO-3 + CPU offload fits" in errors["auto_offload"], errors
 
 
 # --- the README's accelerate section, as written ----------------------------------------------------------------

@@ -95,3 +95,19 @@ def test_checkpoint_reaches_no_front(module):
     reached = _reachable(_module_edges(), module)
     fronts = {m for m in reached if m in FRONTS or m.startswith("shardkit.fsdp.")}
     assert not fronts, f"{module} imports the fronts {sorted(fronts)}"
+
+
+def test_the_integrations_shared_module_imports_no_training_library():
+    """integrations/_wrapping.py serves accelerate, the Trainer and Lightning alike: it imports the standard
+    library, torch and shardkit only, so each integration needs nothing but its own library."""
+    import sys
+
+    path = PACKAGE / "integrations" / "_wrapping.py"
+    roots = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            roots.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            roots.add((node.module or "").split(".")[0])
+    outside = {r for r in roots if r not in sys.stdlib_module_names and r not in ("torch", "shardkit")}
+    assert not outside, outside

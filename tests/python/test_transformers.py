@@ -9,6 +9,8 @@ launch it: ``torchrun`` of a training script whose command line transformers' ``
   loads with nothing missing, bitwise equal to the trained weights.
 - ``resume_from_checkpoint`` of a checkpoint saved at one world size, at another, ends where the run that never
   stopped ended.
+- ``--shardkit_strategy auto`` with a ``--shardkit_memory_budget_gb`` that holds DDP's model states chooses ddp, one
+  that holds only ZeRO-3's chooses fully_shard, and either trains as the anchor.
 - Wrong use raises, naming the feature.
 """
 
@@ -134,6 +136,25 @@ def test_resume_from_checkpoint_at_another_world_size(runs, tmp_path, strategy, 
         torch.testing.assert_close(ours[name], value, rtol=1e-5, atol=1e-6, msg=f"{strategy}: {name}")
 
 
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("choice,expected,wrapper", [("ddp", "ddp", "DistributedDataParallel"),
+                                                     ("zero3", "fully_shard", "FSDPGPT2LMHeadModel")])
+def test_auto_chooses_by_the_memory_budget_and_trains_as_the_anchor(runs, tmp_path, choice, expected, wrapper):
+    from shardkit import estimate
+    from support.trainer_script import gpt2
+
+    params = sum(p.numel() for p in gpt2().parameters())  # the tied head counted once, as the plan counts
+    budget = estimate.model_states(params, 2, "fp32", "adam", master_weights=False)[choice].total_gb * 1.001
+    _, anchor_facts, anchor_arrays = runs(None)
+    facts, arrays = _launch(tmp_path / "auto", 2, "--shardkit_strategy", "auto", "--shardkit_memory_budget_gb",
+                            repr(budget))
+    assert (facts["resolved"], facts["wrapper"]) == (expected, wrapper), facts
+    torch.testing.assert_close(torch.tensor(facts["norms"]), torch.tensor(anchor_facts["norms"]), rtol=1e-5, atol=1e-6)
+    ours, theirs = _weights(arrays, "trained"), _weights(anchor_arrays, "trained")
+    for name, value in theirs.items():
+        torch.testing.assert_close(ours[name], value, rtol=1e-5, atol=1e-6, msg=f"auto ({expected}): {name}")
+
+
 def test_arguments_refuse_what_they_cannot_do(tmp_path):
     from transformers import HfArgumentParser, TrainingArguments
 
@@ -141,14 +162,20 @@ def test_arguments_refuse_what_they_cannot_do(tmp_path):
 
     with pytest.raises(ValueError, match=r"ddp_backend must be 'shardkit', got 'gloo'"):
         ShardkitTrainingArguments(output_dir=str(tmp_path), ddp_backend="gloo")
-    with pytest.raises(ValueError, match=r"strategy must be one of ddp, zero1, zero2, fully_shard, fsdp, got 'zero3'"):
+    with pytest.raises(ValueError, match=r"strategy must be one of ddp, zero1, zero2, fully_shard, fsdp or auto, got 'zero3'"):
         ShardkitTrainingArguments(output_dir=str(tmp_path), shardkit_strategy="zero3")
-    with pytest.raises(ValueError, match=r"auto_wrap applies to fully_shard and fsdp, not to strategy='ddp'"):
+    with pytest.raises(ValueError, match=r"auto_wrap applies to fully_shard and fsdp .*, not to strategy='ddp'"):
         ShardkitTrainingArguments(output_dir=str(tmp_path), shardkit_auto_wrap=["GPT2Block"])
     parser = HfArgumentParser(ShardkitTrainingArguments)
     (parsed,) = parser.parse_args_into_dataclasses(["--output_dir", str(tmp_path), "--shardkit_strategy", "zero2",
                                                     "--shardkit_comm_hook", "bf16"])
     assert (parsed.shardkit_strategy, parsed.shardkit_comm_hook, parsed.ddp_backend) == ("zero2", "bf16", "shardkit")
+    (parsed,) = parser.parse_args_into_dataclasses(["--output_dir", str(tmp_path), "--shardkit_strategy", "auto",
+                                                    "--shardkit_memory_budget_gb", "2.5"])
+    assert (parsed.shardkit_strategy, parsed.shardkit_memory_budget_gb) == ("auto", 2.5)
+    assert parsed.shardkit_plugin(None).resolved_strategy is None  # chosen when the Trainer prepares the model
+    with pytest.raises(ValueError, match=r"memory_budget_gb applies to strategy='auto', not to strategy='ddp'"):
+        ShardkitTrainingArguments(output_dir=str(tmp_path), shardkit_memory_budget_gb=2.5)
     with pytest.raises(SystemExit):  # argparse's refusal of a choice it does not offer
         parser.parse_args_into_dataclasses(["--output_dir", str(tmp_path), "--shardkit_strategy", "zero3"])
     with pytest.raises(TypeError, match=r"args must be ShardkitTrainingArguments, got TrainingArguments"):

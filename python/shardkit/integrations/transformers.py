@@ -6,8 +6,11 @@
     Trainer(model=model, args=args, train_dataset=dataset).train()
 
 On the command line (``HfArgumentParser``) the fields are ``--shardkit_strategy``, ``--shardkit_comm_hook``,
-``--shardkit_powersgd_rank``, ``--shardkit_auto_wrap``, ``--shardkit_reshard_after_forward``; ``--ddp_backend``
-takes ``shardkit`` (its default here).
+``--shardkit_powersgd_rank``, ``--shardkit_auto_wrap``, ``--shardkit_reshard_after_forward``,
+``--shardkit_memory_budget_gb`` (``auto``'s budget per rank); ``--ddp_backend`` takes ``shardkit`` (its default
+here). ``--shardkit_strategy auto`` chooses ddp, zero2 or fully_shard with shardkit's memory math when the Trainer
+prepares the model (with its optimizer's class); ``trainer.accelerator.shardkit_plugin.resolved_strategy`` says
+which, and rank 0 logs why (logger ``shardkit.auto``).
 
 The Trainer runs on ``shardkit.integrations.accelerate.Accelerator``, so everything said there holds (the
 process group, the wrapping, the global ``clip_grad_norm_``, ``no_sync`` during gradient accumulation). What the
@@ -25,8 +28,8 @@ Trainer itself needed:
   world size; the scheduler, RNG states and trainer state are transformers' files as always. ``ddp``'s replicated
   optimizer state keeps transformers' ``optimizer.pt``. The model files are read back by transformers before the
   model is wrapped (the whole model, at any world size).
-- **auto_wrap.** fully_shard and fsdp shard the blocks named by ``shardkit_auto_wrap``, by default the model's
-  ``_no_split_modules`` (as transformers' own FSDP does).
+- **auto_wrap.** fully_shard and fsdp (and auto, when it chooses fully_shard) shard the blocks named by
+  ``shardkit_auto_wrap``, by default the model's ``_no_split_modules`` (as transformers' own FSDP does).
 
 Refused, naming the feature: ``ddp_backend`` other than shardkit, ``fsdp`` / ``deepspeed`` arguments alongside the
 shardkit fields, an unknown strategy.
@@ -52,6 +55,7 @@ except ImportError as error:  # shardkit does not depend on transformers
     raise ImportError("shardkit.integrations.transformers needs Hugging Face transformers and accelerate "
                       f"(pip install transformers accelerate; tested with 5.23.0 and 1.15.0): {error}") from error
 
+from . import _wrapping
 from . import accelerate as _accelerate
 from ..checkpoint import save as _checkpoint_save
 
@@ -70,8 +74,9 @@ class ShardkitTrainingArguments(transformers.TrainingArguments):
                                       "choices": ["shardkit"]})
     shardkit_strategy: str = dataclasses.field(
         default="ddp", metadata={"help": "How the model is wrapped: shardkit's DDP, ZeRO-1/2 (shardkit's DDP with "
-                                         "a sharded optimizer), fully_shard, or the FSDP1 front.",
-                                 "choices": list(_accelerate.STRATEGIES)})
+                                         "a sharded optimizer), fully_shard, the FSDP1 front, or auto (ddp, zero2 or "
+                                         "fully_shard, chosen by shardkit's memory math when the model is prepared).",
+                                 "choices": [*_wrapping.STRATEGIES, _wrapping.AUTO]})
     shardkit_comm_hook: str | None = dataclasses.field(
         default=None, metadata={"help": "ddp / zero1 / zero2: compress gradients with shardkit's C++ hooks.",
                                 "choices": ["fp16", "bf16", "powersgd"]})
@@ -82,6 +87,10 @@ class ShardkitTrainingArguments(transformers.TrainingArguments):
                                         "(default: the model's _no_split_modules)."})
     shardkit_reshard_after_forward: bool = dataclasses.field(
         default=True, metadata={"help": "fully_shard: free each unit's gathered parameters after its forward."})
+    shardkit_memory_budget_gb: float | None = dataclasses.field(
+        default=None, metadata={"help": "auto: the memory per rank in GB (10**9 bytes) the model states must fit "
+                                        "(default: the device's free memory, or the host's available memory over "
+                                        "its ranks)."})
 
     def __post_init__(self) -> None:
         if self.ddp_backend not in (None, "shardkit"):
@@ -97,11 +106,12 @@ class ShardkitTrainingArguments(transformers.TrainingArguments):
     def shardkit_plugin(self, model: torch.nn.Module | None) -> _accelerate.ShardkitPlugin:
         """The plugin these arguments describe, for ``model`` (whose ``_no_split_modules`` is auto_wrap's default)."""
         auto_wrap = self.shardkit_auto_wrap
-        if auto_wrap is None and self.shardkit_strategy in ("fully_shard", "fsdp"):
+        if auto_wrap is None and self.shardkit_strategy in (*_wrapping.UNIT_STRATEGIES, _wrapping.AUTO):
             auto_wrap = list(getattr(model, "_no_split_modules", None) or []) or None
         return _accelerate.ShardkitPlugin(strategy=self.shardkit_strategy, comm_hook=self.shardkit_comm_hook,
                                           powersgd_rank=self.shardkit_powersgd_rank, auto_wrap=auto_wrap,
-                                          reshard_after_forward=self.shardkit_reshard_after_forward)
+                                          reshard_after_forward=self.shardkit_reshard_after_forward,
+                                          memory_budget_gb=self.shardkit_memory_budget_gb)
 
     @cached_property
     def _setup_devices(self) -> torch.device:
@@ -127,7 +137,8 @@ class Trainer(transformers.Trainer):
 
     @property
     def _sharded_state(self) -> bool:
-        return self.accelerator._wraps and self.args.shardkit_strategy in _accelerate.SHARDED_STATE
+        plugin = self.accelerator.shardkit_plugin
+        return self.accelerator._wraps and plugin.resolved_strategy in _wrapping.SHARDED_STATE
 
     def create_accelerator_and_postprocess(self) -> None:
         # transformers builds accelerate's Accelerator by its module-level name; shardkit's is built in its place,
@@ -150,7 +161,7 @@ class Trainer(transformers.Trainer):
         if not self._sharded_state:
             return super()._save_optimizer_and_scheduler(output_dir)
         pairs = self.accelerator._models_and_optimizers()
-        _checkpoint_save(_accelerate._current_state(pairs), os.path.join(output_dir, _accelerate.CHECKPOINT_SUBDIR))
+        _checkpoint_save(_wrapping.current_state(pairs), os.path.join(output_dir, _accelerate.CHECKPOINT_SUBDIR))
         if self.args.should_save:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, _SCHEDULER_NAME))
 
@@ -161,9 +172,10 @@ class Trainer(transformers.Trainer):
         if not os.path.isdir(directory):
             found = "an optimizer.pt" if os.path.isfile(os.path.join(checkpoint, _OPTIMIZER_NAME)) else "no optimizer state"
             raise ValueError(f"shardkit Trainer (rank {self.args.process_index}): resuming "
-                             f"shardkit_strategy={self.args.shardkit_strategy!r} needs the sharded state in "
+                             f"shardkit_strategy={self.accelerator.shardkit_plugin.resolved_strategy!r} needs the "
+                             f"sharded state in "
                              f"{directory}; {checkpoint} holds {found} (saved with another strategy?)")
-        _accelerate._load_into(self.accelerator._models_and_optimizers(), directory)
+        _wrapping.load_into(self.accelerator._models_and_optimizers(), directory)
         self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, _SCHEDULER_NAME), weights_only=True))
 
 

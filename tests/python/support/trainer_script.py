@@ -26,9 +26,18 @@ class Case:
     result: str = "result.npz"
 
 
+def gpt2():
+    """The model trained: a small GPT-2 without dropout, its head tied to the embedding."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True)
+    return GPT2LMHeadModel(config)
+
+
 def main() -> None:
     import torch.distributed as dist
-    from transformers import GPT2Config, GPT2LMHeadModel, HfArgumentParser
+    from transformers import GPT2LMHeadModel, HfArgumentParser
 
     if "--anchor" in sys.argv:
         from transformers import Trainer, TrainingArguments
@@ -42,9 +51,7 @@ def main() -> None:
     args, case = HfArgumentParser((TrainingArguments, Case)).parse_args_into_dataclasses()
 
     torch.manual_seed(0)
-    config = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
-                        embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True)
-    model = GPT2LMHeadModel(config)
+    model = gpt2()
     tokens = torch.randint(0, 64, (96, 12), generator=torch.Generator().manual_seed(1))
     dataset = [{"input_ids": t, "labels": t} for t in tokens]
     trainer = Trainer(model=model, args=args, train_dataset=dataset)
@@ -60,6 +67,7 @@ def main() -> None:
         hosts = host_topology().num_hosts
     facts = {"backend": dist.get_backend(), "world": dist.get_world_size(), "hosts": hosts, "norms": norms,
              "wrapper": type(trainer.model_wrapped).__name__,
+             "resolved": trainer.accelerator.shardkit_plugin.resolved_strategy if not case.anchor else None,
              "optimizer": type(getattr(trainer.optimizer, "optimizer", trainer.optimizer)).__name__}
     trainer.accelerator.wait_for_everyone()
     if dist.get_rank() != 0:
