@@ -119,7 +119,8 @@ def test_ddp_zero_and_fsdp_steps_match_torch_ddp(clean_python, outside):
 
 
 @pytest.mark.parametrize("module,needs", [("accelerate", "Hugging Face accelerate (pip install accelerate"),
-                                          ("transformers", "Hugging Face transformers and accelerate (pip install")])
+                                          ("transformers", "Hugging Face transformers and accelerate (pip install"),
+                                          ("lightning", "Lightning (pip install lightning")])
 def test_an_integration_without_its_library_says_what_to_install(clean_python, outside, module, needs):
     """The integrations' examples need their library; without it the import names what to install (and
     ``import shardkit`` itself never reaches them)."""

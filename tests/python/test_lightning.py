@@ -1,6 +1,20 @@
-"""shardkit under Lightning as it is: ``DDPStrategy(process_group_backend="shardkit")`` (tests/python/
-lightning_script.py under torchrun, 2 ranks) trains exactly as the same script on gloo, on one host and on two
-simulated hosts; every rank ends with the same weights, and the job really ran on shardkit's process group."""
+"""shardkit under Lightning (tests/python/support/lightning_script.py under torchrun, 2 ranks unless said).
+
+- Lightning as it is: ``DDPStrategy(process_group_backend="shardkit")`` trains exactly as the same script on gloo,
+  on one host and on two simulated hosts; every rank ends with the same weights, on shardkit's process group.
+- ``ShardkitStrategy`` (python/shardkit/integrations/lightning.py), every strategy against Lightning's own
+  ``DDPStrategy`` on gloo (the anchor: same model, data, seed, AdamW with a step LR schedule, clipping by norm at
+  0.05, 2 epochs of 4 steps): the LightningModule's weights after fit are the anchor's (bitwise where the
+  reduction order is the same: ddp; else rtol 1e-5: ZeRO and fully_shard clip from shards). The clipping is
+  active (the anchor without it ends elsewhere), so parity covers the global norm; ``accumulate_grad_batches=2``
+  too; ``auto`` chooses ddp in a budget that holds DDP's model states and fully_shard in one that holds only
+  ZeRO-3's.
+- ``trainer.save_checkpoint`` after epoch 1 at 2 ranks, ``fit(ckpt_path=...)`` at 3: ends where the uninterrupted
+  2-rank run ended (zero2, fully_shard).
+- zero2 and fully_shard on two simulated hosts (the hierarchical engine).
+- Refusals: an unknown strategy, the FSDP1 front, Lightning's torch-DDP comm hooks, another backend, a
+  LightningModule already wrapped.
+"""
 
 from __future__ import annotations
 
@@ -14,30 +28,145 @@ pytest.importorskip("lightning")
 from support.harness import run_torchrun  # noqa: E402
 
 SCRIPT = Path(__file__).parent / "support" / "lightning_script.py"
+WEIGHTS = ["net.0.weight", "net.0.bias", "net.2.weight", "net.2.bias"]
+NUM_PARAMS = 8 * 16 + 16 + 16 * 1 + 1
+FACTS = ("backend", "ranks_agree", "world", "hosts", "error", "resolved", "planned_params", "wrapper", "optimizer")
 
 
-def _fit(directory: Path, backend: str, *placement: str) -> dict[str, np.ndarray]:
-    result = directory / f"{backend}{''.join(placement)}.npz"
-    proc = run_torchrun(SCRIPT, 2, backend, str(result), *placement, timeout=240, cwd=directory)
+def _fit(directory: Path, kind: str, *options: str, world: int = 2) -> dict[str, np.ndarray]:
+    directory.mkdir(parents=True, exist_ok=True)
+    result = directory / "result.npz"
+    proc = run_torchrun(SCRIPT, world, str(result), kind, *options, timeout=240, cwd=directory)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
     with np.load(result) as data:
         return {k: data[k] for k in data.files}
 
 
 @pytest.fixture(scope="module")
-def on_gloo(tmp_path_factory) -> dict[str, np.ndarray]:
-    return _fit(tmp_path_factory.mktemp("gloo"), "gloo")
+def runs(tmp_path_factory):
+    """Each (kind, options) run at world 2 launched once, on first use."""
+    root = tmp_path_factory.mktemp("lightning")
+    done: dict = {}
+
+    def run(kind: str, *options: str) -> dict[str, np.ndarray]:
+        key = (kind, *options)
+        if key not in done:
+            done[key] = _fit(root / "_".join(key).replace("-", "").replace(".", "p"), kind, *options)
+        return done[key]
+
+    return run
+
+
+def _assert_same_weights(ours: dict, theirs: dict, exact: bool, what: str) -> None:
+    assert bool(ours["ranks_agree"]) and bool(theirs["ranks_agree"]), what
+    assert [k for k in theirs if k not in FACTS and not k.startswith("initial/")] == WEIGHTS
+    for name in WEIGHTS:
+        if exact:  # two ranks' sums have one order: bitwise
+            np.testing.assert_array_equal(ours[name], theirs[name], err_msg=f"{what}: {name}")
+        else:
+            np.testing.assert_allclose(ours[name], theirs[name], rtol=1e-5, atol=1e-6, err_msg=f"{what}: {name}")
+        assert not np.array_equal(ours[name], ours[f"initial/{name}"]), f"{what}: {name} did not train"
+
+
+# --- Lightning's DDPStrategy on the shardkit backend ----------------------------------------------------------
+
+@pytest.mark.timeout(500)
+@pytest.mark.parametrize("placement", [(), ("--one_host_per_rank",)], ids=["one_host", "2_simulated_hosts"])
+def test_ddp_strategy_with_the_shardkit_backend_trains_as_on_gloo(runs, placement):
+    ours, theirs = runs("shardkit", *placement), runs("gloo")
+    assert str(ours["backend"]) == "shardkit" and str(theirs["backend"]) == "gloo"
+    assert int(ours["world"]) == 2 and int(ours["hosts"]) == (2 if placement else 1)
+    _assert_same_weights(ours, theirs, exact=True, what="DDPStrategy on shardkit")
+
+
+# --- ShardkitStrategy ------------------------------------------------------------------------------------------
+
+EXPECTED = {"ddp": ("DistributedDataParallel", "AdamW"),
+            "zero1": ("DistributedDataParallel", "ZeroRedundancyOptimizer"),
+            "zero2": ("DistributedDataParallel", "ZeroRedundancyOptimizer"), "fully_shard": ("FSDPRegression", "AdamW")}
 
 
 @pytest.mark.timeout(500)
-@pytest.mark.parametrize("placement", [(), ("one_host_per_rank",)], ids=["one_host", "2_simulated_hosts"])
-def test_ddp_strategy_with_the_shardkit_backend_trains_as_on_gloo(tmp_path: Path, on_gloo, placement):
-    ours, theirs = _fit(tmp_path, "shardkit", *placement), on_gloo
-    assert str(ours["backend"]) == "shardkit" and str(theirs["backend"]) == "gloo"
-    assert ours["ranks_agree"] and theirs["ranks_agree"] and int(ours["world"]) == 2
-    assert int(ours["hosts"]) == (2 if placement else 1)
-    weights = [k for k in theirs if k not in ("backend", "ranks_agree", "world", "hosts") and not k.startswith("initial/")]
-    assert weights == ["net.0.weight", "net.0.bias", "net.2.weight", "net.2.bias"], weights
-    for name in weights:  # two ranks' sums have one order: bitwise
-        np.testing.assert_array_equal(ours[name], theirs[name], err_msg=name)
-        assert not np.array_equal(ours[name], ours[f"initial/{name}"]), f"{name} did not train"
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "fully_shard"])
+def test_every_strategy_trains_as_lightning_ddp_on_gloo(runs, strategy):
+    ours, theirs = runs(strategy), runs("gloo")
+    assert str(ours["backend"]) == "shardkit" and int(ours["hosts"]) == 1
+    assert (str(ours["resolved"]), str(ours["wrapper"]), str(ours["optimizer"])) == (strategy, *EXPECTED[strategy])
+    _assert_same_weights(ours, theirs, exact=strategy == "ddp", what=strategy)
+
+
+@pytest.mark.timeout(500)
+def test_clipping_is_active_so_parity_covers_the_global_norm(runs):
+    clipped, unclipped = runs("gloo"), runs("gloo", "--clip", "0")
+    assert not np.allclose(clipped["net.0.weight"], unclipped["net.0.weight"], rtol=1e-3)
+
+
+@pytest.mark.timeout(500)
+@pytest.mark.parametrize("choice,expected", [("ddp", "ddp"), ("zero3", "fully_shard")])
+def test_auto_chooses_by_the_memory_budget_and_trains_as_the_anchor(runs, choice, expected):
+    from shardkit import estimate
+
+    budget = estimate.model_states(NUM_PARAMS, 2, "fp32", "adam", master_weights=False)[choice].total_gb * 1.001
+    ours, theirs = runs("auto", "--budget", repr(budget)), runs("gloo")
+    assert (str(ours["resolved"]), int(ours["planned_params"])) == (expected, NUM_PARAMS)
+    assert (str(ours["wrapper"]), str(ours["optimizer"])) == EXPECTED[expected]
+    _assert_same_weights(ours, theirs, exact=expected == "ddp", what=f"auto ({expected})")
+
+
+@pytest.mark.timeout(500)
+@pytest.mark.parametrize("strategy", ["zero2", "fully_shard"])
+def test_gradient_accumulation_trains_as_the_anchor(runs, strategy):
+    ours, theirs = runs(strategy, "--accumulate", "2"), runs("gloo", "--accumulate", "2")
+    _assert_same_weights(ours, theirs, exact=False, what=f"{strategy}, accumulate 2")
+    assert not np.allclose(theirs["net.0.weight"], runs("gloo")["net.0.weight"], rtol=1e-3)  # 4 steps, not 8
+
+
+@pytest.mark.timeout(500)
+@pytest.mark.parametrize("strategy", ["zero2", "fully_shard"])
+def test_on_two_simulated_hosts(runs, strategy):
+    ours, theirs = runs(strategy, "--one_host_per_rank"), runs("gloo")
+    assert int(ours["hosts"]) == 2
+    _assert_same_weights(ours, theirs, exact=False, what=f"{strategy} on 2 hosts")
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("strategy", ["zero2", "fully_shard"])
+def test_save_checkpoint_then_fit_resumes_at_another_world_size(runs, tmp_path, strategy):
+    checkpoint = tmp_path / "epoch1.ckpt"
+    _fit(tmp_path / "first", strategy, "--epochs", "1", "--save", str(checkpoint))
+    assert checkpoint.is_file()  # one Lightning file, the whole state
+    import torch
+
+    saved = torch.load(checkpoint, weights_only=False)
+    assert sorted(saved["state_dict"]) == sorted(WEIGHTS) and saved["global_step"] == 4
+    assert sorted(saved["optimizer_states"][0]["state"]) == [0, 1, 2, 3]  # unsharded, keyed by index
+    resumed = _fit(tmp_path / "resumed", strategy, "--resume", str(checkpoint), world=3)
+    assert int(resumed["world"]) == 3
+    _assert_same_weights(resumed, runs(strategy), exact=False, what=f"{strategy} resumed at 3 ranks")
+
+
+# --- refusals --------------------------------------------------------------------------------------------------
+
+def test_strategy_refuses_what_it_cannot_do():
+    from shardkit.integrations.lightning import ShardkitStrategy
+
+    assert ShardkitStrategy("auto").resolved_strategy is None and ShardkitStrategy("zero2").resolved_strategy == "zero2"
+    with pytest.raises(ValueError, match=r"ShardkitStrategy: strategy must be one of ddp, zero1, zero2, fully_shard "
+                                         r"or auto, got 'zero3'"):
+        ShardkitStrategy("zero3")
+    with pytest.raises(ValueError, match=r"strategy='fsdp' \(shardkit's FSDP1 front\) is not offered under Lightning"):
+        ShardkitStrategy("fsdp")
+    with pytest.raises(ValueError, match=r"comm_hook='fp16' applies to ddp, zero1 and zero2, not to "
+                                         r"strategy='fully_shard'"):
+        ShardkitStrategy("fully_shard", comm_hook="fp16")
+    with pytest.raises(ValueError, match=r"ddp_comm_hook=<function .*> is Lightning's torch-DDP comm hook"):
+        ShardkitStrategy(ddp_comm_hook=lambda state, bucket: None)
+    with pytest.raises(ValueError, match=r"process_group_backend must be 'shardkit', got 'gloo'"):
+        ShardkitStrategy(process_group_backend="gloo")
+
+
+@pytest.mark.timeout(300)
+def test_fit_refuses_a_module_already_wrapped(tmp_path):
+    result = _fit(tmp_path, "zero2", "--wrapped")
+    assert ("ShardkitStrategy (rank 0): a submodule is already wrapped (DistributedDataParallel)"
+            in str(result["error"])), str(result["error"])
