@@ -4,6 +4,10 @@ yourself: shardkit does not depend on any of them):
 - ``shardkit.integrations.accelerate``: ``Accelerator`` and ``ShardkitPlugin`` for Hugging Face accelerate.
 - ``shardkit.integrations.transformers``: ``Trainer`` and ``ShardkitTrainingArguments`` for the Hugging Face
   Trainer (built on the accelerate integration).
+- ``shardkit.integrations.lightning``: ``ShardkitStrategy`` for Lightning.
+
+What they share, the wrapping itself (strategies, ``auto``, ZeRO optimizers, clipping, accumulation), is
+``_wrapping``, which imports no training library.
 
 These sit on top of the package (DESIGN.md, "Python"): they import shardkit's fronts, nothing imports them.
 """
