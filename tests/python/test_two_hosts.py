@@ -19,7 +19,6 @@ import os
 import secrets
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from support.harness import free_port
 
 SCRIPT = Path(__file__).parent / "support" / "two_host_script.py"
 WORLD = 4
@@ -191,12 +192,6 @@ def _torchrun(*args: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", *args]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _base_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("SHARDKIT_HOST_ID", "GLOO_SOCKET_IFNAME")}
     env["OMP_NUM_THREADS"] = "1"
@@ -227,7 +222,7 @@ def two_hosts(namespaces, request, tmp_path_factory) -> tuple[Launch, Network]:
         _say(request, net.describe())
         # In veth mode the port is only probed here, but host 0's network namespace is brand new: nothing in
         # it listens anywhere, so a port free here is free there too.
-        port = _free_port()
+        port = free_port()
         hosts = []
         for h in range(2):
             # Gloo binds to this interface's address: the made-up hostnames resolve nowhere.
@@ -245,7 +240,7 @@ def one_host(namespaces, request, tmp_path_factory) -> Launch:
     out = tmp_path_factory.mktemp("one_host")
     # Not --standalone: that rendezvous advertises the hostname, and the made-up one resolves nowhere.
     args = _torchrun("--nnodes=1", f"--nproc_per_node={WORLD}", "--master_addr=127.0.0.1",
-                     f"--master_port={_free_port()}", str(SCRIPT), str(out))
+                     f"--master_port={free_port()}", str(SCRIPT), str(out))
     launch = _launch([([], "skonehost", args)], out, _base_env())
     _say(request, f"1 host x 4 ranks: {launch.seconds:.1f} s")
     return launch

@@ -30,6 +30,9 @@ The training loop is accelerate's, unchanged. What the subclass changes, and why
   ``shardkit.checkpoint.save`` (torch's DCP format, one ``shardkit`` directory inside accelerate's checkpoint
   directory), so a run resumes at another world size; schedulers, RNG states, samplers and registered objects
   are accelerate's as always. ``ddp`` (replicated state) uses accelerate's own files.
+- **accelerate's config file** chooses the strategy when no ``shardkit_plugin`` is given (an FSDP config: fully_shard
+  or the FSDP1 front, its wrapping classes, ``reshard_after_forward``; see _launch_config.py), and a MULTI_CPU
+  launch that started one process alone is refused with the command that starts N.
 
 Unsupported combinations raise, naming the feature: DeepSpeed / FSDP / Megatron plugins alongside a
 ShardkitPlugin, an optimizer with state at ``prepare`` under ZeRO, ``strategy="auto"`` where only ZeRO-3 + CPU
@@ -59,7 +62,7 @@ from .. import state_dict as _state_dict
 from ..checkpoint import save as _checkpoint_save
 from ..fsdp import FullyShardedDataParallel
 from ..zero import ZeroRedundancyOptimizer
-from . import _wrapping
+from . import _launch_config, _wrapping
 from ._wrapping import SHARDED_STATE, STRATEGIES
 
 __all__ = ["Accelerator", "ShardkitPlugin", "STRATEGIES", "SHARDED_STATE"]
@@ -125,6 +128,14 @@ class Accelerator(accelerate.Accelerator):
             if kwargs.get(name) is not None:
                 raise ValueError(f"shardkit Accelerator: {name} cannot be combined with shardkit's wrapping; "
                                  "choose the strategy with ShardkitPlugin")
+        problem = _launch_config.launch_problem()
+        if problem is not None:
+            raise RuntimeError(f"shardkit Accelerator: {problem}")
+        if shardkit_plugin is None:  # accelerate's config file, as `accelerate launch` exported it
+            options = _launch_config.plugin_options()
+            shardkit_plugin = ShardkitPlugin(**options) if options else None
+        for name in _launch_config.consumed():  # shardkit shards; accelerate must not build its own FSDP plugin
+            os.environ[name] = "false"
         self.shardkit_plugin = shardkit_plugin or ShardkitPlugin()
         init = next((h for h in kwargs.get("kwargs_handlers") or () if isinstance(h, InitProcessGroupKwargs)), None)
         _ShardkitPartialState(cpu=bool(kwargs.get("cpu", False)), **(init.to_kwargs() if init else {}))

@@ -170,6 +170,16 @@ def assert_readme_shows_example(heading: str, example: Path, nproc: int) -> None
     assert cmd == f"torchrun --standalone --nproc_per_node={nproc} examples/{example.name}\n"
 
 
+def free_port() -> int:
+    """A TCP port nobody listens on now (for launchers that need one: ``accelerate launch``, a multi-host
+    torchrun); there is a small window before the caller binds it, which a retry would cover."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def run_torchrun(script: Path, nproc: int, *args: str, timeout: float = 120.0,
                  env: dict[str, str] | None = None, python: Path | str = sys.executable,
                  cwd: Path | None = None) -> subprocess.CompletedProcess:

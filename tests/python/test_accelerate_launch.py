@@ -1,0 +1,131 @@
+"""``accelerate launch`` and accelerate's config file with shardkit's Accelerator (shardkit/integrations/_launch_config.py).
+
+- ``accelerate launch --multi_gpu --num_processes 2`` (torchrun underneath) trains the README's accelerate example
+  on 2 CPU processes on the shardkit backend.
+- A config file with ``distributed_type: FSDP, fsdp_version: 2`` and transformer-based wrapping makes the
+  Accelerator (given no plugin) shard with ``fully_shard``, each named block a unit of its own, and trains to the
+  same loss as the same job with that ShardkitPlugin passed explicitly.
+- A ``MULTI_CPU`` config without mpirun starts one process, which refuses to train alone, saying how to start N.
+- The config settings shardkit does not carry out raise, naming them (read from the variables the launcher
+  exports; no process group needed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("accelerate")
+
+from shardkit.integrations import _launch_config  # noqa: E402
+from support.harness import free_port  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = Path(__file__).parent / "support" / "accelerate_launch_script.py"
+ACCELERATE = Path(sys.executable).with_name("accelerate")
+
+
+def _launch(tmp_path: Path, config: str | None, *flags: str, script: Path = SCRIPT,
+            timeout: float = 150) -> subprocess.CompletedProcess:
+    command = [str(ACCELERATE), "launch", "--main_process_port", str(free_port()), *flags]
+    if config is not None:
+        path = tmp_path / "accelerate_config.yaml"
+        path.write_text(config)
+        command += ["--config_file", str(path)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HOME": str(tmp_path / "hf")}
+    return subprocess.run(command + [str(script)], capture_output=True, text=True, timeout=timeout, env=env,
+                          cwd=tmp_path)
+
+
+def _results(out: subprocess.CompletedProcess) -> list[dict]:
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    rows = [json.loads(line[len("RESULT "):]) for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+    return sorted(rows, key=lambda row: row["rank"])
+
+
+CONFIG = """compute_environment: LOCAL_MACHINE
+distributed_type: {kind}
+num_machines: 1
+num_processes: 2
+machine_rank: 0
+mixed_precision: 'no'
+use_cpu: {use_cpu}
+"""
+
+FSDP2_CONFIG = CONFIG.format(kind="FSDP", use_cpu="false") + """fsdp_config:
+  fsdp_version: 2
+  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
+  fsdp_transformer_layer_cls_to_wrap: Block
+  fsdp_reshard_after_forward: false
+  fsdp_state_dict_type: SHARDED_STATE_DICT
+"""
+
+
+def test_multi_gpu_flag_starts_the_readme_example_on_two_cpu_processes_on_shardkit(tmp_path):
+    out = _launch(tmp_path, None, "--multi_gpu", "--num_processes", "2",
+                  script=REPO / "examples" / "accelerate_train.py")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    assert "2 processes on shardkit: last gradient norm" in out.stdout
+
+
+def test_an_fsdp2_config_file_makes_shardkit_shard_with_fully_shard(tmp_path):
+    rows = _results(_launch(tmp_path, FSDP2_CONFIG))
+    assert [row["rank"] for row in rows] == [0, 1]
+    for row in rows:
+        assert (row["world"], row["backend"], row["strategy"]) == (2, "shardkit", "fully_shard")
+        assert row["auto_wrap"] == ["Block"] and row["reshard_after_forward"] is False
+        assert row["units"] == ["(root)", "0", "1"]  # each Block, then the root; the head is the root's
+    # The same job with the plugin given explicitly (no FSDP in the config) trains to the same loss.
+    explicit = tmp_path / "explicit.py"
+    explicit.write_text(SCRIPT.read_text().replace(
+        "accelerator = Accelerator()",
+        "from shardkit.integrations.accelerate import ShardkitPlugin\n    accelerator = Accelerator(shardkit_plugin="
+        "ShardkitPlugin(strategy='fully_shard', auto_wrap=['Block'], reshard_after_forward=False))"))
+    same = _results(_launch(tmp_path, CONFIG.format(kind="MULTI_GPU", use_cpu="false"), script=explicit))
+    assert [row["loss"] for row in same] == [row["loss"] for row in rows]
+
+
+def test_a_multi_cpu_config_without_mpirun_refuses_to_train_one_process_alone(tmp_path):
+    out = _launch(tmp_path, CONFIG.format(kind="MULTI_CPU", use_cpu="true"), timeout=90)
+    assert out.returncode != 0 and "RESULT" not in out.stdout
+    assert "accelerate launch started this process alone" in out.stderr, out.stderr[-3000:]
+    assert "accelerate launch --multi_gpu --num_processes N" in out.stderr
+
+
+FSDP = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP",
+        "FSDP_TRANSFORMER_CLS_TO_WRAP": "GPT2Block, Other"}
+
+
+def test_the_config_variables_map_onto_shardkit_plugin_options():
+    assert _launch_config.plugin_options({}) is None
+    assert _launch_config.plugin_options({"ACCELERATE_USE_FSDP": "false"}) is None
+    assert _launch_config.plugin_options(FSDP) == {"strategy": "fully_shard", "auto_wrap": ["GPT2Block", "Other"],
+                                                   "reshard_after_forward": True}
+    assert _launch_config.plugin_options({**FSDP, "FSDP_VERSION": "1", "FSDP_AUTO_WRAP_POLICY": "NO_WRAP"}) == \
+        {"strategy": "fsdp"}
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"FSDP_AUTO_WRAP_POLICY": "SIZE_BASED_WRAP"}, "fsdp_auto_wrap_policy: SIZE_BASED_WRAP"),
+    ({"FSDP_TRANSFORMER_CLS_TO_WRAP": ""}, "TRANSFORMER_BASED_WRAP without fsdp_transformer_layer_cls_to_wrap"),
+    ({"FSDP_OFFLOAD_PARAMS": "true"}, "fsdp_offload_params: true"),
+    ({"FSDP_ACTIVATION_CHECKPOINTING": "true"}, "fsdp_activation_checkpointing: true"),
+    ({"FSDP_VERSION": "1", "FSDP_SHARDING_STRATEGY": "SHARD_GRAD_OP"}, "fsdp_sharding_strategy: SHARD_GRAD_OP"),
+    ({"ACCELERATE_USE_DEEPSPEED": "true"}, "distributed_type: DEEPSPEED"),
+])
+def test_config_settings_shardkit_does_not_carry_out_raise_naming_them(changes, message):
+    with pytest.raises(NotImplementedError, match=message.replace("(", r"\(")):
+        _launch_config.plugin_options({**FSDP, **changes})
+
+
+def test_only_a_lone_process_of_a_multi_process_cpu_launch_is_refused():
+    lone = {"ACCELERATE_USE_CPU": "True", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    assert "started this process alone" in _launch_config.launch_problem(lone)
+    assert _launch_config.launch_problem({**lone, "RANK": "0"}) is None  # torchrun
+    assert _launch_config.launch_problem({**lone, "OMPI_COMM_WORLD_RANK": "1"}) is None  # mpirun
+    assert _launch_config.launch_problem({"ACCELERATE_USE_CPU": "True"}) is None  # one process asked for
