@@ -56,5 +56,5 @@ def test_the_performance_page_is_what_the_results_say():
 
 def test_the_readme_stays_short_and_says_when_to_pick_shardkit():
     readme = (REPO / "README.md").read_text()
-    assert len(readme.splitlines()) <= 220, "the README is the front page; detail goes to docs/"
+    assert len(readme.splitlines()) <= 250, "the README is the front page; detail goes to docs/"
     assert "\n## When to pick shardkit\n" in readme

@@ -14,10 +14,12 @@
 - zero2 and fully_shard on two simulated hosts (the hierarchical engine).
 - Refusals: an unknown strategy, the FSDP1 front, Lightning's torch-DDP comm hooks, another backend, a
   LightningModule already wrapped.
+- The README's Lightning section is examples/lightning_train.py, and it runs under torchrun.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -170,3 +172,16 @@ def test_fit_refuses_a_module_already_wrapped(tmp_path):
     result = _fit(tmp_path, "zero2", "--wrapped")
     assert ("ShardkitStrategy (rank 0): a submodule is already wrapped (DistributedDataParallel)"
             in str(result["error"])), str(result["error"])
+
+
+# --- the README's Lightning section, as written ------------------------------------------------------------------
+
+@pytest.mark.timeout(300)
+def test_the_readme_shows_the_example_and_it_runs_under_torchrun(tmp_path):
+    from support.harness import assert_readme_shows_example
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "lightning_train.py"
+    assert_readme_shows_example("Lightning", example, 2)
+    proc = run_torchrun(example, 2, timeout=240, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert re.search(r"^2 processes, zero2: loss \d+\.\d{3}$", proc.stdout, flags=re.M), proc.stdout[-3000:]
