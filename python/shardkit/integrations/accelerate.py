@@ -220,11 +220,14 @@ class Accelerator(accelerate.Accelerator):
             state = _state_dict.get_model_state_dict(model, options=options)
         else:
             state = super().get_state_dict(model, unwrap)
-        if unwrap:
+        if unwrap and state:
             # Gathered parameters are views of one unit's buffer, ZeRO's of one flat buffer per dtype: savers that
-            # keep each storage once (safetensors, save_model) would keep one parameter of them. Each gets its
-            # own storage; the names of one tied parameter share one.
-            state = _wrapping.share_tied(_wrapping.own_storage(state), self.unwrap_model(model))
+            # keep each storage once (safetensors, save_model) would keep one parameter of them. On the main
+            # process, which saves, each gets its own storage (the others keep the views: a whole copy of the
+            # model per rank for nothing); the names of one tied parameter share one.
+            if self.is_main_process:
+                state = _wrapping.own_storage(state)
+            state = _wrapping.share_tied(state, self.unwrap_model(model))
         return state
 
     def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs: Any):
