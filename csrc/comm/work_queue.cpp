@@ -158,7 +158,7 @@ void WorkQueue::run_or_enqueue(c10::intrusive_ptr<ShardkitWork> work, std::funct
 
 void WorkQueue::submit(c10::intrusive_ptr<ShardkitWork> work, std::function<void()> body, bool may_run_inline) {
   if (on_worker()) {  // issued from a future callback: run now (see the header)
-    execute(*work, body);
+    execute(*work, std::move(body));
     return;
   }
   bool stopped = false;
@@ -182,7 +182,7 @@ void WorkQueue::submit(c10::intrusive_ptr<ShardkitWork> work, std::function<void
     ready_.notify_one();
     return;
   }
-  execute(*work, body);
+  execute(*work, std::move(body));
   bool queued_meanwhile = false;
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -193,12 +193,21 @@ void WorkQueue::submit(c10::intrusive_ptr<ShardkitWork> work, std::function<void
   idle_.notify_all();  // cheap without waiters
 }
 
-void WorkQueue::execute(ShardkitWork& work, const std::function<void()>& body) {
+void WorkQueue::execute(ShardkitWork& work, std::function<void()> body) {
+  std::exception_ptr error;
   try {
     body();
-    work.complete();
   } catch (...) {
-    work.fail(std::current_exception());
+    error = std::current_exception();
+  }
+  // The body holds the op's tensors (inputs included). It goes before the Work wakes anyone: a caller whose
+  // wait() returns and drops its tensors then frees their memory at once, not whenever this thread next gets a
+  // core (on a busy host that can be after the caller has allocated the next op's buffers).
+  body = nullptr;
+  if (error) {
+    work.fail(error);
+  } else {
+    work.complete();
   }
 }
 
@@ -213,7 +222,9 @@ void WorkQueue::run() {
       items_.pop_front();
       busy_ = true;
     }
-    execute(*item.work, item.body);
+    c10::intrusive_ptr<ShardkitWork> work = std::move(item.work);
+    execute(*work, std::move(item.body));
+    work.reset();  // this thread's reference goes at once: the Work's outputs then live as long as the caller's
     {
       std::lock_guard<std::mutex> lock(mutex_);
       busy_ = false;

@@ -118,7 +118,9 @@ class WorkQueue {
   };
   void submit(c10::intrusive_ptr<ShardkitWork> work, std::function<void()> body, bool may_run_inline);
   void run();
-  static void execute(ShardkitWork& work, const std::function<void()>& body);
+  // Runs `body`, destroys it (and the tensors it holds), then completes or fails `work`: whoever wait()
+  // wakes finds this thread holding none of the op's tensors.
+  static void execute(ShardkitWork& work, std::function<void()> body);
   bool on_worker() const { return std::this_thread::get_id() == worker_.get_id(); }
 
   std::mutex mutex_;

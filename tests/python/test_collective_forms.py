@@ -149,3 +149,33 @@ def _monitored_barrier(rank, world):
 def test_monitored_barrier_names_the_rank_that_did_not_come(ranks):
     outcomes = ranks.launch(_monitored_barrier, 3, timeout=90)
     assert outcomes[0].value == "[Rank 0]: Ranks 2 failed to pass monitoredBarrier in 2000 ms", outcomes[0]
+
+
+def _op_tensors_go_before_the_waiter_wakes(rank, world):
+    import time
+    import weakref
+
+    # Rank 1 comes late to a barrier, so rank 0's all-gather waits in the queue behind it, its input dropped by
+    # the caller: from then on only the queued op holds the input.
+    if rank == 1:
+        time.sleep(0.3)
+    gate = dist.barrier(async_op=True)
+    data = torch.full((1 << 16,), float(rank))
+    out = torch.empty(world << 16)
+    alive = weakref.ref(data)
+    work = dist.all_gather_into_tensor(out, data, async_op=True)
+    del data
+    # The callback runs as the Work completes, before any wait() returns: the op's tensors must be gone by then
+    # (the Work itself keeps its outputs, as torch's do).
+    freed_at_completion = []
+    work.get_future().then(lambda _: freed_at_completion.append(alive() is None))
+    work.wait()
+    gate.wait()
+    assert torch.equal(out, torch.arange(world, dtype=torch.float32).repeat_interleave(1 << 16))
+    return freed_at_completion
+
+
+@pytest.mark.parametrize("topology", ["1host-w2", "2x2hosts"])
+def test_a_queued_op_releases_its_tensors_before_its_work_completes(ranks, topology):
+    freed = run_on(ranks, topology, _op_tensors_go_before_the_waiter_wakes)
+    assert freed[0] == [True], "the worker still held the all-gather's input when its Work completed"
