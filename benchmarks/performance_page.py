@@ -33,6 +33,8 @@ ABOUT = {
                       "ZeroRedundancyOptimizer"),
     "fsdp_step.json": ("`benchmarks/fsdp_step.py`", "FSDP training step, world 2, against torch FSDP2"),
     "fsdp_step_w4.json": ("`benchmarks/fsdp_step.py --world 4`", "FSDP training step, world 4, against torch FSDP2"),
+    "hosts.json": ("`benchmarks/hosts.py` (root)", "collectives across namespace hosts over tbf-shaped links, against "
+                   "the link bound and gloo"),
     "checkpoint.json": ("`benchmarks/checkpoint.py`", "checkpoint save / load against torch FSDP2 + DCP"),
     "checkpoint_integrity.json": ("`benchmarks/checkpoint_integrity.py`", "the cost of verified, atomic checkpoints"),
     "identity_check.json": ("`benchmarks/identity_check.py`", "the cost of comparing collective identities"),

@@ -28,43 +28,12 @@ import pytest
 import torch
 
 from support.harness import free_port
+from support.hostbed import HOST_SHELL, UNSHARE, namespaces_unavailable
+from support.hostbed import run_in_session as _run
 
 SCRIPT = Path(__file__).parent / "support" / "two_host_script.py"
 WORLD = 4
 LAUNCH_TIMEOUT = 140.0  # s for one launch (normally ~15 s on 2 busy cores); two fit in pytest-timeout's 300
-# A PID namespace on top of the brief's set: when `unshare` dies, its child (the namespace's init) is killed
-# (--kill-child) and the kernel kills everything else in the namespace with it, torchrun's workers included
-# (they run in sessions of their own, out of reach of a process-group kill).
-UNSHARE = ["unshare", "--uts", "--ipc", "--mount", "--propagation", "private",
-           "--pid", "--fork", "--kill-child", "--mount-proc"]
-if os.geteuid() != 0:
-    UNSHARE.insert(1, "--map-root-user")  # without root, a user namespace grants the others
-# Inside the new namespaces: name the host, give it a /dev/shm of its own, then become the command.
-HOST_SHELL = 'hostname "$1" && mount -t tmpfs -o size=256m,mode=1777 shardkit-shm /dev/shm && shift && exec "$@"'
-
-def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
-    """Run ``cmd`` in a session of its own; on timeout kill the whole process group, then raise."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        raise
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
-
-
-def _namespaces_unavailable() -> str | None:
-    probe = [*UNSHARE, "sh", "-c", HOST_SHELL, "sh", "shardkit-probe", "true"]
-    try:
-        result = _run(probe, timeout=30)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return f"`{shlex.join(probe)}` could not run: {exc}"
-    if result.returncode != 0:
-        return f"`{shlex.join(probe)}` failed (exit {result.returncode}): {result.stderr.strip()}"
-    return None
-
-
 class Network:
     """Where the hosts talk: two network namespaces joined by a veth pair, or else the shared loopback.
 
@@ -209,7 +178,7 @@ def _say(request, line: str) -> None:
 
 @pytest.fixture(scope="module")
 def namespaces(request) -> None:
-    why = _namespaces_unavailable()
+    why = namespaces_unavailable()
     if why:
         _say(request, f"SKIPPED: Linux namespaces unavailable: {why}")
         pytest.skip(f"Linux namespaces unavailable: {why}")

@@ -1,0 +1,82 @@
+"""The multi-host test bed (support/hostbed.py) and collectives across its shaped links.
+
+- Three namespace hosts on one bridge, each link shaped to 1000 Mbit/s both ways by tbf (checked in tc's own
+  words), one rank each under torchrun: shardkit finds three hosts by itself (no SHARDKIT_HOST_ID), and
+  all_reduce, all_gather_into_tensor and reduce_scatter_tensor give the exact results on the shardkit backend
+  and on gloo (benchmarks/_hosts_rank.py, which checks every result; the benchmark runs the same script).
+- Nothing of the bed outlives it: its network namespaces are gone afterwards, also when a host failed.
+
+Skips, saying why, where the bed cannot be made (not root, no `ip` / `tc` / `unshare`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from support.hostbed import HostBed, unavailable
+
+RANK_SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "_hosts_rank.py"
+
+
+@pytest.fixture(scope="module")
+def bed_available():
+    why = unavailable()
+    if why:
+        pytest.skip(f"no namespace hosts here: {why}")
+
+
+def _netns_names() -> set[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return {line.split()[0] for line in out.splitlines() if line.strip()}
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("SHARDKIT_HOST_ID", "GLOO_SOCKET_IFNAME")}
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+@pytest.mark.timeout(240)
+def test_three_shaped_hosts_find_each_other_and_every_collective_is_exact(bed_available, tmp_path):
+    out = tmp_path / "result.json"
+    with HostBed(3, rate_mbit=1000) as bed:
+        for h in range(3):
+            for ns, ifname in ((bed.netns[h], bed.host_if[h]), (bed.switch, bed.switch_if[h])):
+                qdisc = subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "show", "dev", ifname],
+                                       capture_output=True, text=True).stdout
+                assert "tbf" in qdisc and "rate 1Gbit" in qdisc, (ns, ifname, qdisc)
+        commands = [["env", f"GLOO_SOCKET_IFNAME={bed.host_if[h]}", sys.executable, "-m", "torch.distributed.run",
+                     "--nnodes=3", f"--node_rank={h}", "--nproc_per_node=1", f"--master_addr={bed.addr(0)}",
+                     "--master_port=29400", str(RANK_SCRIPT), str(out), "--bytes", str(3 << 20), "--reps", "2"]
+                    for h in range(3)]
+        run = bed.launch(commands, env=_env(), timeout=180, logs=tmp_path / "logs")
+        names = set(bed.made)
+    assert run.ok, run.story()
+    result = json.loads(out.read_text())
+    assert result["world"] == 3 and result["host_of"] == [0, 1, 2]
+    assert sorted(result["seconds"]) == sorted(f"{op}/{backend}" for op in
+                                               ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
+                                               for backend in ("shardkit", "gloo"))
+    assert not names & _netns_names(), "the bed left network namespaces behind"
+
+
+@pytest.mark.timeout(120)
+def test_a_failing_host_ends_the_launch_and_the_bed_goes(bed_available, tmp_path):
+    with HostBed(2) as bed:
+        run = bed.launch([["sh", "-c", "exit 3"], ["sleep", "60"]], env=_env(), timeout=60, logs=tmp_path)
+        names = set(bed.made)
+    assert run.codes[0] == 3 and not run.ok and run.seconds < 30, run
+    assert not names & _netns_names()
+
+
+def test_the_bed_refuses_nonsense():
+    with pytest.raises(ValueError, match="hosts must be in"):
+        HostBed(0)
+    with pytest.raises(ValueError, match="rate_mbit must be positive, got -5"):
+        HostBed(2, rate_mbit=-5)
