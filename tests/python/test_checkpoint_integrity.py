@@ -180,16 +180,16 @@ def test_a_rank_killed_during_a_save_leaves_a_whole_checkpoint(ranks, tmp_path: 
 def test_a_full_disk_fails_the_save_on_every_rank_and_keeps_the_previous_checkpoint(tmp_path: Path):
     """Two ranks in a mount namespace where the checkpoint directory's parent is a 9 MB tmpfs: the first save
     (~6.3 MB) fits, the second (staged beside it) does not."""
-    from test_two_hosts import UNSHARE, _namespaces_unavailable, _run
+    from support.hostbed import UNSHARE, namespaces_unavailable, run_in_session
 
-    why = _namespaces_unavailable()
+    why = namespaces_unavailable()
     if why:
         pytest.skip(f"no mount namespace for a small tmpfs: {why}")
     disk = tmp_path / "disk"
     disk.mkdir()
     script = Path(__file__).parent / "support" / "checkpoint_disk_full_script.py"
     shell = 'mount -t tmpfs -o size=9m shardkit-disk "$1" && shift && exec "$@"'
-    result = _run([*UNSHARE, "sh", "-c", shell, "sh", str(disk), sys.executable, str(script), str(disk)],
+    result = run_in_session([*UNSHARE, "sh", "-c", shell, "sh", str(disk), sys.executable, str(script), str(disk)],
                   timeout=180)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = [__import__("json").loads(line) for line in result.stdout.splitlines() if line.startswith("{")]

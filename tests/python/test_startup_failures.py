@@ -136,14 +136,14 @@ def _init_in_a_small_dev_shm(rank: int, world: int, store_path: str):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("world", [2, 4])
 def test_a_dev_shm_without_room_for_the_segment_fails_every_rank_within_2s(world: int):
-    from test_two_hosts import UNSHARE, _namespaces_unavailable, _run
+    from support.hostbed import UNSHARE, namespaces_unavailable, run_in_session
 
-    why = _namespaces_unavailable()
+    why = namespaces_unavailable()
     if why:
         pytest.skip(f"no mount namespace for a small /dev/shm: {why}")
     # 1 MB: less than one rank's slots (the segment takes 2 x ranks x 1 MiB and a header).
     shell = 'mount -t tmpfs -o size=1m,mode=1777 shardkit-shm /dev/shm && exec "$@"'
-    result = _run([*UNSHARE, "sh", "-c", shell, "sh", sys.executable, __file__, str(world)], timeout=100)
+    result = run_in_session([*UNSHARE, "sh", "-c", shell, "sh", sys.executable, __file__, str(world)], timeout=100)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
     by_rank = {line["rank"]: line for line in lines if "rank" in line}

@@ -29,7 +29,7 @@ import torch
 
 from support.harness import free_port
 from support.hostbed import HOST_SHELL, UNSHARE, namespaces_unavailable
-from support.hostbed import run_in_session as _run
+from support.hostbed import run_in_session
 
 SCRIPT = Path(__file__).parent / "support" / "two_host_script.py"
 WORLD = 4
@@ -63,7 +63,7 @@ class Network:
                       ["ip", "-n", ns, "link", "set", "lo", "up"]]
         for step in steps:
             try:
-                result = _run(step, timeout=30)
+                result = run_in_session(step, timeout=30)
             except (OSError, subprocess.TimeoutExpired) as exc:
                 result = subprocess.CompletedProcess(step, -1, "", str(exc))
             if result.returncode != 0:

@@ -252,14 +252,14 @@ def test_no_room_in_dev_shm_falls_back_with_a_warning():
     ordinary flat gradients, each with a ZeroCopyUnavailableWarning naming the sizes and the room (a Python warning,
     nothing on stderr); and FSDP carries on, warning, when /dev/shm
     fills up between two iterations after its memory was given back. Without the check the first write past the room would kill a rank (SIGBUS)."""
-    from test_two_hosts import UNSHARE, _namespaces_unavailable, _run
+    from support.hostbed import UNSHARE, namespaces_unavailable, run_in_session
 
-    why = _namespaces_unavailable()
+    why = namespaces_unavailable()
     if why:
         pytest.skip(f"no mount namespace for a small /dev/shm: {why}")
     script = Path(__file__).parent / "support" / "shm_room_script.py"
     shell = 'mount -t tmpfs -o size=24m,mode=1777 shardkit-shm /dev/shm && exec "$@"'
-    result = _run([*UNSHARE, "sh", "-c", shell, "sh", sys.executable, str(script)], timeout=150)
+    result = run_in_session([*UNSHARE, "sh", "-c", shell, "sh", sys.executable, str(script)], timeout=150)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
     assert sorted(r["rank"] for r in lines) == [0, 1], result.stdout + result.stderr[-3000:]
