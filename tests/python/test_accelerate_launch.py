@@ -16,6 +16,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -30,7 +31,7 @@ SCRIPT = Path(__file__).parent / "support" / "accelerate_launch_script.py"
 ACCELERATE = Path(sys.executable).with_name("accelerate")
 
 
-def _launch(tmp_path: Path, config: str | None, *flags: str, script: Path = SCRIPT,
+def _launch(tmp_path: Path, config: str | None, *flags: str, script: Path = SCRIPT, script_args: tuple = (),
             timeout: float = 150) -> subprocess.CompletedProcess:
     command = [str(ACCELERATE), "launch", "--main_process_port", str(free_port()), *flags]
     if config is not None:
@@ -38,14 +39,16 @@ def _launch(tmp_path: Path, config: str | None, *flags: str, script: Path = SCRI
         path.write_text(config)
         command += ["--config_file", str(path)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HOME": str(tmp_path / "hf")}
-    return subprocess.run(command + [str(script)], capture_output=True, text=True, timeout=timeout, env=env,
-                          cwd=tmp_path)
+    return subprocess.run(command + [str(script), *script_args], capture_output=True, text=True, timeout=timeout,
+                          env=env, cwd=tmp_path)
 
 
-def _results(out: subprocess.CompletedProcess) -> list[dict]:
+def _results(tmp_path: Path, config: str, script: Path = SCRIPT) -> list[dict]:
+    """Each rank's report of one launch of ``script`` (a file per rank: their stdout lines may interleave)."""
+    out_dir = Path(tempfile.mkdtemp(dir=tmp_path))
+    out = _launch(tmp_path, config, script=script, script_args=(str(out_dir),))
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
-    rows = [json.loads(line[len("RESULT "):]) for line in out.stdout.splitlines() if line.startswith("RESULT ")]
-    return sorted(rows, key=lambda row: row["rank"])
+    return [json.loads(path.read_text()) for path in sorted(out_dir.glob("rank*.json"))]
 
 
 CONFIG = """compute_environment: LOCAL_MACHINE
@@ -74,7 +77,7 @@ def test_multi_gpu_flag_starts_the_readme_example_on_two_cpu_processes_on_shardk
 
 
 def test_an_fsdp2_config_file_makes_shardkit_shard_with_fully_shard(tmp_path):
-    rows = _results(_launch(tmp_path, FSDP2_CONFIG))
+    rows = _results(tmp_path, FSDP2_CONFIG)
     assert [row["rank"] for row in rows] == [0, 1]
     for row in rows:
         assert (row["world"], row["backend"], row["strategy"]) == (2, "shardkit", "fully_shard")
@@ -86,13 +89,13 @@ def test_an_fsdp2_config_file_makes_shardkit_shard_with_fully_shard(tmp_path):
         "accelerator = Accelerator()",
         "from shardkit.integrations.accelerate import ShardkitPlugin\n    accelerator = Accelerator(shardkit_plugin="
         "ShardkitPlugin(strategy='fully_shard', auto_wrap=['Block'], reshard_after_forward=False))"))
-    same = _results(_launch(tmp_path, CONFIG.format(kind="MULTI_GPU", use_cpu="false"), script=explicit))
+    same = _results(tmp_path, CONFIG.format(kind="MULTI_GPU", use_cpu="false"), script=explicit)
     assert [row["loss"] for row in same] == [row["loss"] for row in rows]
 
 
 def test_a_multi_cpu_config_without_mpirun_refuses_to_train_one_process_alone(tmp_path):
     out = _launch(tmp_path, CONFIG.format(kind="MULTI_CPU", use_cpu="true"), timeout=90)
-    assert out.returncode != 0 and "RESULT" not in out.stdout
+    assert out.returncode != 0
     assert "accelerate launch started this process alone" in out.stderr, out.stderr[-3000:]
     assert "accelerate launch --multi_gpu --num_processes N" in out.stderr
 

@@ -1,10 +1,15 @@
 """One process of tests/python/test_accelerate_launch.py, started by ``accelerate launch``: shardkit's Accelerator
-with no plugin argument (so the config file decides), 2 steps on a model of two ``Block``s, then one line
-``RESULT {json}`` per rank: world size, backend, strategy, which modules became fully_shard units, the loss."""
+with no plugin argument (so the config file decides), 2 steps on a model of two ``Block``s, then
+``OUT_DIR/rank{r}.json`` per rank (a file each: the ranks' stdout lines may interleave): world size, backend,
+strategy, which modules became fully_shard units, the loss.
+
+    accelerate launch ... accelerate_launch_script.py OUT_DIR"""
 
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -38,11 +43,11 @@ def main() -> None:
     units = sorted(name or "(root)" for name, m in accelerator.unwrap_model(model).named_modules()
                    if isinstance(m, FSDPModule))
     plugin = accelerator.shardkit_plugin
-    print("RESULT " + json.dumps({"rank": accelerator.process_index, "world": accelerator.num_processes,
-                                  "backend": accelerator.state.backend, "strategy": plugin.resolved_strategy,
-                                  "auto_wrap": list(plugin.auto_wrap or []),
-                                  "reshard_after_forward": plugin.reshard_after_forward, "units": units,
-                                  "loss": float(loss)}), flush=True)
+    result = {"rank": accelerator.process_index, "world": accelerator.num_processes,
+              "backend": accelerator.state.backend, "strategy": plugin.resolved_strategy,
+              "auto_wrap": list(plugin.auto_wrap or []), "reshard_after_forward": plugin.reshard_after_forward,
+              "units": units, "loss": float(loss)}
+    (Path(sys.argv[1]) / f"rank{accelerator.process_index}.json").write_text(json.dumps(result))
 
 
 if __name__ == "__main__":
