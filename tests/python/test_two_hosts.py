@@ -1,6 +1,6 @@
 """Two real hosts on one machine, made of Linux namespaces, and no SHARDKIT_HOST_ID.
 
-Each "host" is `unshare --uts --ipc --mount --propagation private` (plus a PID namespace, see UNSHARE) with
+Each "host" is `unshare --uts --ipc --mount --propagation private` (plus a PID namespace, see support/hostbed.py) with
 its own hostname and a private tmpfs on /dev/shm, so the two cannot share a segment and shardkit must find
 out by itself (hostname + boot id) that they are two hosts. Where `ip netns` works, each host also gets its
 own network namespace and the two are joined by a veth pair; elsewhere they share the machine's loopback.
@@ -18,17 +18,15 @@ import json
 import os
 import secrets
 import shlex
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from support.harness import free_port
-from support.hostbed import HOST_SHELL, UNSHARE, namespaces_unavailable
+from support.hostbed import launch_hosts, namespaces_unavailable
 from support.hostbed import run_in_session
 
 SCRIPT = Path(__file__).parent / "support" / "two_host_script.py"
@@ -114,47 +112,12 @@ class Launch:
 
 def _launch(hosts: list[tuple[list[str], str, list[str]]], out: Path, env: dict[str, str]) -> Launch:
     """Start each (network prefix, hostname, command) as a host, wait for all of them, read the reports."""
-    out.mkdir(parents=True, exist_ok=True)
-    procs, logs = [], []
-    start = time.monotonic()
-    for h, (prefix, hostname, command) in enumerate(hosts):
-        # `timeout` is for the case where pytest itself dies: no host outlives it by more than a minute.
-        cmd = ["timeout", "-s", "KILL", str(int(LAUNCH_TIMEOUT) + 60), *prefix, *UNSHARE, "sh", "-c", HOST_SHELL,
-               "sh", hostname, *command]
-        log = open(out / f"host{h}.log", "w+")
-        logs.append(log)
-        log.write(f"$ {shlex.join(cmd)}\n")
-        log.flush()
-        procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True))
-    deadline = start + LAUNCH_TIMEOUT
-    try:
-        # Until all are done; a host that failed ends the launch at once (its peers would only wait for it).
-        while time.monotonic() < deadline:
-            codes = [p.poll() for p in procs]
-            if None not in codes or any(code not in (None, 0) for code in codes):
-                break
-            time.sleep(0.2)
-        codes = [p.poll() for p in procs]
-        timed_out = None in codes and all(code in (None, 0) for code in codes)
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)  # kills `unshare`, and with it the whole PID namespace
-                proc.wait()
-    seconds = time.monotonic() - start
-    texts = []
-    for log in logs:
-        log.seek(0)
-        texts.append(log.read())
-        log.close()
-    failed = timed_out or any(p.returncode != 0 for p in procs)
+    run = launch_hosts(hosts, env=env, timeout=LAUNCH_TIMEOUT, logs=out)
     missing = [r for r in range(WORLD) if not (out / f"rank{r}.json").exists()]
-    if failed or missing:
-        story = "\n".join(f"--- host {h} (exit {proc.returncode}) ---\n{text[-6000:]}"
-                          for h, (proc, text) in enumerate(zip(procs, texts)))
-        what = f"timed out after {LAUNCH_TIMEOUT:.0f} s" if timed_out else f"failed (no report from ranks {missing})"
-        raise AssertionError(f"namespace launch {what}:\n{story}")
-    return Launch(out, seconds, [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)])
+    if not run.ok or missing:
+        what = f"timed out after {LAUNCH_TIMEOUT:.0f} s" if run.timed_out else f"failed (no report from ranks {missing})"
+        raise AssertionError(f"namespace launch {what}:\n{run.story()}")
+    return Launch(out, run.seconds, [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)])
 
 
 def _torchrun(*args: str) -> list[str]:

@@ -177,40 +177,48 @@ class HostBed:
 
     # --- running ---------------------------------------------------------------------------------------------
     def launch(self, commands: list[list[str]], *, env: dict[str, str], timeout: float, logs: Path) -> HostRun:
-        """Runs ``commands[h]`` as host h (its network namespace, then unshare with its own hostname and
-        /dev/shm), all at once; waits until every one has exited, one has failed (the others would only wait for
-        it), or ``timeout`` s passed; then kills whatever still runs. Output goes to ``logs/host{h}.log``."""
+        """Runs ``commands[h]`` as host h (its network namespace, its own hostname ``host{h}``); see launch_hosts."""
         if len(commands) != self.hosts:
             raise ValueError(f"HostBed.launch: {len(commands)} commands for {self.hosts} hosts")
-        logs.mkdir(parents=True, exist_ok=True)
-        procs, files = [], []
-        start = time.monotonic()
-        for h, command in enumerate(commands):
-            # `timeout -s KILL` is for the case where the caller itself dies: no host outlives it for long.
-            cmd = ["timeout", "-s", "KILL", str(int(timeout) + 60), *self.prefix(h), *UNSHARE, "sh", "-c",
-                   HOST_SHELL, "sh", f"host{h}", *command]
-            log = open(logs / f"host{h}.log", "w+")
-            files.append(log)
-            log.write(f"$ {shlex.join(cmd)}\n")
-            log.flush()
-            procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True))
-        deadline = start + timeout
-        try:
-            while time.monotonic() < deadline:
-                codes = [p.poll() for p in procs]
-                if None not in codes or any(code not in (None, 0) for code in codes):
-                    break
-                time.sleep(0.1)
+        return launch_hosts([(self.prefix(h), f"host{h}", command) for h, command in enumerate(commands)],
+                            env=env, timeout=timeout, logs=logs)
+
+
+def launch_hosts(hosts: list[tuple[list[str], str, list[str]]], *, env: dict[str, str], timeout: float,
+                 logs: Path) -> HostRun:
+    """Runs each (network prefix, hostname, command) as a host: after the prefix (e.g. ``ip netns exec NS``),
+    under unshare with that hostname and a /dev/shm of its own, all at once. Waits until every one has exited,
+    one has failed (the others would only wait for it), or ``timeout`` s passed; then kills whatever still runs
+    (with its PID namespace). Output goes to ``logs/host{h}.log``."""
+    logs.mkdir(parents=True, exist_ok=True)
+    procs, files = [], []
+    start = time.monotonic()
+    for h, (prefix, hostname, command) in enumerate(hosts):
+        # `timeout -s KILL` is for the case where the caller itself dies: no host outlives it for long.
+        cmd = ["timeout", "-s", "KILL", str(int(timeout) + 60), *prefix, *UNSHARE, "sh", "-c", HOST_SHELL,
+               "sh", hostname, *command]
+        log = open(logs / f"host{h}.log", "w+")
+        files.append(log)
+        log.write(f"$ {shlex.join(cmd)}\n")
+        log.flush()
+        procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True))
+    deadline = start + timeout
+    try:
+        while time.monotonic() < deadline:
             codes = [p.poll() for p in procs]
-            timed_out = None in codes and all(code in (None, 0) for code in codes)
-        finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    os.killpg(proc.pid, signal.SIGKILL)  # kills `unshare`, and with it the host's PID namespace
-                    proc.wait()
-        outputs = []
-        for log in files:
-            log.seek(0)
-            outputs.append(log.read())
-            log.close()
-        return HostRun([p.returncode for p in procs], outputs, time.monotonic() - start, timed_out)
+            if None not in codes or any(code not in (None, 0) for code in codes):
+                break
+            time.sleep(0.1)
+        codes = [p.poll() for p in procs]
+        timed_out = None in codes and all(code in (None, 0) for code in codes)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)  # kills `unshare`, and with it the host's PID namespace
+                proc.wait()
+    outputs = []
+    for log in files:
+        log.seek(0)
+        outputs.append(log.read())
+        log.close()
+    return HostRun([p.returncode for p in procs], outputs, time.monotonic() - start, timed_out)
