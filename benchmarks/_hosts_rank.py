@@ -1,5 +1,6 @@
 """One rank of benchmarks/hosts.py, started by torchrun on each namespace host: times the collectives that cross
-the hosts' shaped links, on the shardkit backend (its hierarchical engine) and on torch's gloo, interleaved.
+the hosts' shaped links on the shardkit backend (its hierarchical engine, with rails and with the leader scheme:
+SHARDKIT_INTER_HOST) and on torch's gloo, interleaved.
 
     _hosts_rank.py OUT.json --bytes N --reps R
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from datetime import timedelta
 
@@ -30,10 +32,13 @@ def main() -> None:
     parser.add_argument("--bytes", type=int, required=True, help="the larger side of each op, per rank")
     parser.add_argument("--reps", type=int, default=5)
     args = parser.parse_args()
+    os.environ["SHARDKIT_INTER_HOST"] = "rails"
     dist.init_process_group("shardkit", timeout=timedelta(seconds=300))
     rank, world = dist.get_rank(), dist.get_world_size()
+    os.environ["SHARDKIT_INTER_HOST"] = "leaders"
+    leaders = dist.new_group(backend="shardkit")
     gloo = dist.new_group(backend="gloo")
-    groups = {"shardkit": dist.group.WORLD, "gloo": gloo}
+    groups = {"shardkit": dist.group.WORLD, "shardkit-leaders": leaders, "gloo": gloo}
     n = args.bytes // 4 // world * world  # elements of the larger side, a multiple of world
     big, small = torch.empty(n), torch.empty(n // world)
 

@@ -64,7 +64,8 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("host_of", &ProcessGroupShardkit::Config::host_of)
       .def_readwrite("local_of", &ProcessGroupShardkit::Config::local_of)
       .def_readwrite("global_ranks", &ProcessGroupShardkit::Config::global_ranks)
-      .def_readwrite("pids", &ProcessGroupShardkit::Config::pids);
+      .def_readwrite("pids", &ProcessGroupShardkit::Config::pids)
+      .def_readwrite("rails", &ProcessGroupShardkit::Config::rails);
   m.attr("ABORT_KEY") = shardkit::comm::kAbortKey;
   m.def("describe_identity", &shardkit::core::describe_identity, py::arg("identity"),
         "What a collective identity stands for in this process ('FSDP unit ...', or that it is unknown).");

@@ -49,13 +49,17 @@ class ProcessGroupShardkit : public c10d::Backend {
     std::vector<int> local_of;   // local_of[r]: local rank of group rank r on its host
     std::vector<int> global_ranks;  // global_ranks[r]: the job's rank of group rank r (how messages name it)
     std::vector<int32_t> pids;      // pids[r]: the process of group rank r (exchanged at start-up)
+    // Across hosts: every rank has a rail (`inter_host` below) and large ops use them (hierarchical_engine.h). The
+    // creator sets it the same on every rank, only where hosts hold equal numbers of consecutive ranks.
+    bool rails = false;
   };
 
   // Blocks until every local rank has mapped the shared segment; a local peer that exits meanwhile, a failure of
   // the start-up elsewhere (the Store notice) or the timeout ends the wait with an error naming the rank.
   // `store` is the group's Store (failure notices, failure_notices.h); `job_store` the world group's, where
   // deaths are recorded for every group to read (null: the group's own); `fallback` is gloo over all ranks;
-  // `inter_host` the leaders' gloo group: set on each host's local rank 0 when num_hosts > 1, null otherwise.
+  // `inter_host` this rank's rail, gloo among the ranks at its local position on every host (ranked by host): set on
+  // each host's local rank 0 (the leaders' group) when num_hosts > 1, on every rank with `rails`, null otherwise.
   ProcessGroupShardkit(int rank, int size, const Config& config, c10::intrusive_ptr<c10d::Store> store,
                        c10::intrusive_ptr<c10d::Store> job_store, c10::intrusive_ptr<c10d::Backend> fallback,
                        c10::intrusive_ptr<c10d::Backend> inter_host);

@@ -78,9 +78,10 @@ ProcessGroupShardkit::ProcessGroupShardkit(int rank, int size, const Config& con
   if (config.num_hosts == 1) {
     engine_ = std::make_shared<ShmEngine>(std::move(local));
   } else {
-    TORCH_CHECK(config.local_rank != 0 || inner_->has_leaders(), "shardkit (rank ", rank,
-                "): a host leader needs the inter-host backend");
-    engine_ = std::make_shared<HierarchicalEngine>(rank, size, std::move(layout), std::move(local), inner_, notices_);
+    TORCH_CHECK((config.local_rank != 0 && !config.rails) || inner_->has_inter_host(), "shardkit (rank ", rank,
+                "): ", config.rails ? "with rails every rank" : "a host leader", " needs the inter-host backend");
+    engine_ = std::make_shared<HierarchicalEngine>(rank, size, std::move(layout), config.rails, std::move(local),
+                                                   inner_, notices_);
   }
 #ifdef SHARDKIT_WITH_CUDA
   cuda_ = std::make_shared<CudaRoute>(rank, size, *engine_);

@@ -3,12 +3,14 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <condition_variable>
 #include <cstring>
 #include <stdexcept>
 #include <thread>
 #include <type_traits>
 
 #include "core/collective_identity.h"
+#include "core/reduce.h"
 
 namespace shardkit::comm {
 
@@ -66,20 +68,29 @@ std::vector<int> HostLayout::ranks_of(int host) const {
   return ranks;  // ascending global rank == local order
 }
 
-HierarchicalEngine::HierarchicalEngine(int rank, int size, HostLayout layout, std::unique_ptr<core::ShmGroup> local,
-                                       std::shared_ptr<InnerBackends> inner, std::shared_ptr<FailureNotices> notices)
+HierarchicalEngine::HierarchicalEngine(int rank, int size, HostLayout layout, bool rails,
+                                       std::unique_ptr<core::ShmGroup> local, std::shared_ptr<InnerBackends> inner,
+                                       std::shared_ptr<FailureNotices> notices)
     : rank_(rank),
       size_(size),
       layout_(std::move(layout)),
       host_(layout_.host_of.at(rank)),
       local_rank_(layout_.local_of.at(rank)),
       max_local_size_(0),
+      rails_(rails),
       local_(std::move(local)),
       inner_(std::move(inner)),
       notices_(std::move(notices)) {
   for (int h = 0; h < layout_.num_hosts(); ++h) {
     hosts_.push_back(layout_.ranks_of(h));
     max_local_size_ = std::max(max_local_size_, static_cast<int>(hosts_.back().size()));
+  }
+  if (rails_) {  // the creator's promise (backend.h): equal hosts of consecutive ranks, two or more each
+    for (const std::vector<int>& ranks : hosts_) {
+      TORCH_CHECK(static_cast<int>(ranks.size()) == max_local_size_ && ranks.size() >= 2 &&
+                      ranks.back() - ranks.front() + 1 == static_cast<int>(ranks.size()),
+                  "shardkit (rank ", rank, "): rails need hosts of equal numbers (2+) of consecutive ranks");
+    }
   }
 }
 
@@ -207,7 +218,7 @@ void HierarchicalEngine::start_fingerprint(const OpContext& op, const LeaderStep
   std::memcpy(fingerprint_in_.data_ptr(), &mine, sizeof(Fingerprint));
   c10d::AllgatherOptions options;
   options.timeout = op.timeout;
-  pending.backend = inner_->leaders(op.where());
+  pending.backend = inner_->inter_host(op.where());
   pending.work = pending.backend->_allgather_base(fingerprint_everyone_, fingerprint_in_, options);
   fingerprint_ = std::move(pending);
 }
@@ -233,19 +244,186 @@ void HierarchicalEngine::settle_fingerprint(const OpContext& op) {
   }
 }
 
-c10::intrusive_ptr<c10d::Backend> HierarchicalEngine::leaders_for(const OpContext& op) {
+c10::intrusive_ptr<c10d::Backend> HierarchicalEngine::inter_host_for(const OpContext& op) {
   settle_fingerprint(op);
-  return inner_->leaders(op.where());
+  return inner_->inter_host(op.where());
 }
 
-void HierarchicalEngine::leaders_allreduce(const OpContext& op, at::Tensor& data, core::ReduceOp reduce) {
+c10::intrusive_ptr<c10d::Work> HierarchicalEngine::start_allreduce(const OpContext& op, c10d::Backend& backend,
+                                                                   at::Tensor& data, core::ReduceOp reduce) {
   const bool is_bool = data.scalar_type() == at::kBool;
   std::vector<at::Tensor> payload{is_bool ? data.view(at::kByte) : data};
   c10d::AllreduceOptions options;
   options.reduceOp = c10d::ReduceOp(is_bool ? c10d_op_for_bool(reduce) : c10d_op(reduce));
   options.timeout = op.timeout;
-  c10::intrusive_ptr<c10d::Backend> leaders = leaders_for(op);
-  wait_inner(op, "the inter-host allreduce (gloo among host leaders)", leaders, leaders->allreduce(payload, options));
+  return backend.allreduce(payload, options);
+}
+
+namespace {
+
+// The send and receive Works of one exchange, waited for by a thread of their own. A gloo send or receive can only be
+// waited for whole (a wait that times out ends it as failed), so that thread waits for each with the op's deadline,
+// and this Work's wait(slice) only looks at what it found: wait_inner's slices treat it like gloo's collectives. Should
+// the engine give up on it, the thread keeps the Works (and their tensors) until they end or time out.
+class PointToPointWork : public c10d::Work {
+ public:
+  PointToPointWork(std::vector<c10::intrusive_ptr<c10d::Work>> works, std::chrono::milliseconds timeout)
+      : state_(std::make_shared<State>()) {
+    std::thread([state = state_, works = std::move(works), timeout] {
+      std::exception_ptr error;
+      for (const auto& work : works) {
+        try {
+          work->wait(timeout);
+        } catch (...) {
+          if (!error) error = std::current_exception();
+        }
+      }
+      std::lock_guard<std::mutex> lock(state->mutex);
+      state->error = error;
+      state->done = true;
+      state->changed.notify_all();
+    }).detach();
+  }
+
+  bool isCompleted() override {
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    return state_->done;
+  }
+
+  bool wait(std::chrono::milliseconds timeout) override {
+    std::unique_lock<std::mutex> lock(state_->mutex);
+    if (timeout == kNoTimeout) {
+      state_->changed.wait(lock, [&] { return state_->done; });
+    } else if (!state_->changed.wait_for(lock, timeout, [&] { return state_->done; })) {
+      throw std::runtime_error("timed out after " + std::to_string(timeout.count()) + " ms");
+    }
+    if (state_->error) std::rethrow_exception(state_->error);
+    return true;
+  }
+
+ private:
+  struct State {
+    std::mutex mutex;
+    std::condition_variable changed;
+    bool done = false;
+    std::exception_ptr error;
+  };
+  std::shared_ptr<State> state_;
+};
+
+}  // namespace
+
+c10::intrusive_ptr<c10d::Work> HierarchicalEngine::start_exchange(const OpContext& op, c10d::Backend& backend, int me,
+                                                                  const std::vector<at::Tensor>& to_peer,
+                                                                  const std::vector<at::Tensor>& from_peer, int tag) {
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  for (size_t i = 0; i < to_peer.size(); ++i) {
+    const int peer = static_cast<int>(i) < me ? static_cast<int>(i) : static_cast<int>(i) + 1;
+    std::vector<at::Tensor> incoming{as_bytes(from_peer[i])};
+    works.push_back(backend.recv(incoming, peer, tag));
+    std::vector<at::Tensor> outgoing{as_bytes(to_peer[i])};
+    works.push_back(backend.send(outgoing, peer, tag));
+  }
+  return c10::make_intrusive<PointToPointWork>(std::move(works), op.timeout);
+}
+
+namespace {
+
+// The inter-host ops one collective has in flight on its rail at once. Should the collective fail with one still
+// running (its backend must then never be destroyed, inner_backends.h), the backend is abandoned.
+struct InFlight {
+  c10::intrusive_ptr<c10d::Backend> backend;
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+
+  ~InFlight() {
+    for (const auto& work : works) {
+      if (work && !work->isCompleted()) {
+        InnerBackends::abandon(std::move(backend));
+        return;
+      }
+    }
+  }
+};
+
+}  // namespace
+
+void HierarchicalEngine::leaders_allreduce(const OpContext& op, at::Tensor& data, core::ReduceOp reduce) {
+  const core::DType dtype = core_dtype(data);
+  local_->reduce(data.data_ptr(), data.data_ptr(), numel_of(data), dtype, reduce, 0, op.call(true));
+  if (leader() && data.numel() > 0) {
+    c10::intrusive_ptr<c10d::Backend> leaders = inter_host_for(op);
+    wait_inner(op, "the inter-host allreduce (gloo among host leaders)", leaders,
+               start_allreduce(op, *leaders, data, reduce));
+  }
+  local_->broadcast(data.data_ptr(), numel_of(data), dtype, 0, op.call(true));
+}
+
+void HierarchicalEngine::rails_allreduce(const OpContext& op, at::Tensor& data, core::ReduceOp reduce) {
+  const core::DType dtype = core_dtype(data);
+  const int hosts = static_cast<int>(hosts_.size());
+  const int64_t ranks_here = max_local_size_;
+  const int64_t count = data.numel();
+  const int64_t slice = (count + ranks_here - 1) / ranks_here;  // each rank's share of the whole
+  // The in-host steps need `ranks_here` equal slices: a count they do not divide works in a padded copy.
+  const bool padded = count % ranks_here != 0;
+  at::Tensor work = padded ? at::empty({slice * ranks_here}, data.options()) : data.view({-1});
+  if (padded) work.narrow(0, 0, count).copy_(data.view({-1}));
+  const int64_t piece_slice = std::max<int64_t>(1, static_cast<int64_t>(kRailPieceBytes) / data.element_size());
+  const int64_t pieces = (slice + piece_slice - 1) / piece_slice;
+  auto slice_of = [&](int64_t p) { return std::min(piece_slice, slice - p * piece_slice); };
+  auto piece_of = [&](int64_t p) { return work.narrow(0, p * piece_slice * ranks_here, slice_of(p) * ranks_here); };
+  auto mine_of = [&](int64_t p) { return piece_of(p).narrow(0, local_rank_ * slice_of(p), slice_of(p)); };
+  // A slice's part j is summed by the rail's rank j (host j), which then sends the sum to the others.
+  auto part_of = [&](int64_t p, int j) {
+    const int64_t m = slice_of(p);
+    return mine_of(p).narrow(0, m * j / hosts, m * (j + 1) / hosts - m * j / hosts);
+  };
+  std::vector<int> peers;  // the rail's other ranks (hosts), in order
+  for (int h = 0; h < hosts; ++h) {
+    if (h != host_) peers.push_back(h);
+  }
+  InFlight rail{nullptr, std::vector<c10::intrusive_ptr<c10d::Work>>(2 * pieces)};
+  std::vector<at::Tensor> received(pieces);  // piece p: the other hosts' partial sums of this host's part
+  // The three stages of a piece. Tags keep each exchange apart from the others in flight on the same pairs.
+  auto scatter_piece = [&](int64_t p) {  // in the host: this rank's slice summed; across: parts to their owners
+    at::Tensor piece = piece_of(p);
+    local_->reduce_scatter(piece.data_ptr(), mine_of(p).data_ptr(), static_cast<size_t>(slice_of(p)), dtype, reduce,
+                           op.call(true));
+    if (p == 0) rail.backend = inter_host_for(op);  // (a leader: after the fingerprint, which ran meanwhile)
+    const int64_t own = part_of(p, host_).numel();
+    received[p] = at::empty({(hosts - 1) * own}, data.options());
+    std::vector<at::Tensor> to_peer, from_peer = received[p].chunk(hosts - 1);
+    for (int h : peers) to_peer.push_back(part_of(p, h));
+    rail.works[2 * p] = start_exchange(op, *rail.backend, host_, to_peer, from_peer, static_cast<int>(2 * p));
+  };
+  auto reduce_piece = [&](int64_t p) {  // this host's part summed over the hosts, in host order; sent to all
+    wait_inner(op, "the inter-host reduce-scatter step of an allreduce (gloo on the rails)", rail.backend,
+               rail.works[2 * p]);
+    at::Tensor own = part_of(p, host_);
+    std::vector<const void*> sums;
+    for (int h = 0, i = 0; h < hosts; ++h) {
+      sums.push_back(h == host_ ? own.data_ptr() : received[p].narrow(0, (i++) * own.numel(), own.numel()).data_ptr());
+    }
+    core::reduce_into(own.data_ptr(), sums.data(), hosts, static_cast<size_t>(own.numel()), dtype, reduce);
+    received[p] = at::Tensor();
+    std::vector<at::Tensor> to_peer(hosts - 1, own), from_peer;
+    for (int h : peers) from_peer.push_back(part_of(p, h));
+    rail.works[2 * p + 1] = start_exchange(op, *rail.backend, host_, to_peer, from_peer, static_cast<int>(2 * p + 1));
+  };
+  auto gather_piece = [&](int64_t p) {  // the hosts' sums in, then shared in the host
+    wait_inner(op, "the inter-host all-gather step of an allreduce (gloo on the rails)", rail.backend,
+               rail.works[2 * p + 1]);
+    at::Tensor piece = piece_of(p);
+    local_->allgather(mine_of(p).data_ptr(), piece.data_ptr(), static_cast<size_t>(slice_of(p)), dtype,
+                      op.call(true));
+  };
+  // Pipelined: a piece's in-host steps run while the pieces before it are on the link.
+  for (int64_t p = 0; p < pieces + 2; ++p) {
+    if (p < pieces) scatter_piece(p);
+    if (p >= 1 && p - 1 < pieces) reduce_piece(p - 1);
+    if (p >= 2) gather_piece(p - 2);
+  }
+  if (padded) data.view({-1}).copy_(work.narrow(0, 0, count));
 }
 
 void HierarchicalEngine::barrier(const OpContext& op) {
@@ -254,7 +432,7 @@ void HierarchicalEngine::barrier(const OpContext& op) {
     if (leader()) {
       c10d::BarrierOptions options;
       options.timeout = op.timeout;
-      c10::intrusive_ptr<c10d::Backend> leaders = leaders_for(op);
+      c10::intrusive_ptr<c10d::Backend> leaders = inter_host_for(op);
       wait_inner(op, "the inter-host barrier (gloo among host leaders)", leaders, leaders->barrier(options));
     }
     local_->barrier(op.call(true));  // nobody leaves before every host's leader has passed the inter-host step
@@ -271,7 +449,7 @@ void HierarchicalEngine::broadcast(const OpContext& op, at::Tensor& data, int ro
       c10d::BroadcastOptions options;
       options.rootRank = root_host;
       options.timeout = op.timeout;
-      c10::intrusive_ptr<c10d::Backend> leaders = leaders_for(op);
+      c10::intrusive_ptr<c10d::Backend> leaders = inter_host_for(op);
       wait_inner(op, "the inter-host broadcast (gloo among host leaders)", leaders, leaders->broadcast(payload, options));
     }
     if (host_ != root_host) local_->broadcast(data.data_ptr(), numel_of(data), dtype, 0, op.call(true));
@@ -280,10 +458,11 @@ void HierarchicalEngine::broadcast(const OpContext& op, at::Tensor& data, int ro
 
 void HierarchicalEngine::allreduce(const OpContext& op, at::Tensor& data, core::ReduceOp reduce) {
   guarded(op, LeaderStep{core::OpKind::AllReduce, numel_of(data), core_dtype(data)}, [&] {
-    const core::DType dtype = core_dtype(data);
-    local_->reduce(data.data_ptr(), data.data_ptr(), numel_of(data), dtype, reduce, 0, op.call(true));
-    if (leader() && data.numel() > 0) leaders_allreduce(op, data, reduce);
-    local_->broadcast(data.data_ptr(), numel_of(data), dtype, 0, op.call(true));
+    if (use_rails(data.nbytes())) {
+      rails_allreduce(op, data, reduce);
+    } else {
+      leaders_allreduce(op, data, reduce);
+    }
   });
 }
 
@@ -304,7 +483,7 @@ void HierarchicalEngine::reduce(const OpContext& op, at::Tensor& data, core::Red
       options.reduceOp = c10d::ReduceOp(is_bool ? c10d_op_for_bool(reduce) : c10d_op(reduce));
       options.rootRank = root_host;
       options.timeout = op.timeout;
-      c10::intrusive_ptr<c10d::Backend> leaders = leaders_for(op);
+      c10::intrusive_ptr<c10d::Backend> leaders = inter_host_for(op);
       wait_inner(op, "the inter-host reduce (gloo among host leaders)", leaders, leaders->reduce(payload, options));
     }
     if (host_ == root_host && layout_.local_of[root] != 0) {
@@ -317,59 +496,156 @@ void HierarchicalEngine::reduce(const OpContext& op, at::Tensor& data, core::Red
 
 void HierarchicalEngine::allgather(const OpContext& op, const at::Tensor& input, at::Tensor& output) {
   guarded(op, LeaderStep{core::OpKind::AllGather, numel_of(input), core_dtype(input)}, [&] {
-    const core::DType dtype = core_dtype(input);
-    const int64_t n = input.numel();
-    const int64_t block = static_cast<int64_t>(max_local_size_) * n;  // a host's share, padded to the largest host
-    at::Tensor host_block;
-    if (leader()) host_block = at::empty({block}, input.options());
-    local_->gather(input.data_ptr(), leader() ? host_block.data_ptr() : nullptr, static_cast<size_t>(n), dtype, 0,
-                   op.call(true));
-    if (leader()) {
-      const int64_t hosts = static_cast<int64_t>(hosts_.size());
-      at::Tensor all_hosts = at::empty({block * hosts}, input.options());
-      if (n > 0) {
-        at::Tensor out_bytes = as_bytes(all_hosts);
-        at::Tensor in_bytes = as_bytes(host_block);
-        c10d::AllgatherOptions options;
-        options.timeout = op.timeout;
-        c10::intrusive_ptr<c10d::Backend> leaders = leaders_for(op);
-        wait_inner(op, "the inter-host all-gather (gloo among host leaders)", leaders,
-                   leaders->_allgather_base(out_bytes, in_bytes, options));
-      }
-      at::Tensor flat = output.view({-1});
-      for (int64_t h = 0; h < hosts; ++h) {
-        const std::vector<int>& ranks = hosts_[h];
-        for (size_t l = 0; l < ranks.size(); ++l) {
-          flat.narrow(0, ranks[l] * n, n).copy_(all_hosts.narrow(0, h * block + static_cast<int64_t>(l) * n, n));
-        }
+    if (use_rails(output.nbytes())) {
+      rails_allgather(op, input, output);
+    } else {
+      leaders_allgather(op, input, output);
+    }
+  });
+}
+
+void HierarchicalEngine::leaders_allgather(const OpContext& op, const at::Tensor& input, at::Tensor& output) {
+  const core::DType dtype = core_dtype(input);
+  const int64_t n = input.numel();
+  const int64_t block = static_cast<int64_t>(max_local_size_) * n;  // a host's share, padded to the largest host
+  at::Tensor host_block;
+  if (leader()) host_block = at::empty({block}, input.options());
+  local_->gather(input.data_ptr(), leader() ? host_block.data_ptr() : nullptr, static_cast<size_t>(n), dtype, 0,
+                 op.call(true));
+  if (leader()) {
+    const int64_t hosts = static_cast<int64_t>(hosts_.size());
+    at::Tensor all_hosts = at::empty({block * hosts}, input.options());
+    if (n > 0) {
+      at::Tensor out_bytes = as_bytes(all_hosts);
+      at::Tensor in_bytes = as_bytes(host_block);
+      c10d::AllgatherOptions options;
+      options.timeout = op.timeout;
+      c10::intrusive_ptr<c10d::Backend> leaders = inter_host_for(op);
+      wait_inner(op, "the inter-host all-gather (gloo among host leaders)", leaders,
+                 leaders->_allgather_base(out_bytes, in_bytes, options));
+    }
+    at::Tensor flat = output.view({-1});
+    for (int64_t h = 0; h < hosts; ++h) {
+      const std::vector<int>& ranks = hosts_[h];
+      for (size_t l = 0; l < ranks.size(); ++l) {
+        flat.narrow(0, ranks[l] * n, n).copy_(all_hosts.narrow(0, h * block + static_cast<int64_t>(l) * n, n));
       }
     }
-    local_->broadcast(output.data_ptr(), numel_of(output), dtype, 0, op.call(true));
-  });
+  }
+  local_->broadcast(output.data_ptr(), numel_of(output), dtype, 0, op.call(true));
+}
+
+void HierarchicalEngine::rails_allgather(const OpContext& op, const at::Tensor& input, at::Tensor& output) {
+  const core::DType dtype = core_dtype(input);
+  const int hosts = static_cast<int>(hosts_.size());
+  const int64_t n = input.numel();
+  at::Tensor flat = output.view({-1});
+  // Where host h's blocks go: its ranks are consecutive (the rails' condition), so they fill one run of `output`.
+  auto host_run = [&](int h) {
+    return flat.narrow(0, hosts_[h].front() * n, static_cast<int64_t>(hosts_[h].size()) * n);
+  };
+  at::Tensor received = at::empty({(hosts - 1) * n}, input.options());  // peers in host order, this host skipped
+  InFlight rail{inter_host_for(op), {}};
+  rail.works.push_back(start_exchange(op, *rail.backend, host_, std::vector<at::Tensor>(hosts - 1, input),
+                                      received.chunk(hosts - 1)));
+  local_->allgather(input.data_ptr(), host_run(host_).data_ptr(), static_cast<size_t>(n), dtype, op.call(true));
+  wait_inner(op, "the inter-host all-gather (gloo on the rails)", rail.backend, rail.works[0]);
+  for (int h = 0, peer = 0; h < hosts; ++h) {
+    if (h == host_) continue;
+    local_->allgather(received.narrow(0, (peer++) * n, n).data_ptr(), host_run(h).data_ptr(), static_cast<size_t>(n),
+                      dtype, op.call(true));
+  }
 }
 
 void HierarchicalEngine::reduce_scatter(const OpContext& op, const at::Tensor& input, at::Tensor& output,
                                         core::ReduceOp reduce) {
   guarded(op, LeaderStep{core::OpKind::ReduceScatter, numel_of(output), core_dtype(output)}, [&] {
-    const core::DType dtype = core_dtype(input);
-    const int64_t n = output.numel();
-    at::Tensor partial;
-    if (leader()) partial = at::empty_like(input);
-    local_->reduce(input.data_ptr(), leader() ? partial.data_ptr() : nullptr, numel_of(input), dtype, reduce, 0,
-                   op.call(true));
-    at::Tensor host_blocks;  // the leader's: this host's ranks' blocks, in local order
-    if (leader()) {
-      if (n > 0) leaders_allreduce(op, partial, reduce);
-      const std::vector<int>& mine = hosts_[host_];
-      host_blocks = at::empty({n * static_cast<int64_t>(mine.size())}, input.options());
-      at::Tensor flat = partial.view({-1});
-      for (size_t l = 0; l < mine.size(); ++l) {
-        host_blocks.narrow(0, static_cast<int64_t>(l) * n, n).copy_(flat.narrow(0, mine[l] * n, n));
-      }
+    if (use_rails(input.nbytes())) {
+      rails_reduce_scatter(op, input, output, reduce);
+    } else {
+      leaders_reduce_scatter(op, input, output, reduce);
     }
-    local_->scatter(leader() ? host_blocks.data_ptr() : nullptr, output.data_ptr(), static_cast<size_t>(n), dtype, 0,
-                    op.call(true));
   });
+}
+
+namespace {
+
+// out = the reduction of `blocks` (one per host, in host order, `count` elements each) with `reduce`.
+void reduce_blocks(const std::vector<const void*>& blocks, void* out, size_t count, core::DType dtype,
+                   core::ReduceOp reduce) {
+  core::reduce_into(out, blocks.data(), static_cast<int>(blocks.size()), count, dtype, reduce);
+}
+
+}  // namespace
+
+void HierarchicalEngine::leaders_reduce_scatter(const OpContext& op, const at::Tensor& input, at::Tensor& output,
+                                                core::ReduceOp reduce) {
+  const core::DType dtype = core_dtype(input);
+  const int hosts = static_cast<int>(hosts_.size());
+  const int64_t n = output.numel();
+  const std::vector<int>& mine = hosts_[host_];
+  const int64_t host_count = static_cast<int64_t>(mine.size()) * n;
+  const int64_t block = static_cast<int64_t>(max_local_size_) * n;  // a host's blocks, padded to the largest host
+  at::Tensor host_blocks;  // the leader's: this host's ranks' blocks summed over every host, in local order
+  if (!leader()) {
+    local_->reduce(input.data_ptr(), nullptr, numel_of(input), dtype, reduce, 0, op.call(true));
+  } else {
+    at::Tensor partial = at::empty_like(input);
+    local_->reduce(input.data_ptr(), partial.data_ptr(), numel_of(input), dtype, reduce, 0, op.call(true));
+    at::Tensor flat = partial.view({-1});
+    // Each other host gets this host's partial sums of its ranks' blocks; theirs of this host's ranks come back.
+    at::Tensor send = at::empty({(hosts - 1) * block}, input.options());
+    at::Tensor received = at::empty({(hosts - 1) * block}, input.options());
+    at::Tensor own = at::empty({host_count}, input.options());
+    std::vector<const void*> sums;  // this host's blocks as each host summed them, in host order
+    for (int h = 0, peer = 0; h < hosts; ++h) {
+      at::Tensor to = h == host_ ? own : send.narrow(0, peer * block, block);
+      for (size_t l = 0; l < hosts_[h].size(); ++l) {
+        to.narrow(0, static_cast<int64_t>(l) * n, n).copy_(flat.narrow(0, hosts_[h][l] * n, n));
+      }
+      sums.push_back(h == host_ ? own.data_ptr() : received.narrow(0, (peer++) * block, host_count).data_ptr());
+    }
+    host_blocks = own;
+    if (n > 0) {
+      c10::intrusive_ptr<c10d::Backend> leaders = inter_host_for(op);
+      wait_inner(op, "the inter-host reduce-scatter (gloo among host leaders)", leaders,
+                 start_exchange(op, *leaders, host_, send.chunk(hosts - 1), received.chunk(hosts - 1)));
+      host_blocks = at::empty({host_count}, input.options());
+      reduce_blocks(sums, host_blocks.data_ptr(), static_cast<size_t>(host_count), dtype, reduce);
+    }
+  }
+  local_->scatter(leader() ? host_blocks.data_ptr() : nullptr, output.data_ptr(), static_cast<size_t>(n), dtype, 0,
+                  op.call(true));
+}
+
+void HierarchicalEngine::rails_reduce_scatter(const OpContext& op, const at::Tensor& input, at::Tensor& output,
+                                              core::ReduceOp reduce) {
+  const core::DType dtype = core_dtype(input);
+  const int hosts = static_cast<int>(hosts_.size());
+  const int64_t n = output.numel();
+  const int64_t host_count = static_cast<int64_t>(max_local_size_) * n;
+  at::Tensor flat = input.reshape({-1});
+  auto host_run = [&](int h) { return flat.narrow(0, hosts_[h].front() * n, host_count); };
+  // send: this host's partial sums of local rank k's block of every other host, in host order; received: theirs of
+  // this rank's block.
+  at::Tensor send = at::empty({(hosts - 1) * n}, input.options());
+  at::Tensor received = at::empty({(hosts - 1) * n}, input.options());
+  for (int h = 0, peer = 0; h < hosts; ++h) {
+    if (h == host_) continue;
+    local_->reduce_scatter(host_run(h).data_ptr(), send.narrow(0, (peer++) * n, n).data_ptr(),
+                           static_cast<size_t>(n), dtype, reduce, op.call(true));
+  }
+  InFlight rail{inter_host_for(op), {}};
+  rail.works.push_back(start_exchange(op, *rail.backend, host_, send.chunk(hosts - 1), received.chunk(hosts - 1)));
+  at::Tensor own = at::empty({n}, input.options());  // this host's partial sum of this rank's block
+  local_->reduce_scatter(host_run(host_).data_ptr(), own.data_ptr(), static_cast<size_t>(n), dtype, reduce,
+                         op.call(true));
+  wait_inner(op, "the inter-host reduce-scatter (gloo on the rails)", rail.backend, rail.works[0]);
+  std::vector<const void*> sums;
+  for (int h = 0, peer = 0; h < hosts; ++h) {
+    sums.push_back(h == host_ ? own.data_ptr() : received.narrow(0, (peer++) * n, n).data_ptr());
+  }
+  reduce_blocks(sums, output.data_ptr(), static_cast<size_t>(n), dtype, reduce);
 }
 
 void HierarchicalEngine::gather(const OpContext& op, const at::Tensor& input, at::Tensor& output, int root) {

@@ -1,9 +1,12 @@
 // HierarchicalEngine: the Engine of a group whose ranks sit on several hosts.
 //
 // Each host's ranks share one core::ShmGroup (local ranks in global-rank order; local rank 0 is the host's
-// "leader"); the leaders share a gloo backend (InnerBackends::leaders, leader of host h is its rank h).
-// Hosts need not hold equal numbers of ranks, nor consecutive ones.
+// "leader"). Across hosts every rank may have a *rail*: gloo among the ranks at its local position on every host
+// (InnerBackends::inter_host, rank h on host h). Rail 0, the leaders' group, always exists; the others where the group
+// uses rails (Config::rails: hosts hold equal numbers of consecutive ranks, two or more each). Hosts need not hold
+// equal numbers of ranks, nor consecutive ones, for the leader scheme.
 //
+// The leader scheme (ops under kRailMinBytes, groups without rails, and every other collective):
 //   allreduce        shm reduce to the leader -> leaders allreduce -> shm broadcast from the leader
 //   broadcast        root's host: shm broadcast from root -> leaders broadcast from root's host -> other
 //                    hosts: shm broadcast from the leader
@@ -11,11 +14,26 @@
 //                    from the leader (only when root is not the leader)
 //   allgather        shm gather to the leader -> leaders all-gather host blocks (padded to the largest
 //                    host) -> the leader puts every rank's block in place -> shm broadcast of the output
-//   reduce_scatter   shm reduce of the whole input to the leader -> leaders allreduce (gloo's own
-//                    reduce-scatter is an allreduce too) -> shm scatter of the host's blocks
+//   reduce_scatter   shm reduce of the whole input to the leader -> leaders all-to-all: each host gets every
+//                    other host's partial sums of its own ranks' blocks, and sums them in host order -> shm
+//                    scatter of the host's blocks. Each host sends (H-1)/H of the input, what the op needs.
 //   barrier          shm barrier -> leaders barrier -> shm barrier
 //   gather, scatter, alltoall: gloo over all ranks (a hierarchy saves nothing on CPU), as raw bytes, so
 //                    uneven all-to-all works and gloo's dtype coverage does not matter.
+// Rails (allreduce, allgather, reduce_scatter of kRailMinBytes and more, in a group with rails; H hosts of L ranks):
+// every rail moves 1/L of the host's bytes, all at once, so L sockets and L processes' copies share the link
+// instead of the leader's one, and the in-host steps run while bytes are on the link.
+//   allreduce        in pieces of kRailPieceBytes per rank: shm reduce-scatter of piece p (local rank k gets its
+//                    k-th slice) -> the rail's allreduce of the slice, as two exchanges: part j of the slice to
+//                    host j, which sums the parts in host order, then each host's sum to every other -> shm
+//                    all-gather of piece p. Later pieces' in-host steps run while earlier ones are on the link.
+//   reduce_scatter   for each other host h: shm reduce-scatter of h's ranks' input blocks (local rank k gets this
+//                    host's partial sum of h's rank k's block) -> rail all-to-all of those partial sums, begun at
+//                    once, while the shm reduce-scatter of this host's own blocks runs -> each rank sums its H
+//                    partial sums in host order. The bytes on the link are the leader scheme's, from L sockets.
+//   allgather        rail all-to-all of the input (rank k of each host gets rank k of every other host's), while
+//                    this host's shm all-gather runs -> shm all-gather of each other host's blocks into place.
+// Both schemes give every rank bitwise identical allreduce results (each element is reduced by one rank once).
 // Every host runs the same sequence of shm ops for a given collective, so the shm agreement check still
 // holds inside each host. Between hosts gloo checks nothing (different sizes pair silently, or wait): before
 // every op's inter-host steps on a group that compares identities (OpContext::compare_across_hosts: FSDP and DDP
@@ -65,10 +83,17 @@ struct HostLayout {
 
 class HierarchicalEngine : public Engine {
  public:
-  // `local` spans this host's ranks (its rank_names are their global ranks); `inner` holds the leaders'
-  // backend on leaders; `notices` is the group's (the backend owns it).
-  HierarchicalEngine(int rank, int size, HostLayout layout, std::unique_ptr<core::ShmGroup> local,
+  // `local` spans this host's ranks (its rank_names are their global ranks); `inner` holds this rank's rail (on
+  // every rank with `rails`, else on leaders); `notices` is the group's (the backend owns it). `rails` is the same
+  // on every rank, and only set where hosts hold equal numbers (2+) of consecutive ranks.
+  HierarchicalEngine(int rank, int size, HostLayout layout, bool rails, std::unique_ptr<core::ShmGroup> local,
                      std::shared_ptr<InnerBackends> inner, std::shared_ptr<FailureNotices> notices);
+
+  // Ops of at least this many bytes (the allreduce's data, the all-gather's output, the reduce-scatter's input) use
+  // the rails where the group has them: below it, one inter-host step among leaders costs less than L at once.
+  static constexpr size_t kRailMinBytes = size_t{256} << 10;
+  // The allreduce's pipeline: each rank's slice of one piece (the last may be smaller).
+  static constexpr size_t kRailPieceBytes = size_t{4} << 20;
 
   void barrier(const OpContext& op) override;
   void broadcast(const OpContext& op, at::Tensor& data, int root) override;
@@ -97,13 +122,14 @@ class HierarchicalEngine : public Engine {
   template <typename Steps>
   void guarded(const OpContext& op, std::optional<LeaderStep> step, Steps steps);
   // The leaders' fingerprint exchange (see the header): issued by start_fingerprint; settle_fingerprint waits for it
-  // and throws naming both sides where a leader's differs (nothing if none is pending). leaders_for(): the leaders'
-  // backend for an op's inter-host payload step, once the op's fingerprints agree.
+  // and throws naming both sides where a leader's differs (nothing if none is pending). inter_host_for(): this
+  // rank's rail for an op's inter-host payload step, once the op's fingerprints agree (on a leader; the other rails
+  // wait for the leader in the op's next in-host step, so a disagreement aborts them there, or while they wait).
   void start_fingerprint(const OpContext& op, const LeaderStep& step);
   void settle_fingerprint(const OpContext& op);
   // An op that failed with its fingerprint pending: the exchange may still run (its backend is abandoned).
   void abandon_fingerprint();
-  c10::intrusive_ptr<c10d::Backend> leaders_for(const OpContext& op);
+  c10::intrusive_ptr<c10d::Backend> inter_host_for(const OpContext& op);
   // `await_root_cause`: the failure was a gloo connection another rank closed; give that rank's reason a
   // moment to appear in the Store before publishing this one.
   [[noreturn]] void abort_everywhere(const OpContext& op, const std::string& reason, bool await_root_cause);
@@ -117,8 +143,24 @@ class HierarchicalEngine : public Engine {
   // appears in the Store; the op may then still run, so `backend` is abandoned (InnerBackends::abandon).
   void wait_inner(const OpContext& op, const char* step, c10::intrusive_ptr<c10d::Backend>& backend,
                   const c10::intrusive_ptr<c10d::Work>& work);
-  // The leaders' allreduce of `data` with `reduce` (bool data travels as bytes, with an equivalent op).
+  // Starts the allreduce of `data` with `reduce` on `backend` (bool data travels as bytes, with an equivalent op).
+  static c10::intrusive_ptr<c10d::Work> start_allreduce(const OpContext& op, c10d::Backend& backend, at::Tensor& data,
+                                                       core::ReduceOp reduce);
+  // Starts an exchange on `backend` in which this rank (rank `me` there) sends to_peer[i] to its i-th peer and
+  // receives from_peer[i] from it (peers: every rank but `me`, in rank order; contiguous tensors, as bytes). Point to
+  // point, every transfer at once: gloo's all-to-all moves one direction at a time (half the link's rate, measured).
+  // Exchanges in flight together on the same backend need tags of their own.
+  static c10::intrusive_ptr<c10d::Work> start_exchange(const OpContext& op, c10d::Backend& backend, int me,
+                                                      const std::vector<at::Tensor>& to_peer,
+                                                      const std::vector<at::Tensor>& from_peer, int tag = 0);
+  // The leader scheme of each op, and the rails' (see the header).
+  bool use_rails(size_t bytes) const { return rails_ && bytes >= kRailMinBytes; }
   void leaders_allreduce(const OpContext& op, at::Tensor& data, core::ReduceOp reduce);
+  void rails_allreduce(const OpContext& op, at::Tensor& data, core::ReduceOp reduce);
+  void leaders_allgather(const OpContext& op, const at::Tensor& input, at::Tensor& output);
+  void rails_allgather(const OpContext& op, const at::Tensor& input, at::Tensor& output);
+  void leaders_reduce_scatter(const OpContext& op, const at::Tensor& input, at::Tensor& output, core::ReduceOp reduce);
+  void rails_reduce_scatter(const OpContext& op, const at::Tensor& input, at::Tensor& output, core::ReduceOp reduce);
 
   int rank_;
   int size_;
@@ -127,6 +169,7 @@ class HierarchicalEngine : public Engine {
   int local_rank_;
   std::vector<std::vector<int>> hosts_;  // hosts_[h]: the group ranks of host h, in local order
   int max_local_size_;                   // ranks on the fullest host
+  bool rails_;                           // every rank has its rail (see the header)
   std::unique_ptr<core::ShmGroup> local_;
   std::shared_ptr<InnerBackends> inner_;
   std::shared_ptr<FailureNotices> notices_;

@@ -16,23 +16,23 @@ c10::intrusive_ptr<c10d::Backend> InnerBackends::all_ranks(const std::string& wh
   return get(all_ranks_, "the inner gloo backend over all ranks", where);
 }
 
-c10::intrusive_ptr<c10d::Backend> InnerBackends::leaders(const std::string& where) {
-  return get(leaders_, "the host leaders' gloo backend", where);
+c10::intrusive_ptr<c10d::Backend> InnerBackends::inter_host(const std::string& where) {
+  return get(inter_host_, "the inter-host gloo backend (this rank's rail)", where);
 }
 
-bool InnerBackends::has_leaders() {
+bool InnerBackends::has_inter_host() {
   std::lock_guard<std::mutex> lock(mutex_);
-  return static_cast<bool>(leaders_);
+  return static_cast<bool>(inter_host_);
 }
 
 void InnerBackends::close(const std::string& reason) {
-  c10::intrusive_ptr<c10d::Backend> all_ranks, leaders;
+  c10::intrusive_ptr<c10d::Backend> all_ranks, inter_host;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (!closed_.empty()) return;
     closed_ = reason.empty() ? "closed" : reason;
     all_ranks = std::move(all_ranks_);
-    leaders = std::move(leaders_);
+    inter_host = std::move(inter_host_);
   }
   // Destroyed here, outside the lock, unless an op still holds one: then by that op when it ends (its work done,
   // the destructor's join is quick), or never if the op abandons it.
@@ -48,15 +48,15 @@ void InnerBackends::abandon(c10::intrusive_ptr<c10d::Backend> backend) {
 }
 
 void InnerBackends::shutdown() {
-  c10::intrusive_ptr<c10d::Backend> all_ranks, leaders;
+  c10::intrusive_ptr<c10d::Backend> all_ranks, inter_host;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     all_ranks = std::move(all_ranks_);
-    leaders = std::move(leaders_);
+    inter_host = std::move(inter_host_);
     if (closed_.empty()) closed_ = "the process group was shut down (destroy_process_group)";
   }
   if (all_ranks) all_ranks->shutdown();
-  if (leaders) leaders->shutdown();
+  if (inter_host) inter_host->shutdown();
 }
 
 }  // namespace shardkit::comm

@@ -1,8 +1,9 @@
 // InnerBackends: the gloo backends a shardkit group keeps for what its shared memory cannot reach:
 //   - `all_ranks`: gloo over every rank of the group (point-to-point; across hosts, the collectives that
 //     gain nothing from a hierarchy: gather, scatter, all-to-all);
-//   - `leaders`: gloo among the first rank of each host (the inter-host step of hierarchical collectives);
-//     null on one host and on ranks that lead no host.
+//   - `inter_host`: this rank's rail, gloo among the ranks at its local position on every host (the inter-host steps
+//     of hierarchical collectives). Local rank 0's rail is the host leaders' group, which every group across hosts
+//     has; the other local ranks have one only where the group uses rails (hierarchical_engine.h). Null on one host.
 // They are owned here, so that close() can destroy them: destroying a gloo backend with no op in flight closes its
 // connections, and every peer blocked on one of them fails at once ("Connection closed by peer") instead of
 // waiting out its timeout — one way an abort on one host reaches the others (the Store notice is the other:
@@ -24,14 +25,14 @@ namespace shardkit::comm {
 
 class InnerBackends {
  public:
-  InnerBackends(c10::intrusive_ptr<c10d::Backend> all_ranks, c10::intrusive_ptr<c10d::Backend> leaders)
-      : all_ranks_(std::move(all_ranks)), leaders_(std::move(leaders)) {}
+  InnerBackends(c10::intrusive_ptr<c10d::Backend> all_ranks, c10::intrusive_ptr<c10d::Backend> inter_host)
+      : all_ranks_(std::move(all_ranks)), inter_host_(std::move(inter_host)) {}
 
   // The backend, held by the caller for the duration of one op. Throws `where` + the reason when the
   // backend was closed, or never existed (`what` names it then).
   c10::intrusive_ptr<c10d::Backend> all_ranks(const std::string& where);
-  c10::intrusive_ptr<c10d::Backend> leaders(const std::string& where);
-  bool has_leaders();
+  c10::intrusive_ptr<c10d::Backend> inter_host(const std::string& where);
+  bool has_inter_host();
 
   // Drops both backends (destroyed here, or by the op that holds one when it ends; an op given up on abandons its
   // own); later calls fail with `reason`. Idempotent: the first reason stands.
@@ -47,7 +48,7 @@ class InnerBackends {
 
   std::mutex mutex_;
   c10::intrusive_ptr<c10d::Backend> all_ranks_;
-  c10::intrusive_ptr<c10d::Backend> leaders_;
+  c10::intrusive_ptr<c10d::Backend> inter_host_;
   std::string closed_;  // why they were dropped; empty while open
 };
 

@@ -13,6 +13,10 @@ Environment:
                             several hosts on one machine in tests.
   SHARDKIT_SHM_TAG          a label put into the shared-memory segment names (letters, digits, '_'), so
                             that a job's segments can be told apart in /dev/shm (the test suite uses it).
+  SHARDKIT_INTER_HOST       how large collectives cross hosts: "rails" (default; where hosts hold equal
+                            numbers of consecutive ranks, local rank k of every host talks to local rank k of
+                            the others) or "leaders" (each host's first rank carries all its traffic). Rank 0's
+                            setting holds for the whole group.
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ _DEFAULT_SLOT_BYTES = 1 << 20
 # Each group's host topology by group name, as its creator computed it: host_topology() reads it, so tests
 # (e.g. the two-host namespace test) can check how ranks were grouped without a hook into the C++ backend.
 _TOPOLOGIES: dict[str, "HostTopology"] = {}
+# How each group's large collectives cross hosts ("rails" or "leaders"; absent on one host), by group name.
+_SCHEMES: dict[str, str] = {}
 # The Stores each group's gloo rendezvous went through (start-up watch wrappers, by group name): kept for the
 # group's life, since gloo may use its Store again later (TORCH_GLOO_LAZY_INIT connects at the first op), and a
 # Python Store whose object is gone cannot answer it.
@@ -107,6 +113,28 @@ class HostTopology:
     def leaders(self) -> list[int]:
         return [rank for rank, local in enumerate(self.local_of) if local == 0]
 
+    def can_use_rails(self) -> bool:
+        """Several hosts, each holding the same number (2+) of consecutive ranks: every local rank can have a
+        rail (an inter-host group of the ranks at its position on every host)."""
+        hosts = [[r for r, h in enumerate(self.host_of) if h == host] for host in range(self.num_hosts)]
+        return (self.num_hosts > 1 and len({len(ranks) for ranks in hosts}) == 1 and len(hosts[0]) > 1
+                and all(ranks[-1] - ranks[0] + 1 == len(ranks) for ranks in hosts))
+
+
+_INTER_HOST_SCHEMES = ("rails", "leaders")
+
+
+def _inter_host_scheme(watch: _startup.StartupWatch, rank: int) -> str:
+    """SHARDKIT_INTER_HOST as rank 0 reads it (every rank must build the same inter-host groups)."""
+    key = "shardkit/inter_host_scheme"
+    if rank == 0:
+        scheme = os.environ.get("SHARDKIT_INTER_HOST", "rails") or "rails"
+        if scheme not in _INTER_HOST_SCHEMES:
+            raise ValueError(f"SHARDKIT_INTER_HOST must be one of {_INTER_HOST_SCHEMES}, got {scheme!r}")
+        watch.store.set(key, scheme)
+        return scheme
+    return watch.get(key, "waiting for rank 0 to say how collectives cross hosts").decode()
+
 
 def _agree_segment_name(watch: _startup.StartupWatch, local_rank: int, host_index: int, group_id: str) -> str:
     """Each host's first rank draws a name unique to this job, group and host; its peers read it."""
@@ -175,9 +203,14 @@ def _start(options, watch: _startup.StartupWatch, global_ranks: list[int], timeo
     fallback = _startup.connect_gloo(watch, dist.PrefixStore("shardkit/gloo", store), rank, size, timeout,
                                      "the inner gloo backend")
     inter_host = None
-    if topology.num_hosts > 1 and config.local_rank == 0:
-        inter_host = _startup.connect_gloo(watch, dist.PrefixStore("shardkit/inter", store), config.host_index,
-                                           topology.num_hosts, timeout, "the host leaders' gloo backend")
+    if topology.num_hosts > 1:
+        config.rails = topology.can_use_rails() and _inter_host_scheme(watch, rank) == "rails"
+        _SCHEMES[str(options.group_id)] = "rails" if config.rails else "leaders"
+        if config.local_rank == 0 or config.rails:  # this rank's rail (local rank 0's: the host leaders')
+            what = (f"rail {config.local_rank}'s gloo backend" if config.local_rank
+                    else "the host leaders' gloo backend")
+            inter_host = _startup.connect_gloo(watch, dist.PrefixStore(f"shardkit/rail{config.local_rank}", store),
+                                               config.host_index, topology.num_hosts, timeout, what)
     _GLOO_STORES[str(options.group_id)] = watch.kept_stores
     watch.all_connected(size)
     job_store = _job_store(store, not options.global_ranks_in_group)
@@ -193,6 +226,15 @@ def host_topology(group: dist.ProcessGroup | None = None) -> HostTopology:
     if name not in _TOPOLOGIES:
         raise ValueError(f"process group {name!r} has no shardkit backend in this process")
     return _TOPOLOGIES[name]
+
+
+def inter_host_scheme(group: dist.ProcessGroup | None = None) -> str | None:
+    """How the shardkit backend of ``group`` (default: the world group) moves large collectives between hosts:
+    "rails" (local rank k of every host with local rank k of the others), "leaders" (each host's first rank), or
+    None where the group is on one host. See docs/backend.md, "Across hosts"."""
+    host_topology(group)  # the same error for a group without a shardkit backend
+    pg = group if group is not None else dist.group.WORLD
+    return _SCHEMES.get(pg.group_name)
 
 
 def host_groups(what: str) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:

@@ -7,14 +7,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from support.collective_cases import TOPOLOGIES, make_input, reference_reduce, topology_env
+from support.collective_cases import TOPOLOGIES, make_input, reference_reduce, run_on
 
 MULTI_RANK = [name for name, (world, _) in TOPOLOGIES.items() if world > 1]
 
-
-def run_on(ranks, topology, fn, *args, timeout=180):
-    world, hosts = TOPOLOGIES[topology]
-    return ranks.run(fn, world, *args, timeout=timeout, env=topology_env(hosts))
 
 
 def _coalescing_manager(rank, world):

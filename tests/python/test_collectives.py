@@ -9,14 +9,10 @@ import torch
 import torch.distributed as dist
 
 from support.collective_cases import (ALL_DTYPES, SIZES, TOPOLOGIES, assert_close, make_input, ops_for,
-                              reference_reduce, topology_env)
+                              reference_reduce, run_on)
 
 EVERY_TOPOLOGY = pytest.mark.parametrize("topology", list(TOPOLOGIES))
 
-
-def run_on(ranks, topology, fn, *args, timeout=240):
-    world, hosts = TOPOLOGIES[topology]
-    return ranks.run(fn, world, *args, timeout=timeout, env=topology_env(hosts))
 
 
 def _hierarchical_bf16_tolerance(dtype):

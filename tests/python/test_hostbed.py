@@ -4,6 +4,9 @@
   words), one rank each under torchrun: shardkit finds three hosts by itself (no SHARDKIT_HOST_ID), and
   all_reduce, all_gather_into_tensor and reduce_scatter_tensor give the exact results on the shardkit backend
   and on gloo (benchmarks/_hosts_rank.py, which checks every result; the benchmark runs the same script).
+- Every collective against its exact or float64 answer on shaped hosts (support/host_collectives.py): 3 hosts x 2
+  ranks (rails, three on each rail) and 2 uneven hosts of 2 and 1 ranks (the leader scheme); nothing of shardkit's
+  left in any host's /dev/shm.
 - Nothing of the bed outlives it: its network namespaces are gone afterwards, also when a host failed.
 
 Skips, saying why, where the bed cannot be made (not root, no `ip` / `tc` / `unshare`).
@@ -22,6 +25,7 @@ import pytest
 from support.hostbed import HostBed, unavailable
 
 RANK_SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "_hosts_rank.py"
+COLLECTIVES_SCRIPT = Path(__file__).resolve().parent / "support" / "hosts_collectives_rank.py"
 
 
 @pytest.fixture(scope="module")
@@ -62,8 +66,28 @@ def test_three_shaped_hosts_find_each_other_and_every_collective_is_exact(bed_av
     assert result["world"] == 3 and result["host_of"] == [0, 1, 2]
     assert sorted(result["seconds"]) == sorted(f"{op}/{backend}" for op in
                                                ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
-                                               for backend in ("shardkit", "gloo"))
+                                               for backend in ("shardkit", "shardkit-leaders", "gloo"))
     assert not names & _netns_names(), "the bed left network namespaces behind"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("ranks_per_host, scheme", [((2, 2, 2), "rails"), ((2, 1), "leaders")])
+def test_every_collective_is_exact_across_shaped_hosts(bed_available, tmp_path, ranks_per_host, scheme):
+    hosts = len(ranks_per_host)
+    with HostBed(hosts, rate_mbit=1000) as bed:
+        commands = [["env", f"GLOO_SOCKET_IFNAME={bed.host_if[h]}", sys.executable, "-m", "torch.distributed.run",
+                     f"--nnodes={hosts}", f"--node_rank={h}", f"--nproc_per_node={ranks_per_host[h]}",
+                     f"--master_addr={bed.addr(0)}", "--master_port=29400", str(COLLECTIVES_SCRIPT), str(tmp_path),
+                     scheme] for h in range(hosts)]
+        run = bed.launch(commands, env=_env(), timeout=240, logs=tmp_path / "logs")
+    assert run.ok, run.story()
+    world = sum(ranks_per_host)
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+    host_of = [h for h, count in enumerate(ranks_per_host) for _ in range(count)]
+    for result in results:
+        assert result["host_of"] == host_of and result["scheme"] == scheme
+        assert result["every_collective"] is True and result["large_ops"] is True
+        assert result["left_in_dev_shm"] == []
 
 
 @pytest.mark.timeout(120)

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-import torch
-import torch.distributed as dist
 
-from support.collective_cases import assert_close, make_input, reference_reduce
+from support.collective_cases import TOPOLOGIES, run_on
+from support.host_collectives import every_collective, large_ops
+from support.harness import RanksFailed
 from shardkit.backend import HostTopology, host_topology
 
 
@@ -23,46 +23,37 @@ def test_host_topology_needs_a_shardkit_group():
         host_topology()
 
 
-def _every_collective(rank, world):
-    R = dist.ReduceOp
-    for dtype in (torch.float32, torch.bfloat16, torch.int64):
-        for op in ((R.SUM, R.AVG, R.MAX) if dtype.is_floating_point else (R.SUM, R.MIN, R.BXOR)):
-            for n in (1, 300_001):
-                inputs = [make_input(r, n, dtype, salt=int(op)) for r in range(world)]
-                t = inputs[rank].clone()
-                dist.all_reduce(t, op=op)
-                expected = reference_reduce(inputs, op)
-                if dtype == torch.bfloat16:  # each host's partial sum is rounded to bf16 before the next step
-                    torch.testing.assert_close(t, expected, rtol=0.02, atol=0.05)
-                else:
-                    assert_close(t, expected, world, f"all_reduce {dtype} {op} n={n}")
-        for root in range(world):
-            t = make_input(rank, 1000, dtype, salt=root)
-            dist.broadcast(t, src=root)
-            assert torch.equal(t, make_input(root, 1000, dtype, salt=root)), f"broadcast root {root}"
-    dist.barrier()
-    out = [torch.empty(3) for _ in range(world)]
-    dist.all_gather(out, torch.full((3,), float(rank)))
-    assert [o[0].item() for o in out] == [float(r) for r in range(world)]
-    rs = torch.empty(2)
-    dist.reduce_scatter_tensor(rs, torch.arange(2 * world, dtype=torch.float32))
-    assert torch.equal(rs, torch.arange(2 * rank, 2 * rank + 2, dtype=torch.float32) * world)
-    a2a = torch.empty(world)
-    dist.all_to_all_single(a2a, torch.full((world,), float(rank)))
-    assert torch.equal(a2a, torch.arange(world, dtype=torch.float32))
-    objs = [None] * world
-    dist.all_gather_object(objs, rank)
-    assert objs == list(range(world))
-    return True
-
-
 @pytest.mark.parametrize("layout", ["blocked", "interleaved"])
 def test_two_simulated_hosts_of_two_ranks(ranks, layout):
     hosts = [r // 2 if layout == "blocked" else r % 2 for r in range(4)]
     env = [{"SHARDKIT_HOST_ID": f"host{h}"} for h in hosts]
-    assert ranks.run(_every_collective, 4, timeout=180, env=env) == [True] * 4
+    assert ranks.run(every_collective, 4, timeout=180, env=env) == [True] * 4
 
 
 def test_uneven_hosts(ranks):
     env = [{"SHARDKIT_HOST_ID": host} for host in ("a", "b", "b")]
-    assert ranks.run(_every_collective, 3, timeout=180, env=env) == [True] * 3
+    assert ranks.run(every_collective, 3, timeout=180, env=env) == [True] * 3
+
+
+@pytest.mark.parametrize("topology, scheme", [("2x2hosts", "rails"), ("2x2hosts-leaders", "leaders"),
+                                              ("3x2hosts", "rails"), ("2x2hosts-interleaved", "leaders"),
+                                              ("3hosts-uneven", "leaders")])
+def test_rails_and_leaders_move_large_ops_exactly(ranks, topology, scheme):
+    assert run_on(ranks, topology, large_ops, scheme, timeout=240) == [True] * TOPOLOGIES[topology][0]
+
+
+def _scheme(rank, world):
+    from shardkit.backend import inter_host_scheme
+
+    return inter_host_scheme()
+
+
+def test_inter_host_scheme_is_none_on_one_host(ranks):
+    assert ranks.run(_scheme, 2, timeout=60) == [None, None]
+
+
+def test_unknown_inter_host_scheme_is_refused_naming_it(ranks):
+    env = [{"SHARDKIT_HOST_ID": f"host{r // 2}", "SHARDKIT_INTER_HOST": "ring"} for r in range(4)]
+    with pytest.raises(RanksFailed) as failed:
+        ranks.run(_scheme, 4, timeout=60, env=env)
+    assert "SHARDKIT_INTER_HOST must be one of ('rails', 'leaders'), got 'ring'" in str(failed.value)

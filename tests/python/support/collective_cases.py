@@ -13,21 +13,36 @@ ALL_DTYPES = FLOAT_DTYPES + INT_DTYPES + [torch.bool]
 SIZES = [0, 1, 1000, 70_000, 300_001]
 
 # Where the ranks sit: (world size, host of each rank). Simulated hosts share this machine but not their
-# shared-memory segments (SHARDKIT_HOST_ID): collectives run hierarchically, through gloo between hosts.
+# shared-memory segments (SHARDKIT_HOST_ID): collectives run hierarchically, through gloo between hosts. Equal hosts
+# of consecutive ranks use rails for large ops (2x2hosts, 3x2hosts), the others the leader scheme, which
+# 2x2hosts-leaders asks for where rails would run (SCHEMES).
 TOPOLOGIES = {
     "1host-w1": (1, None),
     "1host-w2": (2, None),
     "1host-w3": (3, None),
     "1host-w4": (4, None),
     "2x2hosts": (4, [0, 0, 1, 1]),
+    "2x2hosts-leaders": (4, [0, 0, 1, 1]),
+    "3x2hosts": (6, [0, 0, 1, 1, 2, 2]),
     "2x2hosts-interleaved": (4, [0, 1, 0, 1]),
     "3hosts-uneven": (4, [0, 0, 1, 2]),
 }
+# SHARDKIT_INTER_HOST of the topologies that set it.
+SCHEMES = {"2x2hosts-leaders": "leaders"}
 
 
-def topology_env(hosts: list[int] | None) -> list[dict[str, str]] | None:
-    """Per-rank environment placing rank r on host hosts[r] (None: every rank on this one host)."""
-    return None if hosts is None else [{"SHARDKIT_HOST_ID": f"host{h}"} for h in hosts]
+def topology_env(hosts: list[int] | None, scheme: str | None = None) -> list[dict[str, str]] | None:
+    """Per-rank environment placing rank r on host hosts[r] (None: every rank on this one host), with
+    SHARDKIT_INTER_HOST=scheme where given."""
+    if hosts is None:
+        return None
+    return [{"SHARDKIT_HOST_ID": f"host{h}", **({"SHARDKIT_INTER_HOST": scheme} if scheme else {})} for h in hosts]
+
+
+def run_on(ranks, topology: str, fn, *args, timeout: float = 240):
+    """ranks.run(fn, ...) on the ranks and hosts of TOPOLOGIES[topology]."""
+    world, hosts = TOPOLOGIES[topology]
+    return ranks.run(fn, world, *args, timeout=timeout, env=topology_env(hosts, SCHEMES.get(topology)))
 
 
 def make_input(rank: int, n: int, dtype: torch.dtype, salt: int = 0) -> torch.Tensor:
