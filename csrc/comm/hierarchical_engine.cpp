@@ -540,20 +540,31 @@ void HierarchicalEngine::rails_allgather(const OpContext& op, const at::Tensor& 
   const int hosts = static_cast<int>(hosts_.size());
   const int64_t n = input.numel();
   at::Tensor flat = output.view({-1});
-  // Where host h's blocks go: its ranks are consecutive (the rails' condition), so they fill one run of `output`.
-  auto host_run = [&](int h) {
-    return flat.narrow(0, hosts_[h].front() * n, static_cast<int64_t>(hosts_[h].size()) * n);
-  };
+  at::Tensor in = input.reshape({-1});
+  // Host h's blocks: its ranks are consecutive (the rails' condition), so they fill one run of `output`.
+  auto host_run = [&](int h) { return flat.narrow(0, hosts_[h].front() * n, static_cast<int64_t>(max_local_size_) * n); };
+  const int64_t piece = std::max<int64_t>(1, static_cast<int64_t>(kRailPieceBytes) / input.element_size());
+  const int64_t pieces = (n + piece - 1) / piece;
+  auto span = [&](const at::Tensor& t, int64_t q) { return t.narrow(0, q * piece, std::min(piece, n - q * piece)); };
   at::Tensor received = at::empty({(hosts - 1) * n}, input.options());  // peers in host order, this host skipped
+  std::vector<at::Tensor> from_host = received.chunk(hosts - 1);
+  // Every piece's exchange is posted at once (the link takes them in order); this host's in-host all-gather runs
+  // meanwhile, then each other host's pieces are shared in the host as they arrive.
   InFlight rail{inter_host_for(op), {}};
-  rail.works.push_back(start_exchange(op, *rail.backend, host_, std::vector<at::Tensor>(hosts - 1, input),
-                                      received.chunk(hosts - 1)));
-  local_->allgather(input.data_ptr(), host_run(host_).data_ptr(), static_cast<size_t>(n), dtype, op.call(true));
-  wait_inner(op, "the inter-host all-gather (gloo on the rails)", rail.backend, rail.works[0]);
-  for (int h = 0, peer = 0; h < hosts; ++h) {
-    if (h == host_) continue;
-    local_->allgather(received.narrow(0, (peer++) * n, n).data_ptr(), host_run(h).data_ptr(), static_cast<size_t>(n),
-                      dtype, op.call(true));
+  for (int64_t q = 0; q < pieces; ++q) {
+    std::vector<at::Tensor> to_peer(hosts - 1, span(in, q)), from_peer;
+    for (const at::Tensor& block : from_host) from_peer.push_back(span(block, q));
+    rail.works.push_back(start_exchange(op, *rail.backend, host_, to_peer, from_peer, static_cast<int>(q)));
+  }
+  local_->allgather(in.data_ptr(), host_run(host_).data_ptr(), static_cast<size_t>(n), dtype, op.call(true));
+  for (int64_t q = 0; q < pieces; ++q) {
+    wait_inner(op, "the inter-host all-gather (gloo on the rails)", rail.backend, rail.works[q]);
+    for (int h = 0, peer = 0; h < hosts; ++h) {
+      if (h == host_) continue;
+      at::Tensor arrived = span(from_host[peer++], q);
+      local_->allgather_strided(arrived.data_ptr(), span(host_run(h), q).data_ptr(),
+                                static_cast<size_t>(arrived.numel()), static_cast<size_t>(n), dtype, op.call(true));
+    }
   }
 }
 
@@ -623,29 +634,50 @@ void HierarchicalEngine::rails_reduce_scatter(const OpContext& op, const at::Ten
   const core::DType dtype = core_dtype(input);
   const int hosts = static_cast<int>(hosts_.size());
   const int64_t n = output.numel();
-  const int64_t host_count = static_cast<int64_t>(max_local_size_) * n;
   at::Tensor flat = input.reshape({-1});
-  auto host_run = [&](int h) { return flat.narrow(0, hosts_[h].front() * n, host_count); };
-  // send: this host's partial sums of local rank k's block of every other host, in host order; received: theirs of
-  // this rank's block.
+  at::Tensor out = output.view({-1});
+  auto host_run = [&](int h) { return flat.narrow(0, hosts_[h].front() * n, static_cast<int64_t>(max_local_size_) * n); };
+  const int64_t piece = std::max<int64_t>(1, static_cast<int64_t>(kRailPieceBytes) / input.element_size());
+  const int64_t pieces = (n + piece - 1) / piece;
+  auto span = [&](const at::Tensor& t, int64_t q) { return t.narrow(0, q * piece, std::min(piece, n - q * piece)); };
+  // to_host[i]: this host's partial sums of local rank k's block of the i-th other host; from_host[i]: that host's
+  // of this rank's block.
   at::Tensor send = at::empty({(hosts - 1) * n}, input.options());
   at::Tensor received = at::empty({(hosts - 1) * n}, input.options());
-  for (int h = 0, peer = 0; h < hosts; ++h) {
-    if (h == host_) continue;
-    local_->reduce_scatter(host_run(h).data_ptr(), send.narrow(0, (peer++) * n, n).data_ptr(),
-                           static_cast<size_t>(n), dtype, reduce, op.call(true));
-  }
-  InFlight rail{inter_host_for(op), {}};
-  rail.works.push_back(start_exchange(op, *rail.backend, host_, send.chunk(hosts - 1), received.chunk(hosts - 1)));
   at::Tensor own = at::empty({n}, input.options());  // this host's partial sum of this rank's block
-  local_->reduce_scatter(host_run(host_).data_ptr(), own.data_ptr(), static_cast<size_t>(n), dtype, reduce,
-                         op.call(true));
-  wait_inner(op, "the inter-host reduce-scatter (gloo on the rails)", rail.backend, rail.works[0]);
-  std::vector<const void*> sums;
-  for (int h = 0, peer = 0; h < hosts; ++h) {
-    sums.push_back(h == host_ ? own.data_ptr() : received.narrow(0, (peer++) * n, n).data_ptr());
+  std::vector<at::Tensor> to_host = send.chunk(hosts - 1), from_host = received.chunk(hosts - 1);
+  InFlight rail{nullptr, std::vector<c10::intrusive_ptr<c10d::Work>>(pieces)};
+  // Piece q of every block: summed in the host (the other hosts' first, so they go on the link at once), exchanged,
+  // then summed over the hosts in host order once it is in, while later pieces are summed in the host.
+  auto scatter_piece = [&](int64_t q) {
+    const size_t count = static_cast<size_t>(span(own, q).numel());
+    for (int h = 0, peer = 0; h < hosts; ++h) {
+      if (h == host_) continue;
+      local_->reduce_scatter_strided(span(host_run(h), q).data_ptr(), static_cast<size_t>(n),
+                                     span(to_host[peer++], q).data_ptr(), count, dtype, reduce, op.call(true));
+    }
+    if (q == 0) rail.backend = inter_host_for(op);  // (a leader: after the fingerprint, which ran meanwhile)
+    std::vector<at::Tensor> to_peer, from_peer;
+    for (int i = 0; i < hosts - 1; ++i) {
+      to_peer.push_back(span(to_host[i], q));
+      from_peer.push_back(span(from_host[i], q));
+    }
+    rail.works[q] = start_exchange(op, *rail.backend, host_, to_peer, from_peer, static_cast<int>(q));
+    local_->reduce_scatter_strided(span(host_run(host_), q).data_ptr(), static_cast<size_t>(n),
+                                   span(own, q).data_ptr(), count, dtype, reduce, op.call(true));
+  };
+  auto sum_piece = [&](int64_t q) {
+    wait_inner(op, "the inter-host reduce-scatter (gloo on the rails)", rail.backend, rail.works[q]);
+    std::vector<const void*> sums;
+    for (int h = 0, peer = 0; h < hosts; ++h) {
+      sums.push_back(h == host_ ? span(own, q).data_ptr() : span(from_host[peer++], q).data_ptr());
+    }
+    reduce_blocks(sums, span(out, q).data_ptr(), static_cast<size_t>(span(own, q).numel()), dtype, reduce);
+  };
+  for (int64_t q = 0; q <= pieces; ++q) {
+    if (q < pieces) scatter_piece(q);
+    if (q >= 1) sum_piece(q - 1);
   }
-  reduce_blocks(sums, output.data_ptr(), static_cast<size_t>(n), dtype, reduce);
 }
 
 void HierarchicalEngine::gather(const OpContext& op, const at::Tensor& input, at::Tensor& output, int root) {

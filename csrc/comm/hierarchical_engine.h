@@ -27,12 +27,14 @@
 //                    k-th slice) -> the rail's allreduce of the slice, as two exchanges: part j of the slice to
 //                    host j, which sums the parts in host order, then each host's sum to every other -> shm
 //                    all-gather of piece p. Later pieces' in-host steps run while earlier ones are on the link.
-//   reduce_scatter   for each other host h: shm reduce-scatter of h's ranks' input blocks (local rank k gets this
-//                    host's partial sum of h's rank k's block) -> rail all-to-all of those partial sums, begun at
-//                    once, while the shm reduce-scatter of this host's own blocks runs -> each rank sums its H
-//                    partial sums in host order. The bytes on the link are the leader scheme's, from L sockets.
-//   allgather        rail all-to-all of the input (rank k of each host gets rank k of every other host's), while
-//                    this host's shm all-gather runs -> shm all-gather of each other host's blocks into place.
+//   reduce_scatter   in pieces of kRailPieceBytes of every block: for each other host h, shm reduce-scatter of
+//                    the piece of h's ranks' blocks (local rank k gets this host's partial sum for h's rank k) ->
+//                    rail exchange of those partial sums, begun at once, while the shm reduce-scatter of this
+//                    host's own blocks runs -> each rank sums its H partial sums in host order. The bytes on the
+//                    link are the leader scheme's, from L sockets; later pieces are summed in the host meanwhile.
+//   allgather        rail exchange of the input, every piece posted at once (rank k of each host gets rank k of
+//                    every other host's), while this host's shm all-gather runs -> shm all-gather of each other
+//                    host's piece into place as it arrives.
 // Both schemes give every rank bitwise identical allreduce results (each element is reduced by one rank once).
 // Every host runs the same sequence of shm ops for a given collective, so the shm agreement check still
 // holds inside each host. Between hosts gloo checks nothing (different sizes pair silently, or wait): before
@@ -93,7 +95,7 @@ class HierarchicalEngine : public Engine {
   // the rails where the group has them: below it, one inter-host step among leaders costs less than L at once.
   static constexpr size_t kRailMinBytes = size_t{256} << 10;
   // The allreduce's pipeline: each rank's slice of one piece (the last may be smaller).
-  static constexpr size_t kRailPieceBytes = size_t{4} << 20;
+  static constexpr size_t kRailPieceBytes = size_t{2} << 20;
 
   void barrier(const OpContext& op) override;
   void broadcast(const OpContext& op, at::Tensor& data, int root) override;

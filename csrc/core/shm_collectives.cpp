@@ -181,6 +181,11 @@ void ShmGroup::reduce(const void* in, void* out, size_t count, DType dtype, Redu
 }
 
 void ShmGroup::allgather(const void* in, void* out, size_t count, DType dtype, const CallInfo& call) {
+  allgather_strided(in, out, count, count, dtype, call);
+}
+
+void ShmGroup::allgather_strided(const void* in, void* out, size_t count, size_t out_stride, DType dtype,
+                                 const CallInfo& call) {
   const OpHeader header = begin(OpKind::AllGather, count, dtype, -1, ReduceOp::Sum, call);
   const size_t elem = dtype_size(dtype);
   const size_t chunk = slot_bytes_ / elem;
@@ -192,7 +197,7 @@ void ShmGroup::allgather(const void* in, void* out, size_t count, DType dtype, c
     std::memcpy(slot(rank_, round), source, n * elem);
     sync(header);
     for (int r = 0; r < size_; ++r) {
-      uint8_t* target = static_cast<uint8_t*>(out) + (r * count + offset) * elem;
+      uint8_t* target = static_cast<uint8_t*>(out) + (r * out_stride + offset) * elem;
       if (target == source) continue;  // in place: this rank's block already holds its contribution
       std::memcpy(target, slot(r, round), n * elem);
     }
@@ -250,6 +255,12 @@ void ShmGroup::reduce_scatter(const void* in, void* out, size_t count, DType dty
       return;
     }
   }
+  reduce_scatter_strided(in, count, out, count, dtype, op, call);
+}
+
+void ShmGroup::reduce_scatter_strided(const void* in, size_t in_stride, void* out, size_t count, DType dtype,
+                                      ReduceOp op, const CallInfo& call) {
+  const size_t elem = dtype_size(dtype);
   const OpHeader header = begin(OpKind::ReduceScatter, count, dtype, -1, op, call);
   const size_t region = slot_bytes_ / size_ / elem;
   std::vector<const void*>& sources = sources_;  // one per rank
@@ -258,8 +269,8 @@ void ShmGroup::reduce_scatter(const void* in, void* out, size_t count, DType dty
     const size_t n = std::min(region, count - offset);
     const uint64_t round = rounds_++;
     for (int r = 0; r < size_; ++r) {
-      std::memcpy(slot(rank_, round) + r * region * elem, static_cast<const uint8_t*>(in) + (r * count + offset) * elem,
-                  n * elem);
+      std::memcpy(slot(rank_, round) + r * region * elem,
+                  static_cast<const uint8_t*>(in) + (r * in_stride + offset) * elem, n * elem);
     }
     sync(header);
     for (int r = 0; r < size_; ++r) sources[r] = slot(r, round) + rank_ * region * elem;

@@ -210,6 +210,10 @@ class ShmGroup {
   // block of `out` (in == out + rank * count elements: ZeRO's in-place all-gather); that block is then left
   // as it is instead of being copied back onto itself. Any other overlap of in and out is not allowed.
   void allgather(const void* in, void* out, size_t count, DType dtype, const CallInfo& call = {});
+  // allgather with rank r's block at out + r * out_stride elements (out_stride >= count): one piece of each block of a
+  // larger all-gather (the hierarchical engine's pipeline). The same op to the peers, whatever their strides.
+  void allgather_strided(const void* in, void* out, size_t count, size_t out_stride, DType dtype,
+                         const CallInfo& call = {});
   // Like allgather, but only root's out is written.
   void gather(const void* in, void* out, size_t count, DType dtype, int root, const CallInfo& call = {});
   // root's in holds size * count elements; every rank receives its count-element block.
@@ -217,6 +221,10 @@ class ShmGroup {
   // in holds size * count elements; rank r gets the reduction of every rank's block r. `out` may be this
   // rank's own block of `in`; no other overlap is allowed.
   void reduce_scatter(const void* in, void* out, size_t count, DType dtype, ReduceOp op, const CallInfo& call = {});
+  // reduce_scatter with rank r's block of `in` at in + r * in_stride elements (in_stride >= count; never read from a
+  // shared buffer): one piece of each block of a larger reduce-scatter, as allgather_strided.
+  void reduce_scatter_strided(const void* in, size_t in_stride, void* out, size_t count, DType dtype, ReduceOp op,
+                              const CallInfo& call = {});
   // send_counts[j] elements go from this rank to rank j, read from in at send_offsets[j]; received
   // blocks land in out at recv_offsets[j]. Every pair's send and receive counts must agree.
   void alltoall(const void* in, const std::vector<size_t>& send_counts, const std::vector<size_t>& send_offsets,
