@@ -22,6 +22,19 @@ constexpr auto kRootCauseWait = std::chrono::milliseconds(1000);
 // A leader waiting on gloo checks for an abort this often (in-process at once; the Store's notice at this pace).
 constexpr auto kNoticeEvery = std::chrono::milliseconds(100);
 
+// The in-host steps of a collective wait this much longer than its inter-host steps: a local rank that is late
+// because its own inter-host step waits on a slow or cut link then times out there first, and its error, which names
+// the host it cannot reach, is the group's root cause (not "rank 0 did not arrive" from a peer on its own host). A
+// local rank that dies is seen at once (its pid) either way.
+constexpr auto kInHostGrace = std::chrono::milliseconds(5000);
+
+// One step of `op` inside the host.
+core::CallInfo in_host(const OpContext& op) {
+  core::CallInfo call = op.call(true);
+  if (call.timeout.count() > 0) call.timeout += kInHostGrace;
+  return call;
+}
+
 // A failed step of an inner gloo backend (as opposed to one of the host's own shm group).
 struct InnerStepError : std::runtime_error {
   using std::runtime_error::runtime_error;
@@ -262,20 +275,28 @@ c10::intrusive_ptr<c10d::Work> HierarchicalEngine::start_allreduce(const OpConte
 namespace {
 
 // The send and receive Works of one exchange, waited for by a thread of their own. A gloo send or receive can only be
-// waited for whole (a wait that times out ends it as failed), so that thread waits for each with the op's deadline,
+// waited for whole (a wait that times out ends it as failed), so that thread waits for them until the op's deadline,
 // and this Work's wait(slice) only looks at what it found: wait_inner's slices treat it like gloo's collectives. Should
-// the engine give up on it, the thread keeps the Works (and their tensors) until they end or time out.
+// the engine give up on it, the thread keeps the Works (and their tensors) until they end or time out. A failure names
+// the peer (`peer_of[i]`: who works[i] talks to), which on a cut link is the host this rank cannot reach.
 class PointToPointWork : public c10d::Work {
  public:
-  PointToPointWork(std::vector<c10::intrusive_ptr<c10d::Work>> works, std::chrono::milliseconds timeout)
+  PointToPointWork(std::vector<c10::intrusive_ptr<c10d::Work>> works, std::vector<std::string> peer_of,
+                   std::chrono::milliseconds timeout)
       : state_(std::make_shared<State>()) {
-    std::thread([state = state_, works = std::move(works), timeout] {
+    std::thread([state = state_, works = std::move(works), peer_of = std::move(peer_of), timeout] {
+      using clock = std::chrono::steady_clock;
+      const auto deadline = clock::now() + timeout;
       std::exception_ptr error;
-      for (const auto& work : works) {
+      for (size_t i = 0; i < works.size(); ++i) {
         try {
-          work->wait(timeout);
-        } catch (...) {
-          if (!error) error = std::current_exception();
+          const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - clock::now());
+          works[i]->wait(std::max(left, std::chrono::milliseconds(1)));
+        } catch (const std::exception& failure) {
+          if (!error) {
+            error = std::make_exception_ptr(std::runtime_error("the exchange with " + peer_of[i] + ": " +
+                                                               message_of(failure)));
+          }
         }
       }
       std::lock_guard<std::mutex> lock(state->mutex);
@@ -313,18 +334,24 @@ class PointToPointWork : public c10d::Work {
 
 }  // namespace
 
-c10::intrusive_ptr<c10d::Work> HierarchicalEngine::start_exchange(const OpContext& op, c10d::Backend& backend, int me,
+c10::intrusive_ptr<c10d::Work> HierarchicalEngine::start_exchange(const OpContext& op, c10d::Backend& backend,
                                                                   const std::vector<at::Tensor>& to_peer,
                                                                   const std::vector<at::Tensor>& from_peer, int tag) {
   std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  std::vector<std::string> peer_of;
   for (size_t i = 0; i < to_peer.size(); ++i) {
-    const int peer = static_cast<int>(i) < me ? static_cast<int>(i) : static_cast<int>(i) + 1;
+    // The inter-host backends are ranked by host: peer i is the i-th other host, its rank at this rank's position.
+    const int host = static_cast<int>(i) < host_ ? static_cast<int>(i) : static_cast<int>(i) + 1;
+    const std::string who = "rank " + std::to_string(notices_->global_rank(hosts_[host][local_rank_])) + " (host " +
+                            std::to_string(host) + ")";
     std::vector<at::Tensor> incoming{as_bytes(from_peer[i])};
-    works.push_back(backend.recv(incoming, peer, tag));
+    works.push_back(backend.recv(incoming, host, tag));
+    peer_of.push_back(who);
     std::vector<at::Tensor> outgoing{as_bytes(to_peer[i])};
-    works.push_back(backend.send(outgoing, peer, tag));
+    works.push_back(backend.send(outgoing, host, tag));
+    peer_of.push_back(who);
   }
-  return c10::make_intrusive<PointToPointWork>(std::move(works), op.timeout);
+  return c10::make_intrusive<PointToPointWork>(std::move(works), std::move(peer_of), op.timeout);
 }
 
 namespace {
@@ -349,13 +376,13 @@ struct InFlight {
 
 void HierarchicalEngine::leaders_allreduce(const OpContext& op, at::Tensor& data, core::ReduceOp reduce) {
   const core::DType dtype = core_dtype(data);
-  local_->reduce(data.data_ptr(), data.data_ptr(), numel_of(data), dtype, reduce, 0, op.call(true));
+  local_->reduce(data.data_ptr(), data.data_ptr(), numel_of(data), dtype, reduce, 0, in_host(op));
   if (leader() && data.numel() > 0) {
     c10::intrusive_ptr<c10d::Backend> leaders = inter_host_for(op);
     wait_inner(op, "the inter-host allreduce (gloo among host leaders)", leaders,
                start_allreduce(op, *leaders, data, reduce));
   }
-  local_->broadcast(data.data_ptr(), numel_of(data), dtype, 0, op.call(true));
+  local_->broadcast(data.data_ptr(), numel_of(data), dtype, 0, in_host(op));
 }
 
 void HierarchicalEngine::rails_allreduce(const OpContext& op, at::Tensor& data, core::ReduceOp reduce) {
@@ -388,13 +415,13 @@ void HierarchicalEngine::rails_allreduce(const OpContext& op, at::Tensor& data, 
   auto scatter_piece = [&](int64_t p) {  // in the host: this rank's slice summed; across: parts to their owners
     at::Tensor piece = piece_of(p);
     local_->reduce_scatter(piece.data_ptr(), mine_of(p).data_ptr(), static_cast<size_t>(slice_of(p)), dtype, reduce,
-                           op.call(true));
+                           in_host(op));
     if (p == 0) rail.backend = inter_host_for(op);  // (a leader: after the fingerprint, which ran meanwhile)
     const int64_t own = part_of(p, host_).numel();
     received[p] = at::empty({(hosts - 1) * own}, data.options());
     std::vector<at::Tensor> to_peer, from_peer = received[p].chunk(hosts - 1);
     for (int h : peers) to_peer.push_back(part_of(p, h));
-    rail.works[2 * p] = start_exchange(op, *rail.backend, host_, to_peer, from_peer, static_cast<int>(2 * p));
+    rail.works[2 * p] = start_exchange(op, *rail.backend, to_peer, from_peer, static_cast<int>(2 * p));
   };
   auto reduce_piece = [&](int64_t p) {  // this host's part summed over the hosts, in host order; sent to all
     wait_inner(op, "the inter-host reduce-scatter step of an allreduce (gloo on the rails)", rail.backend,
@@ -408,14 +435,14 @@ void HierarchicalEngine::rails_allreduce(const OpContext& op, at::Tensor& data, 
     received[p] = at::Tensor();
     std::vector<at::Tensor> to_peer(hosts - 1, own), from_peer;
     for (int h : peers) from_peer.push_back(part_of(p, h));
-    rail.works[2 * p + 1] = start_exchange(op, *rail.backend, host_, to_peer, from_peer, static_cast<int>(2 * p + 1));
+    rail.works[2 * p + 1] = start_exchange(op, *rail.backend, to_peer, from_peer, static_cast<int>(2 * p + 1));
   };
   auto gather_piece = [&](int64_t p) {  // the hosts' sums in, then shared in the host
     wait_inner(op, "the inter-host all-gather step of an allreduce (gloo on the rails)", rail.backend,
                rail.works[2 * p + 1]);
     at::Tensor piece = piece_of(p);
     local_->allgather(mine_of(p).data_ptr(), piece.data_ptr(), static_cast<size_t>(slice_of(p)), dtype,
-                      op.call(true));
+                      in_host(op));
   };
   // Pipelined: a piece's in-host steps run while the pieces before it are on the link.
   for (int64_t p = 0; p < pieces + 2; ++p) {
@@ -428,14 +455,14 @@ void HierarchicalEngine::rails_allreduce(const OpContext& op, at::Tensor& data, 
 
 void HierarchicalEngine::barrier(const OpContext& op) {
   guarded(op, LeaderStep{core::OpKind::Barrier, 0, core::DType::U8}, [&] {
-    local_->barrier(op.call(true));
+    local_->barrier(in_host(op));
     if (leader()) {
       c10d::BarrierOptions options;
       options.timeout = op.timeout;
       c10::intrusive_ptr<c10d::Backend> leaders = inter_host_for(op);
       wait_inner(op, "the inter-host barrier (gloo among host leaders)", leaders, leaders->barrier(options));
     }
-    local_->barrier(op.call(true));  // nobody leaves before every host's leader has passed the inter-host step
+    local_->barrier(in_host(op));  // nobody leaves before every host's leader has passed the inter-host step
   });
 }
 
@@ -443,7 +470,7 @@ void HierarchicalEngine::broadcast(const OpContext& op, at::Tensor& data, int ro
   guarded(op, LeaderStep{core::OpKind::Broadcast, numel_of(data), core_dtype(data)}, [&] {
     const int root_host = layout_.host_of[root];
     const core::DType dtype = core_dtype(data);
-    if (host_ == root_host) local_->broadcast(data.data_ptr(), numel_of(data), dtype, layout_.local_of[root], op.call(true));
+    if (host_ == root_host) local_->broadcast(data.data_ptr(), numel_of(data), dtype, layout_.local_of[root], in_host(op));
     if (leader() && data.numel() > 0) {
       std::vector<at::Tensor> payload{as_bytes(data)};
       c10d::BroadcastOptions options;
@@ -452,7 +479,7 @@ void HierarchicalEngine::broadcast(const OpContext& op, at::Tensor& data, int ro
       c10::intrusive_ptr<c10d::Backend> leaders = inter_host_for(op);
       wait_inner(op, "the inter-host broadcast (gloo among host leaders)", leaders, leaders->broadcast(payload, options));
     }
-    if (host_ != root_host) local_->broadcast(data.data_ptr(), numel_of(data), dtype, 0, op.call(true));
+    if (host_ != root_host) local_->broadcast(data.data_ptr(), numel_of(data), dtype, 0, in_host(op));
   });
 }
 
@@ -475,7 +502,7 @@ void HierarchicalEngine::reduce(const OpContext& op, at::Tensor& data, core::Red
     at::Tensor partial;
     if (leader()) partial = rank_ == root ? data : at::empty_like(data);
     local_->reduce(data.data_ptr(), partial.defined() ? partial.data_ptr() : nullptr, numel_of(data), dtype, reduce,
-                   0, op.call(true));
+                   0, in_host(op));
     if (leader() && data.numel() > 0) {
       const bool is_bool = data.scalar_type() == at::kBool;
       std::vector<at::Tensor> payload{is_bool ? partial.view(at::kByte) : partial};
@@ -489,7 +516,7 @@ void HierarchicalEngine::reduce(const OpContext& op, at::Tensor& data, core::Red
     if (host_ == root_host && layout_.local_of[root] != 0) {
       // Hand the result from the leader to root; the host's other ranks receive it into scratch.
       at::Tensor landing = rank_ == root ? data : (leader() ? partial : at::empty_like(data));
-      local_->broadcast(landing.data_ptr(), numel_of(landing), dtype, 0, op.call(true));
+      local_->broadcast(landing.data_ptr(), numel_of(landing), dtype, 0, in_host(op));
     }
   });
 }
@@ -511,7 +538,7 @@ void HierarchicalEngine::leaders_allgather(const OpContext& op, const at::Tensor
   at::Tensor host_block;
   if (leader()) host_block = at::empty({block}, input.options());
   local_->gather(input.data_ptr(), leader() ? host_block.data_ptr() : nullptr, static_cast<size_t>(n), dtype, 0,
-                 op.call(true));
+                 in_host(op));
   if (leader()) {
     const int64_t hosts = static_cast<int64_t>(hosts_.size());
     at::Tensor all_hosts = at::empty({block * hosts}, input.options());
@@ -532,7 +559,7 @@ void HierarchicalEngine::leaders_allgather(const OpContext& op, const at::Tensor
       }
     }
   }
-  local_->broadcast(output.data_ptr(), numel_of(output), dtype, 0, op.call(true));
+  local_->broadcast(output.data_ptr(), numel_of(output), dtype, 0, in_host(op));
 }
 
 void HierarchicalEngine::rails_allgather(const OpContext& op, const at::Tensor& input, at::Tensor& output) {
@@ -554,16 +581,16 @@ void HierarchicalEngine::rails_allgather(const OpContext& op, const at::Tensor& 
   for (int64_t q = 0; q < pieces; ++q) {
     std::vector<at::Tensor> to_peer(hosts - 1, span(in, q)), from_peer;
     for (const at::Tensor& block : from_host) from_peer.push_back(span(block, q));
-    rail.works.push_back(start_exchange(op, *rail.backend, host_, to_peer, from_peer, static_cast<int>(q)));
+    rail.works.push_back(start_exchange(op, *rail.backend, to_peer, from_peer, static_cast<int>(q)));
   }
-  local_->allgather(in.data_ptr(), host_run(host_).data_ptr(), static_cast<size_t>(n), dtype, op.call(true));
+  local_->allgather(in.data_ptr(), host_run(host_).data_ptr(), static_cast<size_t>(n), dtype, in_host(op));
   for (int64_t q = 0; q < pieces; ++q) {
     wait_inner(op, "the inter-host all-gather (gloo on the rails)", rail.backend, rail.works[q]);
     for (int h = 0, peer = 0; h < hosts; ++h) {
       if (h == host_) continue;
       at::Tensor arrived = span(from_host[peer++], q);
       local_->allgather_strided(arrived.data_ptr(), span(host_run(h), q).data_ptr(),
-                                static_cast<size_t>(arrived.numel()), static_cast<size_t>(n), dtype, op.call(true));
+                                static_cast<size_t>(arrived.numel()), static_cast<size_t>(n), dtype, in_host(op));
     }
   }
 }
@@ -599,10 +626,10 @@ void HierarchicalEngine::leaders_reduce_scatter(const OpContext& op, const at::T
   const int64_t block = static_cast<int64_t>(max_local_size_) * n;  // a host's blocks, padded to the largest host
   at::Tensor host_blocks;  // the leader's: this host's ranks' blocks summed over every host, in local order
   if (!leader()) {
-    local_->reduce(input.data_ptr(), nullptr, numel_of(input), dtype, reduce, 0, op.call(true));
+    local_->reduce(input.data_ptr(), nullptr, numel_of(input), dtype, reduce, 0, in_host(op));
   } else {
     at::Tensor partial = at::empty_like(input);
-    local_->reduce(input.data_ptr(), partial.data_ptr(), numel_of(input), dtype, reduce, 0, op.call(true));
+    local_->reduce(input.data_ptr(), partial.data_ptr(), numel_of(input), dtype, reduce, 0, in_host(op));
     at::Tensor flat = partial.view({-1});
     // Each other host gets this host's partial sums of its ranks' blocks; theirs of this host's ranks come back.
     at::Tensor send = at::empty({(hosts - 1) * block}, input.options());
@@ -620,13 +647,13 @@ void HierarchicalEngine::leaders_reduce_scatter(const OpContext& op, const at::T
     if (n > 0) {
       c10::intrusive_ptr<c10d::Backend> leaders = inter_host_for(op);
       wait_inner(op, "the inter-host reduce-scatter (gloo among host leaders)", leaders,
-                 start_exchange(op, *leaders, host_, send.chunk(hosts - 1), received.chunk(hosts - 1)));
+                 start_exchange(op, *leaders, send.chunk(hosts - 1), received.chunk(hosts - 1)));
       host_blocks = at::empty({host_count}, input.options());
       reduce_blocks(sums, host_blocks.data_ptr(), static_cast<size_t>(host_count), dtype, reduce);
     }
   }
   local_->scatter(leader() ? host_blocks.data_ptr() : nullptr, output.data_ptr(), static_cast<size_t>(n), dtype, 0,
-                  op.call(true));
+                  in_host(op));
 }
 
 void HierarchicalEngine::rails_reduce_scatter(const OpContext& op, const at::Tensor& input, at::Tensor& output,
@@ -654,7 +681,7 @@ void HierarchicalEngine::rails_reduce_scatter(const OpContext& op, const at::Ten
     for (int h = 0, peer = 0; h < hosts; ++h) {
       if (h == host_) continue;
       local_->reduce_scatter_strided(span(host_run(h), q).data_ptr(), static_cast<size_t>(n),
-                                     span(to_host[peer++], q).data_ptr(), count, dtype, reduce, op.call(true));
+                                     span(to_host[peer++], q).data_ptr(), count, dtype, reduce, in_host(op));
     }
     if (q == 0) rail.backend = inter_host_for(op);  // (a leader: after the fingerprint, which ran meanwhile)
     std::vector<at::Tensor> to_peer, from_peer;
@@ -662,9 +689,9 @@ void HierarchicalEngine::rails_reduce_scatter(const OpContext& op, const at::Ten
       to_peer.push_back(span(to_host[i], q));
       from_peer.push_back(span(from_host[i], q));
     }
-    rail.works[q] = start_exchange(op, *rail.backend, host_, to_peer, from_peer, static_cast<int>(q));
+    rail.works[q] = start_exchange(op, *rail.backend, to_peer, from_peer, static_cast<int>(q));
     local_->reduce_scatter_strided(span(host_run(host_), q).data_ptr(), static_cast<size_t>(n),
-                                   span(own, q).data_ptr(), count, dtype, reduce, op.call(true));
+                                   span(own, q).data_ptr(), count, dtype, reduce, in_host(op));
   };
   auto sum_piece = [&](int64_t q) {
     wait_inner(op, "the inter-host reduce-scatter (gloo on the rails)", rail.backend, rail.works[q]);

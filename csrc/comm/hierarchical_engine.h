@@ -148,13 +148,13 @@ class HierarchicalEngine : public Engine {
   // Starts the allreduce of `data` with `reduce` on `backend` (bool data travels as bytes, with an equivalent op).
   static c10::intrusive_ptr<c10d::Work> start_allreduce(const OpContext& op, c10d::Backend& backend, at::Tensor& data,
                                                        core::ReduceOp reduce);
-  // Starts an exchange on `backend` in which this rank (rank `me` there) sends to_peer[i] to its i-th peer and
-  // receives from_peer[i] from it (peers: every rank but `me`, in rank order; contiguous tensors, as bytes). Point to
-  // point, every transfer at once: gloo's all-to-all moves one direction at a time (half the link's rate, measured).
-  // Exchanges in flight together on the same backend need tags of their own.
-  static c10::intrusive_ptr<c10d::Work> start_exchange(const OpContext& op, c10d::Backend& backend, int me,
-                                                      const std::vector<at::Tensor>& to_peer,
-                                                      const std::vector<at::Tensor>& from_peer, int tag = 0);
+  // Starts an exchange on `backend`, this rank's inter-host backend, in which it sends to_peer[i] to the rank of its
+  // i-th other host and receives from_peer[i] from it (hosts in order, this one skipped; contiguous tensors, as bytes).
+  // Point to point, every transfer at once: gloo's all-to-all moves one direction at a time (half the link's rate,
+  // measured). Exchanges in flight together on the same backend need tags of their own.
+  c10::intrusive_ptr<c10d::Work> start_exchange(const OpContext& op, c10d::Backend& backend,
+                                               const std::vector<at::Tensor>& to_peer,
+                                               const std::vector<at::Tensor>& from_peer, int tag = 0);
   // The leader scheme of each op, and the rails' (see the header).
   bool use_rails(size_t bytes) const { return rails_ && bytes >= kRailMinBytes; }
   void leaders_allreduce(const OpContext& op, at::Tensor& data, core::ReduceOp reduce);

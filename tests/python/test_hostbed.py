@@ -7,6 +7,9 @@
 - Every collective against its exact or float64 answer on shaped hosts (support/host_collectives.py): 3 hosts x 2
   ranks (rails, three on each rail) and 2 uneven hosts of 2 and 1 ranks (the leader scheme); nothing of shardkit's
   left in any host's /dev/shm.
+- A link cut mid-allreduce (`ip link set ... down` at the switch): every rank on both hosts raises within the
+  group's timeout (plus the second the failure path waits for a root cause), each naming a rank of the host it cannot
+  reach or the ranks that went silent.
 - Nothing of the bed outlives it: its network namespaces are gone afterwards, also when a host failed.
 
 Skips, saying why, where the bed cannot be made (not root, no `ip` / `tc` / `unshare`).
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +30,7 @@ from support.hostbed import HostBed, unavailable
 
 RANK_SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "_hosts_rank.py"
 COLLECTIVES_SCRIPT = Path(__file__).resolve().parent / "support" / "hosts_collectives_rank.py"
+LINK_CUT_SCRIPT = Path(__file__).resolve().parent / "support" / "link_cut_rank.py"
 
 
 @pytest.fixture(scope="module")
@@ -104,3 +109,39 @@ def test_the_bed_refuses_nonsense():
         HostBed(0)
     with pytest.raises(ValueError, match="rate_mbit must be positive, got -5"):
         HostBed(2, rate_mbit=-5)
+
+
+@pytest.mark.timeout(240)
+def test_a_cut_link_makes_every_rank_raise_within_the_timeout_naming_the_other_host(bed_available, tmp_path):
+    import threading
+    import time
+
+    group_timeout = 15
+    with HostBed(2, rate_mbit=1000) as bed:
+        # Not under torchrun: its agents' exit barrier would wait minutes for the host across the cut link.
+        def ranks_of(h: int) -> str:
+            return " ".join(f"RANK={2 * h + local} LOCAL_RANK={local} {shlex.quote(sys.executable)} "
+                            f"{LINK_CUT_SCRIPT} {tmp_path} {group_timeout} &" for local in range(2))
+
+        commands = [["env", f"GLOO_SOCKET_IFNAME={bed.host_if[h]}", f"MASTER_ADDR={bed.addr(0)}", "MASTER_PORT=29400",
+                     "WORLD_SIZE=4", "LOCAL_WORLD_SIZE=2", "sh", "-c", f"{ranks_of(h)} wait"] for h in range(2)]
+        launched = {}
+        thread = threading.Thread(target=lambda: launched.update(
+            run=bed.launch(commands, env=_env(), timeout=180, logs=tmp_path / "logs")))
+        thread.start()
+        deadline = time.monotonic() + 90
+        while len(list(tmp_path.glob("ready*"))) < 4 and time.monotonic() < deadline and thread.is_alive():
+            time.sleep(0.1)
+        assert len(list(tmp_path.glob("ready*"))) == 4, "the ranks did not start allreducing"
+        cut_at = time.time()
+        subprocess.run(["ip", "-n", bed.switch, "link", "set", bed.switch_if[1], "down"], check=True)
+        thread.join()
+    run = launched["run"]
+    assert run.ok, run.story()
+    for rank in range(4):
+        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert result["error"] is not None, f"rank {rank} never noticed the cut link ({result['ops']} ops)"
+        seconds = result["raised_at"] - cut_at
+        assert seconds < group_timeout + 5, f"rank {rank} raised {seconds:.1f} s after the cut: {result['error']}"
+        other_host = (2, 3) if rank < 2 else (0, 1)
+        assert any(f"rank {r}" in result["error"] for r in other_host), f"rank {rank}: {result['error']}"
