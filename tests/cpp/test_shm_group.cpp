@@ -131,6 +131,39 @@ TEST(ShmGroup, AllGatherInPlaceFromOwnBlock) {
   }
 }
 
+// One piece of every rank's block of a larger all-gather / reduce-scatter (the hierarchical engine's pipeline):
+// rank r's block at r * stride, only the piece's `count` elements moved, the rest of each block left alone.
+TEST(ShmGroup, StridedAllGatherAndReduceScatterMoveOnePieceOfEveryBlock) {
+  for (int size : {1, 2, 3}) {
+    const size_t stride = 300007, offset = 1000, count = 270001;  // count spans several 1 MiB slots
+    const std::string name = unique_name();
+    auto value = [](int rank, size_t i) { return static_cast<float>(i % 1013) + 2048.0f * rank; };
+    auto errors = run_threads(size, [&](int rank) {
+      ShmGroup group(options_for(name, rank, size));
+      std::vector<float> mine(count), gathered(stride * size, -1.0f);
+      for (size_t i = 0; i < count; ++i) mine[i] = value(rank, offset + i);
+      group.allgather_strided(mine.data(), gathered.data() + offset, count, stride, DType::F32);
+      for (int r = 0; r < size; ++r) {
+        for (size_t i = 0; i < stride; ++i) {
+          const bool in_piece = i >= offset && i < offset + count;
+          if (gathered[r * stride + i] != (in_piece ? value(r, i) : -1.0f)) {
+            throw std::runtime_error("allgather_strided: block " + std::to_string(r) + " element " + std::to_string(i));
+          }
+        }
+      }
+      std::vector<float> input(stride * size), out(count, -1.0f);
+      for (size_t i = 0; i < input.size(); ++i) input[i] = value(rank, i);
+      group.reduce_scatter_strided(input.data() + offset, stride, out.data(), count, DType::F32, ReduceOp::Sum);
+      for (size_t i = 0; i < count; ++i) {
+        float expected = 0;
+        for (int r = 0; r < size; ++r) expected += value(r, rank * stride + offset + i);
+        if (out[i] != expected) throw std::runtime_error("reduce_scatter_strided: element " + std::to_string(i));
+      }
+    });
+    for (int rank = 0; rank < size; ++rank) EXPECT_EQ(errors[rank], "") << "world " << size << " rank " << rank;
+  }
+}
+
 TEST(ShmGroup, EveryCollectiveWithThreadsAsRanks) {
   const int size = 3;
   const size_t count = 40000;  // > slot / size: several rounds for every op
