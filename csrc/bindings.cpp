@@ -110,6 +110,9 @@ PYBIND11_MODULE(_C, m) {
       .def("compare_identities_across_hosts", &ProcessGroupShardkit::compare_identities_across_hosts,
            "From the next op on, host leaders compare every op's collective identity before its inter-host steps.")
       .def("job_store", &ProcessGroupShardkit::job_store, "The Store where this job's deaths are recorded.")
+      .def("shutdown_now", &ProcessGroupShardkit::shutdown, py::call_guard<py::gil_scoped_release>(),
+           "destroy_process_group()'s shutdown (idempotent), the GIL released while the worker finishes what is "
+           "queued: what may still drop Python objects there can take it.")
       .def("shared_ops", &ProcessGroupShardkit::shared_ops,
            "Collectives (allreduce, reduce_scatter) that read their input from a shared buffer.")
       .def("cuda_route", &ProcessGroupShardkit::cuda_route,

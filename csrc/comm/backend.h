@@ -67,6 +67,9 @@ class ProcessGroupShardkit : public c10d::Backend {
 
   const std::string getBackendName() const override { return "shardkit"; }
   // destroy_process_group(): finishes queued work, stops the worker thread and the inner gloo backends.
+  // Idempotent. Also run by python/shardkit/backend.py's exit hook for groups nobody destroyed: the worker must not
+  // outlive the interpreter (a thread that touches Python while it finalizes is ended mid-destructor, and the process
+  // aborts: "terminate called without an active exception").
   void shutdown() override;
   void setTimeout(std::chrono::milliseconds timeout) override { timeout_ = timeout; }
 
@@ -202,6 +205,7 @@ class ProcessGroupShardkit : public c10d::Backend {
   std::atomic<bool> compare_across_hosts_{false};
   std::atomic<uint64_t> seq_{0};       // collectives issued on this group (torch's sequence number)
   std::atomic<uint64_t> executed_{0};  // collectives started, in the order ops run (OpContext::seq)
+  std::atomic<bool> shut_down_{false};
   WorkQueue queue_;  // last: destroyed first, so queued work finishes while the engine still exists
 };
 

@@ -108,6 +108,7 @@ void ProcessGroupShardkit::Routes::abort(const std::string& reason) const {
 ProcessGroupShardkit::~ProcessGroupShardkit() { AbortCascade::leave(cascade_token_); }
 
 void ProcessGroupShardkit::shutdown() {
+  if (shut_down_.exchange(true)) return;  // destroy_process_group(), then the exit hook (backend.py)
   AbortCascade::leave(cascade_token_);
   queue_.stop();
 #ifdef SHARDKIT_WITH_CUDA

@@ -125,9 +125,34 @@ void ShardkitWork::fail(std::exception_ptr error) {
   finish(error);
 }
 
-WorkQueue::WorkQueue() : worker_([this] { run(); }) {}
+namespace {
+void fail_stopped(ShardkitWork& work) {
+  work.fail(std::make_exception_ptr(
+      std::runtime_error("shardkit: the process group was shut down (destroy_process_group); no collective can run")));
+}
+}  // namespace
 
-WorkQueue::~WorkQueue() { stop(); }
+WorkQueue::WorkQueue() : worker_([this, gone = gone_] { run(gone); }) {}
+
+WorkQueue::~WorkQueue() {
+  if (!on_worker()) {
+    stop();
+    return;
+  }
+  // Destroyed on its own worker: a future callback run there dropped the last reference to the backend. The thread
+  // cannot join itself (a joinable std::thread destroyed terminates the process), so it is detached and told not to
+  // touch this queue again (run() looks at `gone` once the item that got here returns), and what is still queued
+  // fails instead of waiting for a worker that will not run it.
+  std::deque<Item> left;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stopping_ = true;
+    left.swap(items_);
+  }
+  gone_->store(true);
+  worker_.detach();
+  for (Item& item : left) fail_stopped(*item.work);
+}
 
 void WorkQueue::stop() {
   {
@@ -136,17 +161,14 @@ void WorkQueue::stop() {
     stopping_ = true;
   }
   ready_.notify_one();
-  if (!on_worker()) worker_.join();
+  // From the worker itself (a callback shutting the group down) there is nothing to join yet: the worker ends once
+  // drained, and a later stop() or the destructor, from another thread, joins it.
+  if (on_worker()) return;
+  worker_.join();
   std::lock_guard<std::mutex> lock(mutex_);
   stopped_ = true;
 }
 
-namespace {
-void fail_stopped(ShardkitWork& work) {
-  work.fail(std::make_exception_ptr(
-      std::runtime_error("shardkit: the process group was shut down (destroy_process_group); no collective can run")));
-}
-}  // namespace
 
 void WorkQueue::enqueue(c10::intrusive_ptr<ShardkitWork> work, std::function<void()> body) {
   submit(std::move(work), std::move(body), /*may_run_inline=*/false);
@@ -211,7 +233,7 @@ void WorkQueue::execute(ShardkitWork& work, std::function<void()> body) {
   }
 }
 
-void WorkQueue::run() {
+void WorkQueue::run(const std::shared_ptr<std::atomic<bool>>& gone) {
   for (;;) {
     Item item;
     {
@@ -225,6 +247,7 @@ void WorkQueue::run() {
     c10::intrusive_ptr<ShardkitWork> work = std::move(item.work);
     execute(*work, std::move(item.body));
     work.reset();  // this thread's reference goes at once: the Work's outputs then live as long as the caller's
+    if (gone->load()) return;  // the queue was destroyed by what ran (see the destructor): touch nothing of it
     {
       std::lock_guard<std::mutex> lock(mutex_);
       busy_ = false;

@@ -22,9 +22,11 @@
 #include <c10/core/Stream.h>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
+#include <atomic>
 #include <condition_variable>
 #include <deque>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <thread>
@@ -92,7 +94,7 @@ class ShardkitWork : public c10d::Work {
 class WorkQueue {
  public:
   WorkQueue();
-  ~WorkQueue();  // stop()
+  ~WorkQueue();  // stop(); on the worker itself (a callback dropped the backend), detaches it instead
 
   // Runs what is queued, then joins the worker (idempotent). Work arriving afterwards fails at once.
   // Called by the backend's shutdown(), so that no thread of ours outlives destroy_process_group() into
@@ -117,7 +119,8 @@ class WorkQueue {
     std::function<void()> body;
   };
   void submit(c10::intrusive_ptr<ShardkitWork> work, std::function<void()> body, bool may_run_inline);
-  void run();
+  // The worker's loop; `gone` (shared with the queue) is set when the queue was destroyed on the worker.
+  void run(const std::shared_ptr<std::atomic<bool>>& gone);
   // Runs `body`, destroys it (and the tensors it holds), then completes or fails `work`: whoever wait()
   // wakes finds this thread holding none of the op's tensors.
   static void execute(ShardkitWork& work, std::function<void()> body);
@@ -130,6 +133,7 @@ class WorkQueue {
   bool stopping_ = false;
   bool stopped_ = false;  // joined: nothing runs any more
   bool busy_ = false;  // an item is running (on the worker or inline); the next waits for it
+  std::shared_ptr<std::atomic<bool>> gone_ = std::make_shared<std::atomic<bool>>(false);  // before worker_
   std::thread worker_;
 };
 

@@ -21,6 +21,7 @@ Environment:
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import os
 import secrets
@@ -217,6 +218,20 @@ def _start(options, watch: _startup.StartupWatch, global_ranks: list[int], timeo
     backend = _C.ProcessGroupShardkit(rank, size, config, store, fallback, inter_host, job_store)
     watch.all_started(size)
     return backend
+
+
+@atexit.register
+def _shut_down_at_exit() -> None:
+    """Shuts down the backends of groups nobody destroyed (destroy_process_group() is optional in torch), while the
+    interpreter still runs: their worker threads finish what is queued and end. One left running into the
+    interpreter's finalization would drop a tensor there (taking the GIL), be ended mid-destructor, and abort the
+    process at exit."""
+    if not dist.is_available() or not dist.is_initialized():
+        return
+    for group in list(dist.distributed_c10d._world.pg_map):  # the groups not destroyed yet
+        backend = cpu_backend(group)
+        if isinstance(backend, _C.ProcessGroupShardkit):
+            backend.shutdown_now()
 
 
 def host_topology(group: dist.ProcessGroup | None = None) -> HostTopology:

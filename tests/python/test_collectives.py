@@ -350,3 +350,58 @@ def test_direct_all_reduce_matches_dist_all_reduce_bitwise(ranks, topology):
                              "sparse tensor on cpu; use torch.distributed.all_reduce for it"), errors
         assert errors[2] == ("shardkit.all_reduce_: the group's CPU backend is ProcessGroupGloo, not shardkit's; use "
                              "torch.distributed.all_reduce"), errors
+
+
+def _destroyed_from_its_own_callback(rank, world):
+    import gc
+
+    def issue():  # the callback holds the only reference to the group outside torch's registry
+        group = dist.new_group(backend="shardkit")
+        data = torch.ones(1000)
+
+        def destroy(future):
+            dist.destroy_process_group(group)
+            return future.value()
+
+        return data, dist.all_reduce(data, group=group, async_op=True).get_future().then(destroy)
+
+    data, future = issue()
+    future.wait()
+    gc.collect()
+    world_data = torch.ones(3)
+    dist.all_reduce(world_data)  # the world group still works
+    return bool(data[0].item() == world and world_data[0].item() == world)
+
+
+@pytest.mark.parametrize("topology", ["1host-w2", "2x2hosts"])
+def test_a_group_destroyed_from_a_callback_on_its_own_worker_ends_cleanly(ranks, topology):
+    # The last reference to the backend goes on its worker thread, which cannot join itself: the worker is detached
+    # (a joinable thread destroyed would terminate the process: "terminate called without an active exception").
+    assert run_on(ranks, topology, _destroyed_from_its_own_callback, timeout=90) == [True] * TOPOLOGIES[topology][0]
+
+
+EXIT_WITH_WORK_IN_FLIGHT = """
+import torch
+import torch.distributed as dist
+import shardkit  # noqa: F401
+
+dist.init_process_group("shardkit")
+for _ in range(64):  # never waited for, never destroyed: the Works alone hold these tensors
+    dist.all_reduce(torch.ones(1 << 16), async_op=True)
+print("issued", dist.get_rank(), flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_exit_with_collectives_in_flight_and_no_destroy_ends_cleanly(tmp_path):
+    # torch does not require destroy_process_group(): the exit hook drains the worker while the interpreter still
+    # runs (a worker dropping a tensor during finalization would abort the process at exit).
+    from support.harness import run_torchrun
+
+    script = tmp_path / "exit_in_flight.py"
+    script.write_text(EXIT_WITH_WORK_IN_FLIGHT)
+    for attempt in range(2):
+        proc = run_torchrun(script, 2, timeout=90)
+        output = proc.stdout + proc.stderr
+        assert proc.returncode == 0 and "terminate called" not in output, f"attempt {attempt}: {output[-3000:]}"
+        assert "issued 0" in output and "issued 1" in output
