@@ -372,7 +372,25 @@ struct InFlight {
   }
 };
 
+// `total` elements in pieces of kRailPieceBytes, the last one shorter: the unit of the rails' pipelines.
+struct Pieces {
+  Pieces(int64_t total, int64_t element_size)
+      : total(total),
+        length(std::max<int64_t>(1, static_cast<int64_t>(HierarchicalEngine::kRailPieceBytes) / element_size)),
+        count((total + length - 1) / length) {}
+
+  int64_t size(int64_t q) const { return std::min(length, total - q * length); }
+  // Piece q of a run of `total` elements.
+  at::Tensor of(const at::Tensor& run, int64_t q) const { return run.narrow(0, q * length, size(q)); }
+
+  int64_t total, length, count;
+};
+
 }  // namespace
+
+at::Tensor HierarchicalEngine::host_run(const at::Tensor& flat, int host, int64_t block) const {
+  return flat.narrow(0, hosts_[host].front() * block, static_cast<int64_t>(max_local_size_) * block);
+}
 
 void HierarchicalEngine::leaders_allreduce(const OpContext& op, at::Tensor& data, core::ReduceOp reduce) {
   const core::DType dtype = core_dtype(data);
@@ -395,10 +413,10 @@ void HierarchicalEngine::rails_allreduce(const OpContext& op, at::Tensor& data, 
   const bool padded = count % ranks_here != 0;
   at::Tensor work = padded ? at::empty({slice * ranks_here}, data.options()) : data.view({-1});
   if (padded) work.narrow(0, 0, count).copy_(data.view({-1}));
-  const int64_t piece_slice = std::max<int64_t>(1, static_cast<int64_t>(kRailPieceBytes) / data.element_size());
-  const int64_t pieces = (slice + piece_slice - 1) / piece_slice;
-  auto slice_of = [&](int64_t p) { return std::min(piece_slice, slice - p * piece_slice); };
-  auto piece_of = [&](int64_t p) { return work.narrow(0, p * piece_slice * ranks_here, slice_of(p) * ranks_here); };
+  const Pieces slices(slice, data.element_size());  // each rank's slice of every piece
+  const int64_t pieces = slices.count;
+  auto slice_of = [&](int64_t p) { return slices.size(p); };
+  auto piece_of = [&](int64_t p) { return work.narrow(0, p * slices.length * ranks_here, slice_of(p) * ranks_here); };
   auto mine_of = [&](int64_t p) { return piece_of(p).narrow(0, local_rank_ * slice_of(p), slice_of(p)); };
   // A slice's part j is summed by the rail's rank j (host j), which then sends the sum to the others.
   auto part_of = [&](int64_t p, int j) {
@@ -568,29 +586,28 @@ void HierarchicalEngine::rails_allgather(const OpContext& op, const at::Tensor& 
   const int64_t n = input.numel();
   at::Tensor flat = output.view({-1});
   at::Tensor in = input.reshape({-1});
-  // Host h's blocks: its ranks are consecutive (the rails' condition), so they fill one run of `output`.
-  auto host_run = [&](int h) { return flat.narrow(0, hosts_[h].front() * n, static_cast<int64_t>(max_local_size_) * n); };
-  const int64_t piece = std::max<int64_t>(1, static_cast<int64_t>(kRailPieceBytes) / input.element_size());
-  const int64_t pieces = (n + piece - 1) / piece;
-  auto span = [&](const at::Tensor& t, int64_t q) { return t.narrow(0, q * piece, std::min(piece, n - q * piece)); };
-  at::Tensor received = at::empty({(hosts - 1) * n}, input.options());  // peers in host order, this host skipped
-  std::vector<at::Tensor> from_host = received.chunk(hosts - 1);
+  const Pieces pieces(n, input.element_size());
+  // Each other host's block at this rank's position arrives straight into its place in `output`; the in-host
+  // all-gather of that host's blocks then leaves it where it is (in place).
+  std::vector<at::Tensor> from_host;
+  for (int h = 0; h < hosts; ++h) {
+    if (h != host_) from_host.push_back(host_run(flat, h, n).narrow(0, local_rank_ * n, n));
+  }
   // Every piece's exchange is posted at once (the link takes them in order); this host's in-host all-gather runs
   // meanwhile, then each other host's pieces are shared in the host as they arrive.
   InFlight rail{inter_host_for(op), {}};
-  for (int64_t q = 0; q < pieces; ++q) {
-    std::vector<at::Tensor> to_peer(hosts - 1, span(in, q)), from_peer;
-    for (const at::Tensor& block : from_host) from_peer.push_back(span(block, q));
+  for (int64_t q = 0; q < pieces.count; ++q) {
+    std::vector<at::Tensor> to_peer(hosts - 1, pieces.of(in, q)), from_peer;
+    for (const at::Tensor& block : from_host) from_peer.push_back(pieces.of(block, q));
     rail.works.push_back(start_exchange(op, *rail.backend, to_peer, from_peer, static_cast<int>(q)));
   }
-  local_->allgather(in.data_ptr(), host_run(host_).data_ptr(), static_cast<size_t>(n), dtype, in_host(op));
-  for (int64_t q = 0; q < pieces; ++q) {
+  local_->allgather(in.data_ptr(), host_run(flat, host_, n).data_ptr(), static_cast<size_t>(n), dtype, in_host(op));
+  for (int64_t q = 0; q < pieces.count; ++q) {
     wait_inner(op, "the inter-host all-gather (gloo on the rails)", rail.backend, rail.works[q]);
     for (int h = 0, peer = 0; h < hosts; ++h) {
       if (h == host_) continue;
-      at::Tensor arrived = span(from_host[peer++], q);
-      local_->allgather_strided(arrived.data_ptr(), span(host_run(h), q).data_ptr(),
-                                static_cast<size_t>(arrived.numel()), static_cast<size_t>(n), dtype, in_host(op));
+      local_->allgather_strided(pieces.of(from_host[peer++], q).data_ptr(), pieces.of(host_run(flat, h, n), q).data_ptr(),
+                                static_cast<size_t>(pieces.size(q)), static_cast<size_t>(n), dtype, in_host(op));
     }
   }
 }
@@ -605,16 +622,6 @@ void HierarchicalEngine::reduce_scatter(const OpContext& op, const at::Tensor& i
     }
   });
 }
-
-namespace {
-
-// out = the reduction of `blocks` (one per host, in host order, `count` elements each) with `reduce`.
-void reduce_blocks(const std::vector<const void*>& blocks, void* out, size_t count, core::DType dtype,
-                   core::ReduceOp reduce) {
-  core::reduce_into(out, blocks.data(), static_cast<int>(blocks.size()), count, dtype, reduce);
-}
-
-}  // namespace
 
 void HierarchicalEngine::leaders_reduce_scatter(const OpContext& op, const at::Tensor& input, at::Tensor& output,
                                                 core::ReduceOp reduce) {
@@ -649,7 +656,7 @@ void HierarchicalEngine::leaders_reduce_scatter(const OpContext& op, const at::T
       wait_inner(op, "the inter-host reduce-scatter (gloo among host leaders)", leaders,
                  start_exchange(op, *leaders, send.chunk(hosts - 1), received.chunk(hosts - 1)));
       host_blocks = at::empty({host_count}, input.options());
-      reduce_blocks(sums, host_blocks.data_ptr(), static_cast<size_t>(host_count), dtype, reduce);
+      core::reduce_into(host_blocks.data_ptr(), sums.data(), hosts, static_cast<size_t>(host_count), dtype, reduce);
     }
   }
   local_->scatter(leader() ? host_blocks.data_ptr() : nullptr, output.data_ptr(), static_cast<size_t>(n), dtype, 0,
@@ -662,47 +669,46 @@ void HierarchicalEngine::rails_reduce_scatter(const OpContext& op, const at::Ten
   const int hosts = static_cast<int>(hosts_.size());
   const int64_t n = output.numel();
   at::Tensor flat = input.reshape({-1});
-  at::Tensor out = output.view({-1});
-  auto host_run = [&](int h) { return flat.narrow(0, hosts_[h].front() * n, static_cast<int64_t>(max_local_size_) * n); };
-  const int64_t piece = std::max<int64_t>(1, static_cast<int64_t>(kRailPieceBytes) / input.element_size());
-  const int64_t pieces = (n + piece - 1) / piece;
-  auto span = [&](const at::Tensor& t, int64_t q) { return t.narrow(0, q * piece, std::min(piece, n - q * piece)); };
+  at::Tensor out = output.view({-1});  // first this host's partial sum of this rank's block, then the whole sum
+  const Pieces pieces(n, input.element_size());
   // to_host[i]: this host's partial sums of local rank k's block of the i-th other host; from_host[i]: that host's
   // of this rank's block.
   at::Tensor send = at::empty({(hosts - 1) * n}, input.options());
   at::Tensor received = at::empty({(hosts - 1) * n}, input.options());
-  at::Tensor own = at::empty({n}, input.options());  // this host's partial sum of this rank's block
   std::vector<at::Tensor> to_host = send.chunk(hosts - 1), from_host = received.chunk(hosts - 1);
-  InFlight rail{nullptr, std::vector<c10::intrusive_ptr<c10d::Work>>(pieces)};
+  InFlight rail{nullptr, std::vector<c10::intrusive_ptr<c10d::Work>>(pieces.count)};
   // Piece q of every block: summed in the host (the other hosts' first, so they go on the link at once), exchanged,
-  // then summed over the hosts in host order once it is in, while later pieces are summed in the host.
+  // then summed over the hosts in host order once it is in, while later pieces are summed in the host. Piece q of
+  // `output` is written only once the in-host step has read piece q of every input block (`output` may be this
+  // rank's own block of `input`).
   auto scatter_piece = [&](int64_t q) {
-    const size_t count = static_cast<size_t>(span(own, q).numel());
+    const size_t count = static_cast<size_t>(pieces.size(q));
     for (int h = 0, peer = 0; h < hosts; ++h) {
       if (h == host_) continue;
-      local_->reduce_scatter_strided(span(host_run(h), q).data_ptr(), static_cast<size_t>(n),
-                                     span(to_host[peer++], q).data_ptr(), count, dtype, reduce, in_host(op));
+      local_->reduce_scatter_strided(pieces.of(host_run(flat, h, n), q).data_ptr(), static_cast<size_t>(n),
+                                     pieces.of(to_host[peer++], q).data_ptr(), count, dtype, reduce, in_host(op));
     }
     if (q == 0) rail.backend = inter_host_for(op);  // (a leader: after the fingerprint, which ran meanwhile)
     std::vector<at::Tensor> to_peer, from_peer;
     for (int i = 0; i < hosts - 1; ++i) {
-      to_peer.push_back(span(to_host[i], q));
-      from_peer.push_back(span(from_host[i], q));
+      to_peer.push_back(pieces.of(to_host[i], q));
+      from_peer.push_back(pieces.of(from_host[i], q));
     }
     rail.works[q] = start_exchange(op, *rail.backend, to_peer, from_peer, static_cast<int>(q));
-    local_->reduce_scatter_strided(span(host_run(host_), q).data_ptr(), static_cast<size_t>(n),
-                                   span(own, q).data_ptr(), count, dtype, reduce, in_host(op));
+    local_->reduce_scatter_strided(pieces.of(host_run(flat, host_, n), q).data_ptr(), static_cast<size_t>(n),
+                                   pieces.of(out, q).data_ptr(), count, dtype, reduce, in_host(op));
   };
   auto sum_piece = [&](int64_t q) {
     wait_inner(op, "the inter-host reduce-scatter (gloo on the rails)", rail.backend, rail.works[q]);
     std::vector<const void*> sums;
     for (int h = 0, peer = 0; h < hosts; ++h) {
-      sums.push_back(h == host_ ? span(own, q).data_ptr() : span(from_host[peer++], q).data_ptr());
+      sums.push_back(pieces.of(h == host_ ? out : from_host[peer++], q).data_ptr());
     }
-    reduce_blocks(sums, span(out, q).data_ptr(), static_cast<size_t>(span(own, q).numel()), dtype, reduce);
+    core::reduce_into(pieces.of(out, q).data_ptr(), sums.data(), hosts, static_cast<size_t>(pieces.size(q)), dtype,
+                      reduce);
   };
-  for (int64_t q = 0; q <= pieces; ++q) {
-    if (q < pieces) scatter_piece(q);
+  for (int64_t q = 0; q <= pieces.count; ++q) {
+    if (q < pieces.count) scatter_piece(q);
     if (q >= 1) sum_piece(q - 1);
   }
 }

@@ -140,6 +140,9 @@ class HierarchicalEngine : public Engine {
   // Why the engine aborted; empty while it has not.
   std::string aborted_reason() const;
   bool leader() const { return local_rank_ == 0; }
+  // Host `host`'s blocks of `block` elements in a tensor laid out by group rank: one run, as its ranks are
+  // consecutive (the rails' condition).
+  at::Tensor host_run(const at::Tensor& flat, int host, int64_t block) const;
   // Waits for an inner gloo op running on `backend`; its failure becomes an error naming the user's op and the
   // step. Ends early, with the reason, when the engine is aborted (from another thread) or the group's notice
   // appears in the Store; the op may then still run, so `backend` is abandoned (InnerBackends::abandon).
