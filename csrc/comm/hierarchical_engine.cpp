@@ -186,9 +186,18 @@ void HierarchicalEngine::wait_inner(const OpContext& op, const char* step, c10::
       work->wait(std::clamp(left, milliseconds(1), std::chrono::duration_cast<milliseconds>(kNoticeEvery)));
       return;
     } catch (const std::exception& error) {
-      // The op's own failure, or the deadline (the op still in flight: abandoned); else only this slice ended.
-      if (work->isCompleted() || clock::now() >= deadline) {
-        if (!work->isCompleted()) InnerBackends::abandon(std::move(backend));
+      // Only this slice ended, the op failed, or the deadline passed (the op still in flight: abandoned). An op that
+      // completed just after its slice timed out is judged by its own outcome, not by the slice's "timed out".
+      if (work->isCompleted()) {
+        try {
+          work->wait();
+          return;
+        } catch (const std::exception& failure) {
+          throw InnerStepError(op.where() + step + " failed: " + message_of(failure));
+        }
+      }
+      if (clock::now() >= deadline) {
+        InnerBackends::abandon(std::move(backend));
         throw InnerStepError(op.where() + step + " failed: " + message_of(error));
       }
     }
