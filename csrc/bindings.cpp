@@ -15,6 +15,7 @@
 #include "core/crc32c.h"
 #include "core/flat_layout.h"
 #include "core/liveness.h"
+#include "core/quantize.h"
 #include "core/reduce.h"
 #include "core/shm_segment.h"
 #include "core/rename_exchange.h"
@@ -73,6 +74,24 @@ PYBIND11_MODULE(_C, m) {
         "The collective identity of the part of a model `description` names (hashed with `detail`).");
   m.def("exchange_current_identity", &shardkit::core::exchange_current_identity, py::arg("identity"),
         "Makes `identity` this thread's collective identity; returns the one it replaces.");
+  using shardkit::core::InterHostQuantization;
+  using shardkit::core::QuantBits;
+  using shardkit::core::QuantFormat;
+  py::class_<QuantFormat>(m, "QuantFormat")
+      .def(py::init([](int bits, uint32_t block) { return QuantFormat{static_cast<QuantBits>(bits), block}; }),
+           py::arg("bits") = 0, py::arg("block") = 0)
+      .def_property_readonly("bits", [](const QuantFormat& f) { return static_cast<int>(f.bits); })
+      .def_readonly("block", &QuantFormat::block)
+      .def("__repr__", &QuantFormat::describe);
+  py::class_<InterHostQuantization>(m, "InterHostQuantization")
+      .def(py::init([](QuantFormat gather, QuantFormat reduce) { return InterHostQuantization{gather, reduce}; }),
+           py::arg("gather") = QuantFormat{}, py::arg("reduce") = QuantFormat{})
+      .def_readonly("gather", &InterHostQuantization::gather)
+      .def_readonly("reduce", &InterHostQuantization::reduce);
+  m.def("exchange_current_quantization", &shardkit::core::exchange_current_quantization, py::arg("quantization"),
+        "Makes `quantization` the inter-host wire format of this thread's collectives; returns the one it replaces.");
+  m.def("quantized_bytes", &shardkit::core::quantized_bytes, py::arg("count"), py::arg("format"),
+        "Bytes of the record of `count` elements in `format` (core/quantize.h).");
   m.def("remove_segment_name", &shardkit::core::remove_segment_name, py::arg("name"),
         "Removes a shared-memory segment's name from /dev/shm if it is there (a failed start-up's cleanup).");
   m.def("process_exited", &shardkit::core::process_exited, py::arg("pid"),
@@ -113,6 +132,9 @@ PYBIND11_MODULE(_C, m) {
       .def("shutdown_now", &ProcessGroupShardkit::shutdown, py::call_guard<py::gil_scoped_release>(),
            "destroy_process_group()'s shutdown (idempotent), the GIL released while the worker finishes what is "
            "queued: what may still drop Python objects there can take it.")
+      .def("inter_host_bytes", &ProcessGroupShardkit::inter_host_bytes,
+           "Payload bytes this rank has sent to other hosts in point-to-point exchanges (every rails op, every "
+           "reduce-scatter, every quantized op; not the leader scheme's exact gloo collectives).")
       .def("shared_ops", &ProcessGroupShardkit::shared_ops,
            "Collectives (allreduce, reduce_scatter) that read their input from a shared buffer.")
       .def("cuda_route", &ProcessGroupShardkit::cuda_route,
@@ -168,6 +190,7 @@ PYBIND11_MODULE(_C, m) {
       .def("bucket_buffers", &Reducer::bucket_buffers)
       .def("zero_copy", &Reducer::zero_copy)
       .def("set_engine_average", &Reducer::set_engine_average, py::arg("allowed"))
+      .def("set_quantization", &Reducer::set_quantization, py::arg("quantization"))
       .def("load_bucket_indices", &Reducer::load_bucket_indices, py::arg("assignment"),
            py::call_guard<py::gil_scoped_release>())
       .def("set_gradient_shards", &Reducer::set_gradient_shards, py::arg("layouts"), py::arg("shards"),

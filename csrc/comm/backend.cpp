@@ -74,8 +74,12 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::launch(c10d::OpType type, c
                                                             const std::vector<at::Tensor>& inputs) {
   const uint64_t issued = ++seq_;
   const uint64_t identity = core::current_identity();  // on the issuing thread: the op may run on the worker's
+  const core::InterHostQuantization quantization = core::current_quantization();  // (the same)
   const bool compare_across_hosts = compare_across_hosts_.load();
   const bool cuda = any_cuda(outputs) || any_cuda(inputs);
+  TORCH_CHECK(!cuda || quantization.exact(), args_.where(op),
+              "quantized inter-host traffic (comm=shardkit.Quantized(...)) is not available for CUDA tensors yet; "
+              "it runs on host tensors");
 #ifdef SHARDKIT_WITH_CUDA
   std::shared_ptr<CudaReady> ready;  // CUDA ops: what the caller's stream queued before the op
   std::vector<c10::Device> devices;  // the CUDA future's devices: those of the outputs
@@ -97,9 +101,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::launch(c10d::OpType type, c
 #ifdef SHARDKIT_WITH_CUDA
   // A CUDA op's body (and the tensors it holds) lives until the op ends on the device: the watchdog keeps it.
   auto shared_body = std::make_shared<Body>(std::move(body));
-  auto run = [this, op, timeout = op_timeout(opts.timeout), identity, compare_across_hosts, shared_body, ready,
-              work]() {
-    const OpContext op_context = context(op, timeout, identity, compare_across_hosts);
+  auto run = [this, op, timeout = op_timeout(opts.timeout), identity, compare_across_hosts, quantization,
+              shared_body, ready, work]() {
+    const OpContext op_context = context(op, timeout, identity, compare_across_hosts, quantization);
     if (ready) {  // CUDA tensors: NCCL, or host staging where NCCL cannot serve (comm/nccl/cuda_route.h)
       run_failing_everywhere([&] {
         cuda_->run(op_context, *ready, [&](Engine& engine) { (*shared_body)(engine, op_context); }, work,
@@ -110,9 +114,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::launch(c10d::OpType type, c
     run_failing_everywhere([&] { (*shared_body)(route(op_context), op_context); });
   };
 #else
-  auto run = [this, op, timeout = op_timeout(opts.timeout), identity, compare_across_hosts,
+  auto run = [this, op, timeout = op_timeout(opts.timeout), identity, compare_across_hosts, quantization,
               body = std::move(body)]() mutable {
-    const OpContext op_context = context(op, timeout, identity, compare_across_hosts);
+    const OpContext op_context = context(op, timeout, identity, compare_across_hosts, quantization);
     run_failing_everywhere([&] { body(route(op_context), op_context); });
   };
 #endif
@@ -157,7 +161,7 @@ void ProcessGroupShardkit::allreduce_now(at::Tensor& tensor, const c10d::ReduceO
   ++seq_;
   queue_.run_now([&] {
     const OpContext op_context = context("allreduce", op_timeout(timeout), core::current_identity(),
-                                         compare_across_hosts_.load());
+                                         compare_across_hosts_.load(), core::current_quantization());
     run_failing_everywhere([&] {
       with_contiguous(tensor, [&](at::Tensor& t) { allreduce_with(spec, t, getSize(), route(op_context), op_context); });
     });
@@ -170,7 +174,7 @@ at::Tensor ProcessGroupShardkit::shared_buffer(int64_t bytes, std::string* refus
   at::Tensor out;
   queue_.run_now([&] {
     const OpContext context = this->context("shared_buffer", op_timeout(c10d::kUnsetTimeout), core::current_identity(),
-                                            compare_across_hosts_.load());
+                                            compare_across_hosts_.load(), core::InterHostQuantization{});
     std::shared_ptr<core::SharedBuffer> buffer;
     run_failing_everywhere([&] { buffer = engine_->share_buffer(context, static_cast<size_t>(bytes), refused); });
     if (!buffer) return;  // the caller tells the user why (python/shardkit/backend.py warns)

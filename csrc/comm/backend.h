@@ -138,6 +138,8 @@ class ProcessGroupShardkit : public c10d::Backend {
   at::Tensor shared_buffer(int64_t bytes, std::string* refused = nullptr);
   // Collectives that read their input from a shared buffer on this group (for tests and benchmarks).
   uint64_t shared_ops() const { return engine_->shared_ops(); }
+  // Payload bytes this rank has sent to other hosts in exchanges (Engine::inter_host_bytes).
+  uint64_t inter_host_bytes() const { return engine_->inter_host_bytes(); }
 
   // What carries this group's CUDA collectives: "nccl", "host shared memory: <why>", "undecided: ..." before
   // the first one, or why there is no CUDA support in this build.
@@ -184,7 +186,8 @@ class ProcessGroupShardkit : public c10d::Backend {
   void run_failing_everywhere(Body&& body);
   // The op as it runs: numbered in run order, named by the global rank, with the identity it was issued under and
   // whether the group compared identities across hosts then.
-  OpContext context(const char* op, std::chrono::milliseconds timeout, uint64_t identity, bool compare_across_hosts);
+  OpContext context(const char* op, std::chrono::milliseconds timeout, uint64_t identity, bool compare_across_hosts,
+                    core::InterHostQuantization quantization);
   std::chrono::milliseconds op_timeout(std::chrono::milliseconds requested) const;
   void refuse_cuda_point_to_point(const std::vector<at::Tensor>& tensors, const char* op) const;
   // allreduce of a sparse COO tensor (SUM only, like gloo's): every rank's indices and values, gathered.

@@ -27,6 +27,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/quantize.h"
 #include "core/shm_group.h"
 #include "core/types.h"
 
@@ -43,6 +44,10 @@ struct OpContext {
   // The group compares every op's identity across hosts (ProcessGroupShardkit::compare_identities_across_hosts):
   // the same on every rank for a given op, unlike `identity`, so it decides what the host leaders exchange.
   bool compare_across_hosts = false;
+  // How its bytes cross between hosts, as its issuer asked (core::QuantizationScope): the hierarchical engine
+  // quantizes an all-gather's floating data with `gather` and a floating sum's (reduce-scatter, allreduce) with
+  // `reduce`; everything else, and every byte inside a host, moves exact.
+  core::InterHostQuantization quantization{};
 
   // The same op, as told to a shared-memory group that runs all of it or one step of it.
   core::CallInfo call(bool step = false) const { return {timeout, op, seq, step, identity}; }
@@ -93,6 +98,10 @@ class Engine {
   }
   // Collectives that read their input from such a buffer (for tests and benchmarks).
   virtual uint64_t shared_ops() const { return 0; }
+  // Payload bytes this rank has sent to other hosts in point-to-point exchanges: every rails op, every
+  // reduce-scatter and every quantized op crosses that way (the leader scheme's exact allreduce, all-gather,
+  // broadcast, reduce and barrier run as gloo collectives and are not counted). 0 where no byte leaves the host.
+  virtual uint64_t inter_host_bytes() const { return 0; }
 
   // Aborts the engine for good from any thread, also while an op runs on it: that op and every later one fail
   // with `reason`, and so do the peers' (the shm group's abort wakes this host's ranks; other hosts learn through

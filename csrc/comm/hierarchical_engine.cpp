@@ -69,6 +69,46 @@ c10d::ReduceOp::RedOpType c10d_op_for_bool(core::ReduceOp op) {
   }
 }
 
+// The wire formats of an op's data between hosts (OpContext::quantization): only floating data, and for reductions only
+// sums, are quantized.
+core::QuantFormat gather_wire(const OpContext& op, const at::Tensor& data) {
+  return core::quantizable(core_dtype(data)) ? op.quantization.gather : core::QuantFormat{};
+}
+
+core::QuantFormat reduce_wire(const OpContext& op, const at::Tensor& data, core::ReduceOp reduce) {
+  return core::quantizable(core_dtype(data)) && reduce == core::ReduceOp::Sum ? op.quantization.reduce
+                                                                             : core::QuantFormat{};
+}
+
+// How one op's runs of values travel between hosts: as they are, or as records of `format` (core/quantize.h).
+class Wire {
+ public:
+  Wire(core::QuantFormat format, core::DType dtype) : format_(format), dtype_(dtype) {}
+
+  bool exact() const { return format_.exact(); }
+  // What goes on the link for `values`: the values themselves, or their record. With `hold_what_is_sent`, `values`
+  // become what the receivers will decode, so that sender and receivers hold the same bits.
+  at::Tensor outgoing(const at::Tensor& values, bool hold_what_is_sent = false) const {
+    if (exact()) return values;
+    at::Tensor record = landing(values);
+    core::quantize(values.data_ptr(), numel_of(values), dtype_, format_, record.data_ptr());
+    if (hold_what_is_sent) core::dequantize(record.data_ptr(), numel_of(values), dtype_, format_, values.data_ptr());
+    return record;
+  }
+  // Where the link leaves what arrives for `values`: `values` themselves, or a record for arrived() to decode.
+  at::Tensor landing(const at::Tensor& values) const {
+    if (exact()) return values;
+    return at::empty({static_cast<int64_t>(core::quantized_bytes(numel_of(values), format_))}, at::kByte);
+  }
+  void arrived(const at::Tensor& landing, const at::Tensor& values) const {
+    if (!exact()) core::dequantize(landing.data_ptr(), numel_of(values), dtype_, format_, values.data_ptr());
+  }
+
+ private:
+  core::QuantFormat format_;
+  core::DType dtype_;
+};
+
 }  // namespace
 
 int HostLayout::num_hosts() const { return host_of.empty() ? 0 : *std::max_element(host_of.begin(), host_of.end()) + 1; }
@@ -221,6 +261,12 @@ std::string HierarchicalEngine::Fingerprint::describe() const {
     text += std::string(" (") + core::dtype_name(static_cast<core::DType>(f.dtype)) + " x " + std::to_string(f.count) + ")";
   }
   if (f.identity != 0) text += " for " + core::describe_identity(f.identity);
+  if (f.gather_wire != 0 || f.reduce_wire != 0) {
+    auto format = [](uint32_t packed) {
+      return core::QuantFormat{static_cast<core::QuantBits>(packed & 0xFF), packed >> 8}.describe();
+    };
+    text += ", inter-host bytes: all-gathers " + format(f.gather_wire) + ", sums " + format(f.reduce_wire);
+  }
   return text;
 }
 
@@ -232,6 +278,11 @@ void HierarchicalEngine::start_fingerprint(const OpContext& op, const LeaderStep
   mine.count = step.count;
   mine.kind = static_cast<uint32_t>(step.kind);
   mine.dtype = static_cast<uint32_t>(step.dtype);
+  auto packed = [](core::QuantFormat format) {
+    return format.exact() ? 0u : static_cast<uint32_t>(format.bits) | (format.block << 8);
+  };
+  mine.gather_wire = packed(op.quantization.gather);
+  mine.reduce_wire = packed(op.quantization.reduce);
   std::strncpy(mine.label, op.op, sizeof(mine.label) - 1);
   if (!fingerprint_in_.defined()) {  // the first: the sizes are the group's for good
     fingerprint_in_ = at::empty({static_cast<int64_t>(sizeof(Fingerprint))}, at::kByte);
@@ -357,6 +408,7 @@ c10::intrusive_ptr<c10d::Work> HierarchicalEngine::start_exchange(const OpContex
     works.push_back(backend.recv(incoming, host, tag));
     peer_of.push_back(who);
     std::vector<at::Tensor> outgoing{as_bytes(to_peer[i])};
+    inter_host_bytes_.fetch_add(to_peer[i].nbytes(), std::memory_order_relaxed);
     works.push_back(backend.send(outgoing, host, tag));
     peer_of.push_back(who);
   }
@@ -405,17 +457,24 @@ void HierarchicalEngine::leaders_allreduce(const OpContext& op, at::Tensor& data
   const core::DType dtype = core_dtype(data);
   local_->reduce(data.data_ptr(), data.data_ptr(), numel_of(data), dtype, reduce, 0, in_host(op));
   if (leader() && data.numel() > 0) {
-    c10::intrusive_ptr<c10d::Backend> leaders = inter_host_for(op);
-    wait_inner(op, "the inter-host allreduce (gloo among host leaders)", leaders,
-               start_allreduce(op, *leaders, data, reduce));
+    if (!reduce_wire(op, data, reduce).exact()) {
+      pipelined_allreduce(op, data, reduce, /*in_host_steps=*/false);
+    } else {
+      c10::intrusive_ptr<c10d::Backend> leaders = inter_host_for(op);
+      wait_inner(op, "the inter-host allreduce (gloo among host leaders)", leaders,
+                 start_allreduce(op, *leaders, data, reduce));
+    }
   }
   local_->broadcast(data.data_ptr(), numel_of(data), dtype, 0, in_host(op));
 }
 
-void HierarchicalEngine::rails_allreduce(const OpContext& op, at::Tensor& data, core::ReduceOp reduce) {
+void HierarchicalEngine::pipelined_allreduce(const OpContext& op, at::Tensor& data, core::ReduceOp reduce,
+                                             bool in_host_steps) {
   const core::DType dtype = core_dtype(data);
+  const Wire wire(reduce_wire(op, data, reduce), dtype);
   const int hosts = static_cast<int>(hosts_.size());
-  const int64_t ranks_here = max_local_size_;
+  const int64_t ranks_here = in_host_steps ? max_local_size_ : 1;
+  const int64_t position = in_host_steps ? local_rank_ : 0;  // this rank's slice of each piece
   const int64_t count = data.numel();
   const int64_t slice = (count + ranks_here - 1) / ranks_here;  // each rank's share of the whole
   // The in-host steps need `ranks_here` equal slices: a count they do not divide works in a padded copy.
@@ -426,7 +485,7 @@ void HierarchicalEngine::rails_allreduce(const OpContext& op, at::Tensor& data, 
   const int64_t pieces = slices.count;
   auto slice_of = [&](int64_t p) { return slices.size(p); };
   auto piece_of = [&](int64_t p) { return work.narrow(0, p * slices.length * ranks_here, slice_of(p) * ranks_here); };
-  auto mine_of = [&](int64_t p) { return piece_of(p).narrow(0, local_rank_ * slice_of(p), slice_of(p)); };
+  auto mine_of = [&](int64_t p) { return piece_of(p).narrow(0, position * slice_of(p), slice_of(p)); };
   // A slice's part j is summed by the rail's rank j (host j), which then sends the sum to the others.
   auto part_of = [&](int64_t p, int j) {
     const int64_t m = slice_of(p);
@@ -438,17 +497,21 @@ void HierarchicalEngine::rails_allreduce(const OpContext& op, at::Tensor& data, 
   }
   InFlight rail{nullptr, std::vector<c10::intrusive_ptr<c10d::Work>>(2 * pieces)};
   std::vector<at::Tensor> received(pieces);  // piece p: the other hosts' partial sums of this host's part
+  std::vector<std::vector<at::Tensor>> landings(2 * pieces);  // where each exchange's incoming bytes land
   // The three stages of a piece. Tags keep each exchange apart from the others in flight on the same pairs.
   auto scatter_piece = [&](int64_t p) {  // in the host: this rank's slice summed; across: parts to their owners
-    at::Tensor piece = piece_of(p);
-    local_->reduce_scatter(piece.data_ptr(), mine_of(p).data_ptr(), static_cast<size_t>(slice_of(p)), dtype, reduce,
-                           in_host(op));
+    if (in_host_steps) {
+      at::Tensor piece = piece_of(p);
+      local_->reduce_scatter(piece.data_ptr(), mine_of(p).data_ptr(), static_cast<size_t>(slice_of(p)), dtype, reduce,
+                             in_host(op));
+    }
     if (p == 0) rail.backend = inter_host_for(op);  // (a leader: after the fingerprint, which ran meanwhile)
     const int64_t own = part_of(p, host_).numel();
     received[p] = at::empty({(hosts - 1) * own}, data.options());
-    std::vector<at::Tensor> to_peer, from_peer = received[p].chunk(hosts - 1);
-    for (int h : peers) to_peer.push_back(part_of(p, h));
-    rail.works[2 * p] = start_exchange(op, *rail.backend, to_peer, from_peer, static_cast<int>(2 * p));
+    std::vector<at::Tensor> to_peer;
+    for (int h : peers) to_peer.push_back(wire.outgoing(part_of(p, h)));
+    for (int i = 0; i < hosts - 1; ++i) landings[2 * p].push_back(wire.landing(received[p].narrow(0, i * own, own)));
+    rail.works[2 * p] = start_exchange(op, *rail.backend, to_peer, landings[2 * p], static_cast<int>(2 * p));
   };
   auto reduce_piece = [&](int64_t p) {  // this host's part summed over the hosts, in host order; sent to all
     wait_inner(op, "the inter-host reduce-scatter step of an allreduce (gloo on the rails)", rail.backend,
@@ -456,20 +519,31 @@ void HierarchicalEngine::rails_allreduce(const OpContext& op, at::Tensor& data, 
     at::Tensor own = part_of(p, host_);
     std::vector<const void*> sums;
     for (int h = 0, i = 0; h < hosts; ++h) {
-      sums.push_back(h == host_ ? own.data_ptr() : received[p].narrow(0, (i++) * own.numel(), own.numel()).data_ptr());
+      if (h == host_) {
+        sums.push_back(own.data_ptr());
+        continue;
+      }
+      at::Tensor theirs = received[p].narrow(0, i * own.numel(), own.numel());
+      wire.arrived(landings[2 * p][i++], theirs);
+      sums.push_back(theirs.data_ptr());
     }
     core::reduce_into(own.data_ptr(), sums.data(), hosts, static_cast<size_t>(own.numel()), dtype, reduce);
     received[p] = at::Tensor();
-    std::vector<at::Tensor> to_peer(hosts - 1, own), from_peer;
-    for (int h : peers) from_peer.push_back(part_of(p, h));
-    rail.works[2 * p + 1] = start_exchange(op, *rail.backend, to_peer, from_peer, static_cast<int>(2 * p + 1));
+    landings[2 * p].clear();
+    std::vector<at::Tensor> to_peer(hosts - 1, wire.outgoing(own, /*hold_what_is_sent=*/true));
+    for (int h : peers) landings[2 * p + 1].push_back(wire.landing(part_of(p, h)));
+    rail.works[2 * p + 1] = start_exchange(op, *rail.backend, to_peer, landings[2 * p + 1], static_cast<int>(2 * p + 1));
   };
   auto gather_piece = [&](int64_t p) {  // the hosts' sums in, then shared in the host
     wait_inner(op, "the inter-host all-gather step of an allreduce (gloo on the rails)", rail.backend,
                rail.works[2 * p + 1]);
-    at::Tensor piece = piece_of(p);
-    local_->allgather(mine_of(p).data_ptr(), piece.data_ptr(), static_cast<size_t>(slice_of(p)), dtype,
-                      in_host(op));
+    for (size_t i = 0; i < peers.size(); ++i) wire.arrived(landings[2 * p + 1][i], part_of(p, peers[i]));
+    landings[2 * p + 1].clear();
+    if (in_host_steps) {
+      at::Tensor piece = piece_of(p);
+      local_->allgather(mine_of(p).data_ptr(), piece.data_ptr(), static_cast<size_t>(slice_of(p)), dtype,
+                        in_host(op));
+    }
   };
   // Pipelined: a piece's in-host steps run while the pieces before it are on the link.
   for (int64_t p = 0; p < pieces + 2; ++p) {
@@ -513,7 +587,7 @@ void HierarchicalEngine::broadcast(const OpContext& op, at::Tensor& data, int ro
 void HierarchicalEngine::allreduce(const OpContext& op, at::Tensor& data, core::ReduceOp reduce) {
   guarded(op, LeaderStep{core::OpKind::AllReduce, numel_of(data), core_dtype(data)}, [&] {
     if (use_rails(data.nbytes())) {
-      rails_allreduce(op, data, reduce);
+      pipelined_allreduce(op, data, reduce, /*in_host_steps=*/true);
     } else {
       leaders_allreduce(op, data, reduce);
     }
@@ -566,7 +640,36 @@ void HierarchicalEngine::leaders_allgather(const OpContext& op, const at::Tensor
   if (leader()) host_block = at::empty({block}, input.options());
   local_->gather(input.data_ptr(), leader() ? host_block.data_ptr() : nullptr, static_cast<size_t>(n), dtype, 0,
                  in_host(op));
-  if (leader()) {
+  const core::QuantFormat format = gather_wire(op, input);
+  if (leader() && n > 0 && !format.exact()) {
+    // Each rank's block is quantized on its own, so its record decodes to the same values wherever it lands; the
+    // leaders exchange their hosts' records and every host's are decoded into place, this host's too.
+    const int hosts = static_cast<int>(hosts_.size());
+    const int64_t record = static_cast<int64_t>(core::quantized_bytes(static_cast<size_t>(n), format));
+    const int64_t host_records = max_local_size_ * record;
+    at::Tensor records = at::empty({hosts * host_records}, at::kByte);  // every host's, in host order
+    auto record_of = [&](int h, int64_t l) { return records.narrow(0, h * host_records + l * record, record); };
+    for (size_t l = 0; l < hosts_[host_].size(); ++l) {
+      core::quantize(host_block.narrow(0, static_cast<int64_t>(l) * n, n).data_ptr(), static_cast<size_t>(n), dtype,
+                     format, record_of(host_, static_cast<int64_t>(l)).data_ptr());
+    }
+    std::vector<at::Tensor> to_peer, from_peer;
+    for (int h = 0; h < hosts; ++h) {
+      if (h == host_) continue;
+      to_peer.push_back(records.narrow(0, host_ * host_records, host_records));
+      from_peer.push_back(records.narrow(0, h * host_records, host_records));
+    }
+    c10::intrusive_ptr<c10d::Backend> leaders = inter_host_for(op);
+    wait_inner(op, "the inter-host all-gather (gloo among host leaders)", leaders,
+               start_exchange(op, *leaders, to_peer, from_peer));
+    at::Tensor flat = output.view({-1});
+    for (int h = 0; h < hosts; ++h) {
+      for (size_t l = 0; l < hosts_[h].size(); ++l) {
+        core::dequantize(record_of(h, static_cast<int64_t>(l)).data_ptr(), static_cast<size_t>(n), dtype, format,
+                         flat.narrow(0, hosts_[h][l] * n, n).data_ptr());
+      }
+    }
+  } else if (leader()) {
     const int64_t hosts = static_cast<int64_t>(hosts_.size());
     at::Tensor all_hosts = at::empty({block * hosts}, input.options());
     if (n > 0) {
@@ -594,7 +697,10 @@ void HierarchicalEngine::rails_allgather(const OpContext& op, const at::Tensor& 
   const int hosts = static_cast<int>(hosts_.size());
   const int64_t n = input.numel();
   at::Tensor flat = output.view({-1});
-  at::Tensor in = input.reshape({-1});
+  const Wire wire(gather_wire(op, input), dtype);
+  // What this host shares of this rank's input: the input, or (quantized) what the other hosts decode of it, so
+  // that every rank holds the same bits.
+  at::Tensor in = wire.exact() ? input.reshape({-1}) : input.reshape({-1}).clone();
   const Pieces pieces(n, input.element_size());
   // Each other host's block at this rank's position arrives straight into its place in `output`; the in-host
   // all-gather of that host's blocks then leaves it where it is (in place).
@@ -605,16 +711,18 @@ void HierarchicalEngine::rails_allgather(const OpContext& op, const at::Tensor& 
   // Every piece's exchange is posted at once (the link takes them in order); this host's in-host all-gather runs
   // meanwhile, then each other host's pieces are shared in the host as they arrive.
   InFlight rail{inter_host_for(op), {}};
+  std::vector<std::vector<at::Tensor>> landings(pieces.count);
   for (int64_t q = 0; q < pieces.count; ++q) {
-    std::vector<at::Tensor> to_peer(hosts - 1, pieces.of(in, q)), from_peer;
-    for (const at::Tensor& block : from_host) from_peer.push_back(pieces.of(block, q));
-    rail.works.push_back(start_exchange(op, *rail.backend, to_peer, from_peer, static_cast<int>(q)));
+    std::vector<at::Tensor> to_peer(hosts - 1, wire.outgoing(pieces.of(in, q), /*hold_what_is_sent=*/true));
+    for (const at::Tensor& block : from_host) landings[q].push_back(wire.landing(pieces.of(block, q)));
+    rail.works.push_back(start_exchange(op, *rail.backend, to_peer, landings[q], static_cast<int>(q)));
   }
   local_->allgather(in.data_ptr(), host_run(flat, host_, n).data_ptr(), static_cast<size_t>(n), dtype, in_host(op));
   for (int64_t q = 0; q < pieces.count; ++q) {
     wait_inner(op, "the inter-host all-gather (gloo on the rails)", rail.backend, rail.works[q]);
     for (int h = 0, peer = 0; h < hosts; ++h) {
       if (h == host_) continue;
+      wire.arrived(landings[q][peer], pieces.of(from_host[peer], q));
       local_->allgather_strided(pieces.of(from_host[peer++], q).data_ptr(), pieces.of(host_run(flat, h, n), q).data_ptr(),
                                 static_cast<size_t>(pieces.size(q)), static_cast<size_t>(n), dtype, in_host(op));
     }
@@ -648,7 +756,8 @@ void HierarchicalEngine::leaders_reduce_scatter(const OpContext& op, const at::T
     local_->reduce(input.data_ptr(), partial.data_ptr(), numel_of(input), dtype, reduce, 0, in_host(op));
     at::Tensor flat = partial.view({-1});
     // Each other host gets this host's partial sums of its ranks' blocks; theirs of this host's ranks come back.
-    at::Tensor send = at::empty({(hosts - 1) * block}, input.options());
+    // (Zeros: a smaller host's padding must not weigh in a quantized block's scale.)
+    at::Tensor send = at::zeros({(hosts - 1) * block}, input.options());
     at::Tensor received = at::empty({(hosts - 1) * block}, input.options());
     at::Tensor own = at::empty({host_count}, input.options());
     std::vector<const void*> sums;  // this host's blocks as each host summed them, in host order
@@ -661,9 +770,17 @@ void HierarchicalEngine::leaders_reduce_scatter(const OpContext& op, const at::T
     }
     host_blocks = own;
     if (n > 0) {
+      const Wire wire(reduce_wire(op, input, reduce), dtype);
+      const std::vector<at::Tensor> to_host = send.chunk(hosts - 1), from_host = received.chunk(hosts - 1);
+      std::vector<at::Tensor> to_peer, from_peer;
+      for (int i = 0; i < hosts - 1; ++i) {
+        to_peer.push_back(wire.outgoing(to_host[i]));
+        from_peer.push_back(wire.landing(from_host[i]));
+      }
       c10::intrusive_ptr<c10d::Backend> leaders = inter_host_for(op);
       wait_inner(op, "the inter-host reduce-scatter (gloo among host leaders)", leaders,
-                 start_exchange(op, *leaders, send.chunk(hosts - 1), received.chunk(hosts - 1)));
+                 start_exchange(op, *leaders, to_peer, from_peer));
+      for (int i = 0; i < hosts - 1; ++i) wire.arrived(from_peer[i], from_host[i]);
       host_blocks = at::empty({host_count}, input.options());
       core::reduce_into(host_blocks.data_ptr(), sums.data(), hosts, static_cast<size_t>(host_count), dtype, reduce);
     }
@@ -679,7 +796,9 @@ void HierarchicalEngine::rails_reduce_scatter(const OpContext& op, const at::Ten
   const int64_t n = output.numel();
   at::Tensor flat = input.reshape({-1});
   at::Tensor out = output.view({-1});  // first this host's partial sum of this rank's block, then the whole sum
+  const Wire wire(reduce_wire(op, input, reduce), dtype);
   const Pieces pieces(n, input.element_size());
+  std::vector<std::vector<at::Tensor>> landings(pieces.count);  // where each piece's incoming bytes land
   // to_host[i]: this host's partial sums of local rank k's block of the i-th other host; from_host[i]: that host's
   // of this rank's block.
   at::Tensor send = at::empty({(hosts - 1) * n}, input.options());
@@ -698,12 +817,12 @@ void HierarchicalEngine::rails_reduce_scatter(const OpContext& op, const at::Ten
                                      pieces.of(to_host[peer++], q).data_ptr(), count, dtype, reduce, in_host(op));
     }
     if (q == 0) rail.backend = inter_host_for(op);  // (a leader: after the fingerprint, which ran meanwhile)
-    std::vector<at::Tensor> to_peer, from_peer;
+    std::vector<at::Tensor> to_peer;
     for (int i = 0; i < hosts - 1; ++i) {
-      to_peer.push_back(pieces.of(to_host[i], q));
-      from_peer.push_back(pieces.of(from_host[i], q));
+      to_peer.push_back(wire.outgoing(pieces.of(to_host[i], q)));
+      landings[q].push_back(wire.landing(pieces.of(from_host[i], q)));
     }
-    rail.works[q] = start_exchange(op, *rail.backend, to_peer, from_peer, static_cast<int>(q));
+    rail.works[q] = start_exchange(op, *rail.backend, to_peer, landings[q], static_cast<int>(q));
     local_->reduce_scatter_strided(pieces.of(host_run(flat, host_, n), q).data_ptr(), static_cast<size_t>(n),
                                    pieces.of(out, q).data_ptr(), count, dtype, reduce, in_host(op));
   };
@@ -711,8 +830,10 @@ void HierarchicalEngine::rails_reduce_scatter(const OpContext& op, const at::Ten
     wait_inner(op, "the inter-host reduce-scatter (gloo on the rails)", rail.backend, rail.works[q]);
     std::vector<const void*> sums;
     for (int h = 0, peer = 0; h < hosts; ++h) {
+      if (h != host_) wire.arrived(landings[q][peer], pieces.of(from_host[peer], q));
       sums.push_back(pieces.of(h == host_ ? out : from_host[peer++], q).data_ptr());
     }
+    landings[q].clear();
     core::reduce_into(pieces.of(out, q).data_ptr(), sums.data(), hosts, static_cast<size_t>(pieces.size(q)), dtype,
                       reduce);
   };

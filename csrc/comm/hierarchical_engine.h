@@ -35,6 +35,16 @@
 //   allgather        rail exchange of the input, every piece posted at once (rank k of each host gets rank k of
 //                    every other host's), while this host's shm all-gather runs -> shm all-gather of each other
 //                    host's piece into place as it arrives.
+// Quantized (OpContext::quantization, core/quantize.h: a wrapper's opt-in): only the inter-host bytes of floating
+// data change; each step above sends block-quantized records instead of values and decodes them on arrival.
+//   allgather        each rank's input is quantized once, on its own (rails: per piece; leaders: the leader quantizes
+//                    each of its ranks' blocks), and every rank holds the decoded values of every input — its own
+//                    host's too — so all ranks hold the same bits (what a replica's forward must see).
+//   reduce_scatter   the partial sums a host sends are quantized; this host's own partial sum stays exact.
+//   allreduce        sums only: both exchanges carry records (the summing rank also keeps the decoded sum, so every
+//                    rank ends with the same bits); the leader scheme runs the rails' two-exchange pipeline on the
+//                    leaders' rail instead of gloo's allreduce.
+// Min / max / product and non-floating data stay exact.
 // Both schemes give every rank bitwise identical allreduce results (each element is reduced by one rank once).
 // Every host runs the same sequence of shm ops for a given collective, so the shm agreement check still
 // holds inside each host. Between hosts gloo checks nothing (different sizes pair silently, or wait): before
@@ -110,6 +120,7 @@ class HierarchicalEngine : public Engine {
                 at::Tensor& output, const std::vector<size_t>& recv_counts) override;
   void abort(const std::string& reason) override;
   std::vector<std::pair<int, int32_t>> take_exited_peers() override { return local_->take_exited_peers(); }
+  uint64_t inter_host_bytes() const override { return inter_host_bytes_.load(std::memory_order_relaxed); }
 
  private:
   // The op as the leaders compare it (Fingerprint in the .cpp): what the engine's op is and counts.
@@ -161,7 +172,10 @@ class HierarchicalEngine : public Engine {
   // The leader scheme of each op, and the rails' (see the header).
   bool use_rails(size_t bytes) const { return rails_ && bytes >= kRailMinBytes; }
   void leaders_allreduce(const OpContext& op, at::Tensor& data, core::ReduceOp reduce);
-  void rails_allreduce(const OpContext& op, at::Tensor& data, core::ReduceOp reduce);
+  // The rails' allreduce (`in_host_steps`: every rank of the host, on its rail), or, without the in-host steps, the
+  // same pipeline of two exchanges on the leaders' rail over a leader's partial sum (the leader scheme's quantized
+  // allreduce: gloo's allreduce has no room for records).
+  void pipelined_allreduce(const OpContext& op, at::Tensor& data, core::ReduceOp reduce, bool in_host_steps);
   void leaders_allgather(const OpContext& op, const at::Tensor& input, at::Tensor& output);
   void rails_allgather(const OpContext& op, const at::Tensor& input, at::Tensor& output);
   void leaders_reduce_scatter(const OpContext& op, const at::Tensor& input, at::Tensor& output, core::ReduceOp reduce);
@@ -187,6 +201,8 @@ class HierarchicalEngine : public Engine {
     uint64_t count = 0;     // elements, as the engine's op counts them
     uint32_t kind = 0;      // core::OpKind
     uint32_t dtype = 0;     // core::DType
+    uint32_t gather_wire = 0;  // OpContext::quantization, each format as bits | block << 8 (0: exact)
+    uint32_t reduce_wire = 0;
     char label[24] = {};    // the user's collective
 
     std::string describe() const;  // "all_gather_into_tensor #5 (f32 x 528) for FSDP unit 'head_a' (...)"
@@ -205,6 +221,7 @@ class HierarchicalEngine : public Engine {
   mutable std::mutex abort_mutex_;     // guards aborted_: abort() may come from another group's thread
   std::string aborted_;                // the reason, once this engine has aborted
   std::atomic<bool> is_aborted_{false};
+  std::atomic<uint64_t> inter_host_bytes_{0};  // sent in exchanges (inter_host_bytes())
 };
 
 }  // namespace shardkit::comm

@@ -355,6 +355,7 @@ void Reducer::launch(size_t bucket_index) {
   // The reducer's own collectives carry the bucket's identity; a comm hook's carry none: a hook may issue some from
   // a future callback, which runs here (inline) on one rank and on a worker thread on another.
   core::IdentityScope identity(comm_hook_ ? 0 : bucket.identity);
+  core::QuantizationScope quantization(comm_hook_ ? core::InterHostQuantization{} : quantization_);
   bucket.averaged = false;
   if (comm_hook_) {
     std::vector<c10::IntArrayRef> sizes;

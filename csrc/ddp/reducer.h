@@ -39,6 +39,7 @@
 
 #include "compat.h"
 #include "core/bucket_assignment.h"
+#include "core/quantize.h"
 #include "ddp/gradient_shards.h"
 
 namespace shardkit::ddp {
@@ -95,6 +96,8 @@ class Reducer {
   // here: on (the default) unless a join divides by the ranks still training (set_divisor_for_this_backward),
   // where the DDP turns it off on every rank, so that all ranks issue the same op. The same bits either way.
   void set_engine_average(bool allowed) { engine_average_ = allowed; }
+  // The inter-host wire format of the buckets' own collectives (not a comm hook's): core/quantize.h.
+  void set_quantization(core::InterHostQuantization quantization) { quantization_ = quantization; }
 
   // ZeRO-2 only. Adopts the DDP's partition (see GradientShards for the arguments' meaning); called once,
   // by the DDP right after construction, so gradients land in the shards from the first backward on.
@@ -165,6 +168,7 @@ class Reducer {
 
   bool zero_copy_ = false;  // the buckets live in a shared buffer (place_in_shared_buffer)
   bool engine_average_ = true;  // see set_engine_average()
+  core::InterHostQuantization quantization_;  // see set_quantization()
 
   std::mutex mutex_;
   bool armed_ = false;            // a synchronised backward is expected

@@ -13,11 +13,12 @@ from .backend import ZeroCopyUnavailableWarning, all_reduce_, register_backend
 from .ddp import DistributedDataParallel
 from .fsdp import FullyShardedDataParallel
 from .fsdp import fully_shard
+from .quantized import Quantized
 from .strategy import auto
 from .zero import ZeroRedundancyOptimizer
 
 __version__ = "0.2.0"
-__all__ = ["DistributedDataParallel", "FullyShardedDataParallel", "ZeroCopyUnavailableWarning",
+__all__ = ["DistributedDataParallel", "FullyShardedDataParallel", "Quantized", "ZeroCopyUnavailableWarning",
            "ZeroRedundancyOptimizer", "__version__", "all_reduce_", "auto",
            "checkpoint", "fsdp", "fully_shard", "hooks", "register_backend", "state_dict", "wrap"]
 

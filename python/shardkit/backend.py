@@ -252,6 +252,15 @@ def inter_host_scheme(group: dist.ProcessGroup | None = None) -> str | None:
     return _SCHEMES.get(pg.group_name)
 
 
+def inter_host_bytes(group: dist.ProcessGroup | None = None) -> int:
+    """Payload bytes this rank has sent to other hosts through ``group``'s shardkit backend (default: the world's) in
+    point-to-point exchanges: every rails op, every reduce-scatter and every quantized op (``shardkit.Quantized``)
+    crosses that way; the leader scheme's exact allreduce, all-gather, broadcast and reduce run as gloo collectives
+    and are not counted. 0 on one host."""
+    host_topology(group)  # the same error for a group without a shardkit backend
+    return cpu_backend(group).inter_host_bytes()
+
+
 def host_groups(what: str) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
     """This rank's two subgroups of the world: the ranks on its host, and the ranks at its position on every
     host (hosts told apart by host_id()). A collective over the world group: every rank creates every group,

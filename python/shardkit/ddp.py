@@ -28,6 +28,7 @@ from .checkpoint import _zero_state_dict as zero_state_dict
 from .backend import compare_identities_across_hosts, shared_buffer, warn_zero_copy_unavailable, zero_copy_unavailable
 from .checkpoint._fsdp_state_dict import FullStateDictConfig, ShardedStateDictConfig, StateDictType
 from .hooks import check_state_group
+from .quantized import Quantized, check_group
 
 _DEFAULT_BUCKET_CAP_MB = 25
 _FIRST_BUCKET_BYTES = 1 << 20  # a small first bucket so the first reduction starts early in backward
@@ -70,6 +71,9 @@ class DistributedDataParallel(_TorchDDP):
       ``optimizer.clip_grad_norm_`` (``torch.nn.utils.clip_grad_norm_`` sees no ``.grad`` here). A plain
       torch optimizer sees no gradients at all, so use ``ZeroRedundancyOptimizer`` (one per model);
       ``gradient_as_bucket_view`` does not apply and is refused.
+
+    ``comm=shardkit.Quantized(grads="int8")`` (``zero_stage=0``, no comm hook) sends the buckets' allreduces between
+    hosts as block-quantized records (``shardkit.quantized``); inside a host they stay exact.
     """
 
     def __init__(
@@ -96,6 +100,7 @@ class DistributedDataParallel(_TorchDDP):
         forward_sync_buffers: bool | None = None,
         *,
         zero_stage: int = 0,
+        comm: Quantized | None = None,
     ) -> None:
         # torch DDP's constructor builds torch's reducer: only nn.Module's and Joinable's run here.
         nn.Module.__init__(self)
@@ -107,6 +112,12 @@ class DistributedDataParallel(_TorchDDP):
                             bucket_cap_mb_list=bucket_cap_mb_list)
         if zero_stage not in (0, 1, 2):
             raise ValueError(f"zero_stage must be 0, 1 or 2, got {zero_stage!r}")
+        if comm is not None and not isinstance(comm, Quantized):
+            raise TypeError(f"shardkit DDP: comm must be a shardkit.Quantized or None, got {comm!r}")
+        if comm is not None and zero_stage:
+            raise ValueError(f"shardkit DDP: comm=shardkit.Quantized(...) with zero_stage={zero_stage} is not available "
+                             "yet (ZeRO's reduces and parameter all-gathers would cross hosts exact); use zero_stage=0, "
+                             "or shardkit.fully_shard(..., comm=...)")
         if bucket_cap_mb is not None and bucket_cap_mb <= 0:
             raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb!r}")
         self.module = module
@@ -168,6 +179,10 @@ class DistributedDataParallel(_TorchDDP):
                                   cap_bytes, first_bytes, find_unused_parameters, gradient_as_bucket_view,
                                   shard_gradients=zero_stage == 2,
                                   shared_buffer=self._zero_copy_buckets(gradient_as_bucket_view, zero_stage))
+        self.comm = comm
+        if comm is not None:  # the buckets' allreduces carry it (a sum of gradients: comm.grads)
+            check_group(comm, self.process_group, "shardkit DDP")
+            self.reducer.set_quantization(comm.wire())
         self._zero_partition: _flat.ZeroPartition | None = None
         if zero_stage:
             self._zero_partition = self._own_partition(named, spaces)
@@ -460,6 +475,10 @@ class DistributedDataParallel(_TorchDDP):
         if not callable(hook):
             raise TypeError(f"hook must be callable, got {hook!r}")
         check_state_group(state, self.process_group, "shardkit DDP register_comm_hook")
+        if self.comm is not None:
+            raise ValueError("shardkit DDP register_comm_hook: this DDP was built with comm=shardkit.Quantized(...), "
+                             "which quantizes the buckets' own allreduces; a comm hook replaces them. Use one or the "
+                             "other")
         self._verify_same_comm_hook_everywhere(f"{_qualified_name(hook)} (state: {type(state).__name__})")
         self.reducer.register_comm_hook(state, hook)
 

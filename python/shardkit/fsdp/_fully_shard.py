@@ -42,37 +42,50 @@ from .. import _torch_compat
 from .._collective_identity import ALL_GATHER, REDUCE_SCATTER, CollectiveLedger, backend_checks_identity, collectives_for
 from ._resident_memory import ResidentSharedMemory
 from ..backend import shared_buffer, warn_zero_copy_unavailable, zero_copy_unavailable
+from ..quantized import Quantized, check_group, inter_host_format
 
 _torch_fully_shard = _torch_compat.fsdp2_fully_shard()
 _AllGather, _ReduceScatter = _torch_compat.fsdp2_comm_interfaces()
 
 
 @functools.wraps(_torch_fully_shard)
-def fully_shard(module: Any, **kwargs: Any) -> Any:
-    # The docstring and the signature are torch's (functools.wraps): the same arguments, defaults and result.
+def fully_shard(module: Any, *, comm: Quantized | None = None, **kwargs: Any) -> Any:
+    # The docstring and the signature are torch's (functools.wraps): the same arguments, defaults and result, plus
+    # shardkit's `comm` (shardkit.Quantized: the unit's inter-host bytes quantized).
+    if comm is not None and not isinstance(comm, Quantized):
+        raise TypeError(f"shardkit.fully_shard: comm must be a shardkit.Quantized or None, got {comm!r}")
+    mesh = kwargs.get("mesh")
+    if comm is not None and mesh is not None and mesh.ndim > 1:
+        raise ValueError("shardkit.fully_shard: comm=shardkit.Quantized(...) with a 2-D mesh (HSDP) is not available: "
+                         "its replicate all-reduce is torch's own and would cross hosts exact")
     result = _torch_fully_shard(module, **kwargs)
     for fsdp_module in result if isinstance(result, list) else [result]:
-        _plug_in(fsdp_module)
+        _plug_in(fsdp_module, comm)
     return result
 
 
 fully_shard.__doc__ = ("shardkit's ``fully_shard``: torch FSDP2's, with its collectives run through shardkit "
                        "(zero-copy reduce-scatter on one host, unit identities checked on every rank; see "
-                       "shardkit/fsdp/_fully_shard.py). torch's documentation follows.\n\n" + (fully_shard.__doc__ or ""))
+                       "shardkit/fsdp/_fully_shard.py), and ``comm=shardkit.Quantized(...)`` to quantize the unit's "
+                       "bytes between hosts. torch's documentation follows.\n\n" + (fully_shard.__doc__ or ""))
 
 
-def _plug_in(fsdp_module: nn.Module) -> None:
+def _plug_in(fsdp_module: nn.Module, comm: Quantized | None = None) -> None:
     """Gives the unit ``fsdp_module`` shardkit's all-gather and reduce-scatter (see the module docstring), where
     it has exactly one parameter group (none: it manages no parameters; several: per-parameter meshes, which
-    FSDP2's custom collectives refuse)."""
+    FSDP2's custom collectives refuse, and so does ``comm``)."""
     groups = _torch_compat.fsdp2_param_groups(fsdp_module)
     if len(groups) != 1:
+        if comm is not None and groups:
+            raise ValueError("shardkit.fully_shard: comm=shardkit.Quantized(...) needs every parameter of the unit on "
+                             f"one mesh; this unit has {len(groups)} parameter groups (shard_placement_fn)")
         return
     param_group = groups[0]
     shard_group = _torch_compat.fsdp2_shard_group(param_group)
     on_cpu = param_group.device.type == "cpu"
+    check_group(comm, shard_group, "shardkit.fully_shard")
     checked_by_backend = shard_group.size() == 1 or backend_checks_identity(shard_group, on_cpu)
-    unit = _Unit(param_group, None if checked_by_backend else UnitLedger.for_group(shard_group))
+    unit = _Unit(param_group, None if checked_by_backend else UnitLedger.for_group(shard_group), comm)
     fsdp_module.set_custom_all_gather(UnitAllGather(unit))
     zero_copy = on_cpu and shard_group.size() > 1 and zero_copy_unavailable(shard_group) is None
     shared = SharedReduceInput.for_group(shard_group) if zero_copy else None
@@ -84,20 +97,23 @@ class _Unit:
     forward, before any collective), and its parameters' count and elements; and, where the backend does not
     compare identities, the ledger that records them."""
 
-    def __init__(self, param_group: Any, ledger: "UnitLedger | None") -> None:
+    def __init__(self, param_group: Any, ledger: "UnitLedger | None", comm: Quantized | None = None) -> None:
         self._param_group = param_group
         self.ledger = ledger
+        self.comm = comm
         params = _torch_compat.fsdp2_params(param_group)
         self.detail = f"{len(params)} parameters, {sum(p.numel() for p in params)} elements"
 
     @contextlib.contextmanager
     def identity_scope(self, kind: int):
-        """Around one collective of ``kind``: it carries the unit's identity (and is recorded in the ledger)."""
+        """Around one collective of ``kind``: it carries the unit's identity (and is recorded in the ledger) and
+        its inter-host wire format."""
         path = _torch_compat.fsdp2_module_path(self._param_group)
         with collectives_for(f"fully_shard unit '{path or '(root)'}'", self.detail) as identity:
             if self.ledger is not None:
                 self.ledger.record(kind, identity)
-            yield
+            with inter_host_format(self.comm):
+                yield
 
 
 class _OnePerGroup:
