@@ -10,6 +10,7 @@ from shardkit import _C
 from support.collective_cases import TOPOLOGIES, run_on
 from support.harness import RanksFailed
 from support.quantized_cases import disagreeing_formats, quantized_ops, record_bytes
+from support.quantized_training import refusals, train_quantized
 
 # (topology, its scheme, elements per rank): sizes that take the rails (an op of 256 KiB or more) and below them.
 CASES = [("2x2hosts", "rails", 100_003), ("2x2hosts", "rails", 1_000), ("2x2hosts-leaders", "leaders", 100_003),
@@ -51,3 +52,39 @@ def test_bad_formats_are_refused_naming_the_value(kwargs, message):
     with pytest.raises(ValueError) as error:
         shardkit.Quantized(**kwargs)
     assert str(error.value) == message
+
+
+@pytest.mark.parametrize("front, topology, grads", [("fully_shard", "2x2hosts", "int8"),
+                                                    ("fully_shard", "2x2hosts-leaders", "int4"),
+                                                    ("ddp", "2x2hosts", "int8")])
+def test_training_quantized_follows_the_exact_run(ranks, front, topology, grads):
+    steps = 30
+    results = run_on(ranks, topology, train_quantized, front, grads, steps, timeout=300)
+    for rank, result in enumerate(results):
+        exact, quantized = result["exact"], result["quantized"]
+        assert exact[-1] < 0.8 * exact[0], exact  # the task is learnt: the comparison means something
+        assert quantized != exact, f"rank {rank}: the quantized run's losses equal the exact run's"
+        last = sum(quantized[-5:]) / 5
+        want = sum(exact[-5:]) / 5
+        assert abs(last - want) <= 0.02 * want, f"rank {rank}: final loss {last} vs {want} exact ({quantized})"
+        if front == "ddp":
+            assert result["replicas_agree"], f"rank {rank}: DDP replicas differ after quantized allreduces"
+    if topology == "2x2hosts":  # every op on the rails: both runs' bytes are counted whole
+        ratio = sum(r["quantized_bytes"] for r in results) / sum(r["exact_bytes"] for r in results)
+        assert 0.24 < ratio < 0.28, f"int8 sent {ratio:.3f} of the exact run's bytes between hosts"
+    else:
+        assert all(r["quantized_bytes"] > 0 for r in results[::2]), results  # the leaders sent records
+
+
+def test_what_quantized_cannot_serve_is_refused_naming_it(ranks):
+    messages = ranks.run(refusals, 2, timeout=120)[0]
+    assert messages[0] == ("shardkit DDP: comm=shardkit.Quantized(...) with zero_stage=1 is not available yet (ZeRO's "
+                           "reduces and parameter all-gathers would cross hosts exact); use zero_stage=0, or "
+                           "shardkit.fully_shard(..., comm=...)")
+    assert messages[1] == "shardkit DDP: comm must be a shardkit.Quantized or None, got 'int8'"
+    assert messages[2].startswith("shardkit DDP register_comm_hook: this DDP was built with "
+                                  "comm=shardkit.Quantized(...)"), messages[2]
+    assert messages[3].startswith("shardkit.fully_shard: comm=shardkit.Quantized(...) quantizes the shardkit "
+                                  "backend's inter-host bytes; this group's backend is 'gloo'"), messages[3]
+    assert messages[4] == ("shardkit.fully_shard: comm=shardkit.Quantized(...) has nothing to quantize here: the "
+                           "group's ranks share one host, and bytes inside a host move exact"), messages[4]

@@ -1,0 +1,127 @@
+"""Training with shardkit.Quantized across (simulated) hosts, run inside the ranks: fully_shard and DDP, each beside
+the same wrapper unquantized on the same batches."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import shardkit
+from shardkit.backend import inter_host_bytes
+from support.fsdp_cases import Block
+
+VOCAB, D, SEQ = 600, 128, 8  # every unit's all-gather (and reduce-scatter) is 256 KiB or more: rails carry them all
+
+
+class LM(nn.Module):
+    def __init__(self, depth: int = 2) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(VOCAB, D)
+        self.layers = nn.ModuleList([Block(D) for _ in range(depth)])
+        self.norm = nn.LayerNorm(D)
+        self.lm_head = nn.Linear(D, VOCAB, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.wte(tokens)
+        for layer in self.layers:
+            h = layer(h)
+        return self.lm_head(self.norm(h))
+
+
+def batch(rank: int, step: int) -> torch.Tensor:
+    """A learnable stream: each row counts up from a random start (mod VOCAB), so the loss falls."""
+    g = torch.Generator().manual_seed(1_000_003 * rank + 1009 * step)
+    starts = torch.randint(0, VOCAB, (4, 1), generator=g)
+    return (starts + torch.arange(SEQ + 1)) % VOCAB
+
+
+def lm_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    logits = model(tokens[:, :-1])
+    return F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+
+
+def _mean_loss(loss: torch.Tensor) -> float:
+    """The loss averaged over the ranks (on the world group)."""
+    t = loss.detach().clone()
+    dist.all_reduce(t)
+    return t.item() / dist.get_world_size()
+
+
+def _train(rank: int, wrap, steps: int) -> tuple[list[float], int, nn.Module]:
+    torch.manual_seed(0)
+    model = wrap(LM())
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    before = inter_host_bytes()
+    for step in range(steps):
+        loss = lm_loss(model, batch(rank, step))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(_mean_loss(loss))
+    return losses, inter_host_bytes() - before, model
+
+
+def _fully_shard(comm):
+    def wrap(model: LM) -> LM:
+        for layer in model.layers:
+            shardkit.fully_shard(layer, comm=comm)
+        shardkit.fully_shard(model, comm=comm)
+        return model
+    return wrap
+
+
+def _ddp(comm):
+    return lambda model: shardkit.DistributedDataParallel(model, comm=comm)
+
+
+def train_quantized(rank: int, world: int, front: str, grads: str, steps: int) -> dict:
+    """`front` ("fully_shard" or "ddp") trained `steps` steps exact, then quantized (int8 weights, `grads`
+    gradients), from the same initial model on the same batches: both runs' mean losses, their bytes between hosts,
+    and whether the quantized DDP's replicas agree bit for bit."""
+    wrap = _fully_shard if front == "fully_shard" else _ddp
+    exact_losses, exact_bytes, _ = _train(rank, wrap(None), steps)
+    comm = shardkit.Quantized(weights="int8", grads=grads, block=256)
+    losses, quantized_bytes, model = _train(rank, wrap(comm), steps)
+    replicas_agree = None
+    if front == "ddp":
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        everyone = [torch.empty_like(flat) for _ in range(world)]
+        dist.all_gather(everyone, flat)
+        replicas_agree = all(torch.equal(e, flat) for e in everyone)
+    return {"exact": exact_losses, "quantized": losses, "exact_bytes": exact_bytes,
+            "quantized_bytes": quantized_bytes, "replicas_agree": replicas_agree}
+
+
+def refusals(rank: int, world: int) -> list[str]:
+    """The cases comm=Quantized cannot serve, each refused with its message (on a 2-rank group of one host)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    comm = shardkit.Quantized()
+    messages = []
+    for attempt in (
+        lambda: shardkit.DistributedDataParallel(nn.Linear(4, 4), zero_stage=1, comm=comm),
+        lambda: shardkit.DistributedDataParallel(nn.Linear(4, 4), comm="int8"),
+        lambda: shardkit.DistributedDataParallel(nn.Linear(4, 4), comm=comm).register_comm_hook(
+            None, lambda state, bucket: None),
+        lambda: shardkit.fully_shard(nn.Linear(4, 4), comm=comm,
+                                     mesh=DeviceMesh.from_group(dist.new_group(backend="gloo"), "cpu")),
+    ):
+        try:
+            with warnings.catch_warnings(record=True):
+                warnings.simplefilter("always")
+                attempt()
+        except (ValueError, TypeError) as error:
+            messages.append(str(error))
+        else:
+            messages.append("no error")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        shardkit.fully_shard(nn.Linear(4, 4), comm=comm)
+    messages.append("; ".join(str(w.message) for w in caught))
+    return messages
