@@ -10,6 +10,9 @@
 - A link cut mid-allreduce (`ip link set ... down` at the switch): every rank on both hosts raises within the
   group's timeout (plus the second the failure path waits for a root cause), each naming a rank of the host it cannot
   reach or the ranks that went silent.
+- Training across two shaped hosts of two ranks (support/hosts_training_rank.py): shardkit's DDP, ZeRO-2,
+  fully_shard and HSDP end where one process training on the whole global batch ends (rtol 1e-5), and fully_shard
+  with int8 bytes between hosts follows the exact run's loss over 50 steps, sending a quarter of its bytes.
 - Nothing of the bed outlives it: its network namespaces are gone afterwards, also when a host failed.
 
 Skips, saying why, where the bed cannot be made (not root, no `ip` / `tc` / `unshare`).
@@ -31,6 +34,7 @@ from support.hostbed import HostBed, unavailable
 RANK_SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "_hosts_rank.py"
 COLLECTIVES_SCRIPT = Path(__file__).resolve().parent / "support" / "hosts_collectives_rank.py"
 LINK_CUT_SCRIPT = Path(__file__).resolve().parent / "support" / "link_cut_rank.py"
+TRAINING_SCRIPT = Path(__file__).resolve().parent / "support" / "hosts_training_rank.py"
 
 
 @pytest.fixture(scope="module")
@@ -145,3 +149,24 @@ def test_a_cut_link_makes_every_rank_raise_within_the_timeout_naming_the_other_h
         assert seconds < group_timeout + 5, f"rank {rank} raised {seconds:.1f} s after the cut: {result['error']}"
         other_host = (2, 3) if rank < 2 else (0, 1)
         assert any(f"rank {r}" in result["error"] for r in other_host), f"rank {rank}: {result['error']}"
+
+
+@pytest.mark.timeout(300)
+def test_training_across_shaped_hosts_ends_where_one_host_does(bed_available, tmp_path):
+    with HostBed(2, rate_mbit=1000) as bed:
+        commands = [["env", f"GLOO_SOCKET_IFNAME={bed.host_if[h]}", sys.executable, "-m", "torch.distributed.run",
+                     "--nnodes=2", f"--node_rank={h}", "--nproc_per_node=2", f"--master_addr={bed.addr(0)}",
+                     "--master_port=29400", str(TRAINING_SCRIPT), str(tmp_path)] for h in range(2)]
+        run = bed.launch(commands, env=_env(), timeout=240, logs=tmp_path / "logs")
+    assert run.ok, run.story()
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+    for rank, result in enumerate(results):
+        assert result["host_of"] == [0, 0, 1, 1] and result["scheme"] == "rails"
+        for front, difference in result["differences"].items():
+            assert difference <= 1e-5, f"rank {rank}: {front} is {difference:.2e} (relative) off one host's answer"
+        exact, quantized = result["exact_losses"], result["quantized_losses"]
+        assert exact[-1] < 0.5 * exact[0] and quantized != exact, (exact, quantized)
+        last, want = sum(quantized[-10:]) / 10, sum(exact[-10:]) / 10
+        assert abs(last - want) <= 0.02 * want, f"rank {rank}: final loss {last} vs {want} exact"
+        ratio = result["quantized_bytes"] / result["exact_bytes"]
+        assert 0.24 < ratio < 0.28, f"rank {rank}: int8 sent {ratio:.3f} of the exact run's bytes between hosts"
