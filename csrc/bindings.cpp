@@ -269,6 +269,7 @@ PYBIND11_MODULE(_C, m) {
            py::arg("compute_device") = std::nullopt)
       .def_property_readonly("layout", &FlatParamHandle::layout, py::return_value_policy::reference_internal)
       .def_property_readonly("identity", &FlatParamHandle::identity)
+      .def("set_quantization", &FlatParamHandle::set_quantization, py::arg("quantization"))
       .def_property_readonly("shard", &FlatParamHandle::shard)
       .def_property_readonly("compute_dtype", &FlatParamHandle::compute_dtype)
       .def_property_readonly("reduce_dtype", &FlatParamHandle::reduce_dtype)

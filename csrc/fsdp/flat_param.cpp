@@ -125,6 +125,7 @@ int64_t FlatParamHandle::full_bytes() const {
 void FlatParamHandle::unshard_start() {
   if (state_ != State::kSharded) return;
   core::IdentityScope identity(identity_);
+  core::QuantizationScope quantization(quantization_);
   restore_storage(full_, static_cast<size_t>(full_bytes()));
   const int64_t S = layout_.shard_numel();
   at::Tensor mine = full_.narrow(0, rank_ * S, S);
@@ -248,6 +249,7 @@ at::Tensor FlatParamHandle::flatten_gradients(const std::vector<std::optional<at
 void FlatParamHandle::reduce_start(at::Tensor flat_grad, const std::optional<at::Tensor>& memory) {
   TORCH_CHECK(!pending_.has_value(), where("reduce-scatter"), "the previous reduction was not finished");
   core::IdentityScope identity(identity_);
+  core::QuantizationScope quantization(quantization_);
   TORCH_CHECK(flat_grad.dim() == 1 && flat_grad.numel() == layout_.padded_numel(), where("reduce-scatter"),
               "expected a flat gradient of ", layout_.padded_numel(), " elements, got shape ", flat_grad.sizes());
   at::NoGradGuard no_grad;

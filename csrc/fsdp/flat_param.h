@@ -71,6 +71,7 @@
 #include <vector>
 
 #include "core/flat_layout.h"
+#include "core/quantize.h"
 #include "fsdp/offload.h"
 
 namespace shardkit::fsdp {
@@ -96,6 +97,9 @@ class FlatParamHandle {
   const core::FlatLayout& layout() const { return layout_; }
   // What this handle's collectives carry (core::IdentityScope), the same on every rank that built the same unit.
   uint64_t identity() const { return identity_; }
+  // The inter-host wire format (core/quantize.h) of the unit's all-gathers for compute and its gradient
+  // reduce-scatter and replica all-reduce; gathers for state dicts (gather_full_precision) stay exact.
+  void set_quantization(core::InterHostQuantization quantization) { quantization_ = quantization; }
   const at::Tensor& shard() const { return shard_; }
   // Per parameter: the user-visible sharded value (see the header comment).
   std::vector<at::Tensor> shard_views() const;
@@ -174,6 +178,7 @@ class FlatParamHandle {
   std::vector<std::vector<int64_t>> shapes_;
   core::FlatLayout layout_;
   uint64_t identity_ = 0;
+  core::InterHostQuantization quantization_;  // see set_quantization()
   c10::intrusive_ptr<c10d::ProcessGroup> shard_group_;
   c10::intrusive_ptr<c10d::ProcessGroup> replicate_group_;
   Options options_;

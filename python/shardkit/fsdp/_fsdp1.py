@@ -64,6 +64,7 @@ from ..checkpoint._fsdp_state_dict import (FullStateDictConfig, ShardedStateDict
                               sharded_state_dict)
 from ..checkpoint._fsdp_state_dict import load as load_state_dict_into
 from ..ddp import DistributedDataParallel
+from ..quantized import Quantized, check_group
 from ..wrap import as_policy, assign_parameters, choose_units
 from ..zero import ZeroRedundancyOptimizer
 
@@ -134,7 +135,9 @@ class _Unit:
 class FullyShardedDataParallel(nn.Module):
     """ZeRO-3 data parallelism with torch FSDP1's arguments (``use_orig_params=True`` semantics, the only mode).
 
-    See the module docstring for how it works and docs/fsdp1.md for what differs from torch.
+    See the module docstring for how it works and docs/fsdp1.md for what differs from torch. shardkit's one
+    argument beyond FSDP1's, keyword-only: ``comm=shardkit.Quantized(...)`` quantizes the units' all-gathers and
+    gradient reductions between hosts (docs/backend.md, "Quantized bytes between hosts").
     """
 
     def __init__(
@@ -152,9 +155,13 @@ class FullyShardedDataParallel(nn.Module):
         ignored_modules: list[nn.Module] | None = None,
         cpu_offload: CPUOffload | None = None,
         use_orig_params: bool = True,
+        *,
+        comm: Quantized | None = None,
     ) -> None:
         super().__init__()
         _refuse_wrapped(module)
+        if comm is not None and not isinstance(comm, Quantized):
+            raise TypeError(f"shardkit FSDP: comm must be a shardkit.Quantized or None, got {comm!r}")
         self.cpu_offload = cpu_offload or CPUOffload()
         mixed_precision = mixed_precision or MixedPrecision()
         ignored = {id(p) for m in (ignored_modules or []) for p in m.parameters()}
@@ -173,12 +180,16 @@ class FullyShardedDataParallel(nn.Module):
              "forward_prefetch": repr(forward_prefetch),
              "limit_all_gathers": repr(limit_all_gathers),
              "sync_module_states": repr(sync_module_states),
+             "comm": repr(comm),
              "the compute device type": _compute_device_type(device_id, self.cpu_offload, managed),
              # It decides whether FSDP checks each collective's identity before issuing it (_collective_identity).
              "TORCH_DISTRIBUTED_DEBUG": dist.get_debug_level().name},
             _layout(owners), _agreement.pair_members(process_group), process_group)
         if self.cpu_offload.offload_params:
             _refuse_offload_without_cuda()
+            if comm is not None:
+                raise ValueError("shardkit FSDP: comm=shardkit.Quantized(...) with CPUOffload(offload_params=True) is not "
+                                 "available: the collectives then run on CUDA tensors, which are not quantized yet")
         if not use_orig_params:
             raise NotImplementedError("shardkit FSDP: use_orig_params=False is not supported: the original parameters "
                                       "are always what the model exposes (FSDP1's use_orig_params=True)")
@@ -194,6 +205,8 @@ class FullyShardedDataParallel(nn.Module):
         self.forward_prefetch = forward_prefetch
         self.limit_all_gathers = limit_all_gathers
         self._shard_group, self._replicate_group, self.process_group = _groups(sharding_strategy, process_group)
+        self.comm = comm
+        check_group(comm, self.process_group, "shardkit FSDP")
         self.rank = dist.get_rank(self.process_group)
         if device_id is not None and not self.cpu_offload.offload_params:
             target = torch.device("cuda", device_id) if isinstance(device_id, int) else torch.device(device_id)
@@ -284,6 +297,8 @@ class FullyShardedDataParallel(nn.Module):
                                         label=name or "(root)", param_dtype=mp.param_dtype if floating else None,
                                         reduce_dtype=(mp.reduce_dtype or mp.param_dtype) if floating else None,
                                         compute_device=self._offload_device)
+            if self.comm is not None:
+                handle.set_quantization(self.comm.wire())
             ps = [p for _, p in members]
             shapes = [p.shape for p in ps]
             for p, view in zip(ps, handle.shard_views()):

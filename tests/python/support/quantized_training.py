@@ -52,10 +52,16 @@ def _mean_loss(loss: torch.Tensor) -> float:
     return t.item() / dist.get_world_size()
 
 
+def _adamw(model: nn.Module) -> torch.optim.Optimizer:
+    if getattr(model, "zero_stage", 0):
+        return shardkit.ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, lr=3e-3)
+    return torch.optim.AdamW(model.parameters(), lr=3e-3)
+
+
 def _train(rank: int, wrap, steps: int) -> tuple[list[float], int, nn.Module]:
     torch.manual_seed(0)
     model = wrap(LM())
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    opt = _adamw(model)
     losses = []
     before = inter_host_bytes()
     for step in range(steps):
@@ -76,20 +82,28 @@ def _fully_shard(comm):
     return wrap
 
 
-def _ddp(comm):
-    return lambda model: shardkit.DistributedDataParallel(model, comm=comm)
+def _fsdp1(comm):
+    return lambda model: shardkit.FullyShardedDataParallel(model, auto_wrap_policy={Block}, comm=comm)
+
+
+def _ddp(comm, zero_stage: int = 0):
+    return lambda model: shardkit.DistributedDataParallel(model, zero_stage=zero_stage, comm=comm)
+
+
+FRONTS = {"fully_shard": _fully_shard, "fsdp1": _fsdp1, "ddp": _ddp, "zero1": lambda comm: _ddp(comm, 1)}
 
 
 def train_quantized(rank: int, world: int, front: str, grads: str, steps: int) -> dict:
-    """`front` ("fully_shard" or "ddp") trained `steps` steps exact, then quantized (int8 weights, `grads`
-    gradients), from the same initial model on the same batches: both runs' mean losses, their bytes between hosts,
-    and whether the quantized DDP's replicas agree bit for bit."""
-    wrap = _fully_shard if front == "fully_shard" else _ddp
+    """`front` (FRONTS) trained `steps` steps exact, then quantized (int8 weights where the front gathers
+    parameters, `grads` gradients), from the same initial model on the same batches: both runs' mean losses, their
+    bytes between hosts, and whether the quantized DDP's replicas agree bit for bit."""
+    wrap = FRONTS[front]
     exact_losses, exact_bytes, _ = _train(rank, wrap(None), steps)
-    comm = shardkit.Quantized(weights="int8", grads=grads, block=256)
+    weights = None if front in ("ddp", "zero1") else "int8"
+    comm = shardkit.Quantized(weights=weights, grads=grads, block=256)
     losses, quantized_bytes, model = _train(rank, wrap(comm), steps)
     replicas_agree = None
-    if front == "ddp":
+    if front in ("ddp", "zero1"):
         flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
         everyone = [torch.empty_like(flat) for _ in range(world)]
         dist.all_gather(everyone, flat)
@@ -106,6 +120,9 @@ def refusals(rank: int, world: int) -> list[str]:
     messages = []
     for attempt in (
         lambda: shardkit.DistributedDataParallel(nn.Linear(4, 4), zero_stage=1, comm=comm),
+        lambda: shardkit.DistributedDataParallel(nn.Linear(4, 4), zero_stage=2, comm=shardkit.Quantized(weights=None)),
+        lambda: shardkit.FullyShardedDataParallel(nn.Linear(4, 4), comm=comm,
+                                                  process_group=dist.new_group(backend="gloo")),
         lambda: shardkit.DistributedDataParallel(nn.Linear(4, 4), comm="int8"),
         lambda: shardkit.DistributedDataParallel(nn.Linear(4, 4), comm=comm).register_comm_hook(
             None, lambda state, bucket: None),
