@@ -10,7 +10,7 @@ from shardkit import _C
 from support.collective_cases import TOPOLOGIES, run_on
 from support.harness import RanksFailed
 from support.quantized_cases import disagreeing_formats, quantized_ops, record_bytes
-from support.quantized_training import refusals, train_quantized
+from support.quantized_training import refusals, secondary_copy_in_host, train_quantized
 
 # (topology, its scheme, elements per rank): sizes that take the rails (an op of 256 KiB or more) and below them.
 CASES = [("2x2hosts", "rails", 100_003), ("2x2hosts", "rails", 1_000), ("2x2hosts-leaders", "leaders", 100_003),
@@ -100,3 +100,13 @@ def test_what_quantized_cannot_serve_is_refused_naming_it(ranks):
         "shardkit.fully_shard: comm=shardkit.Quantized(...) has nothing to quantize here: the group's ranks share one "
         "host, and bytes inside a host move exact",
     ]
+
+
+def test_a_secondary_copy_in_the_host_keeps_the_backward_gathers_off_the_link(ranks):
+    for phases in run_on(ranks, "2x2hosts", secondary_copy_in_host, 2, timeout=180):
+        full, in_host = phases["True"], phases["2"]
+        assert in_host["forward"] == full["forward"] > 0, phases
+        # The blocks' backward all-gathers no longer cross (the root's unit is not resharded after forward anyway):
+        # what is left of the backward is the reduce-scatters, which send what the forward's all-gathers sent.
+        assert in_host["backward"] < full["backward"], phases
+        assert in_host["backward"] == full["forward"], phases

@@ -142,3 +142,26 @@ def refusals(rank: int, world: int) -> list[str]:
         shardkit.fully_shard(nn.Linear(4, 4), comm=comm)
     messages.append("; ".join(str(w.message) for w in caught))
     return messages
+
+
+def secondary_copy_in_host(rank: int, world: int, per_host: int) -> dict:
+    """ZeRO++'s hpZ with FSDP2's own knob: fully_shard(reshard_after_forward=<ranks per host>) keeps the post-forward
+    shard inside the host, so the backward's re-gather never crosses hosts. One step after a warm-up, quantized, with
+    reshard_after_forward=True and with per_host: the bytes each phase sent between hosts."""
+    comm = shardkit.Quantized(weights="int8", grads="int8", block=256)
+    phases = {}
+    for reshard in (True, per_host):
+        torch.manual_seed(0)
+        model = LM()
+        for layer in model.layers:
+            shardkit.fully_shard(layer, comm=comm, reshard_after_forward=reshard)
+        shardkit.fully_shard(model, comm=comm, reshard_after_forward=reshard)
+        for step in range(2):
+            start = inter_host_bytes()
+            loss = lm_loss(model, batch(rank, step))
+            forward = inter_host_bytes() - start
+            loss.backward()
+            backward = inter_host_bytes() - start - forward
+            model.zero_grad()
+        phases[str(reshard)] = {"forward": forward, "backward": backward}
+    return phases
