@@ -120,8 +120,8 @@ void ProcessGroupShardkit::shutdown() {
 
 OpContext ProcessGroupShardkit::context(const char* op, std::chrono::milliseconds timeout, uint64_t identity,
                                         bool compare_across_hosts, core::InterHostQuantization quantization) {
-  return OpContext{op,       ++executed_,          timeout,     getRank(), ranks_.name(getRank()),
-                   identity, compare_across_hosts, quantization};
+  return OpContext{op,       ++executed_,          timeout,      getRank(), ranks_.name(getRank()),
+                   identity, compare_across_hosts, quantization, std::chrono::steady_clock::now()};
 }
 
 std::chrono::milliseconds ProcessGroupShardkit::op_timeout(std::chrono::milliseconds requested) const {

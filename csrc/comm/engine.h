@@ -11,7 +11,8 @@
 //   - tensors are contiguous, of one dtype and on one device (the CPU; CUDA for the CUDA engines), already
 //     checked against the op's shape rules;
 //     counts are in elements;
-//   - everything a single op needs (its deadline, its name and number for messages) travels in OpContext;
+//   - everything a single op needs (its deadline, its name and number for messages) travels in OpContext; the
+//     timeout bounds the whole op, however many steps it takes (OpContext::left());
 //   - any failure (peer died, disagreement, timeout, an inner backend's error) aborts the engine for good,
 //     on this rank and, as fast as the engine can tell them, on every other rank; later ops fail at once
 //     with the first reason; errors name the user's op, its number and global ranks.
@@ -20,6 +21,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <memory>
@@ -48,6 +50,18 @@ struct OpContext {
   // quantizes an all-gather's floating data with `gather` and a floating sum's (reduce-scatter, allreduce) with
   // `reduce`; everything else, and every byte inside a host, moves exact.
   core::InterHostQuantization quantization{};
+  // When the op began to run: `timeout` bounds the whole op from here, however many steps it takes (a wait for
+  // one of its steps gets what is left, left()). Unset: each wait gets the whole timeout.
+  std::chrono::steady_clock::time_point started{};
+
+  // The op's deadline; what is left of its timeout (at least 1 ms, so that a wait still looks once).
+  std::chrono::steady_clock::time_point deadline() const {
+    return (started == std::chrono::steady_clock::time_point{} ? std::chrono::steady_clock::now() : started) + timeout;
+  }
+  std::chrono::milliseconds left() const {
+    const auto rest = std::chrono::duration_cast<std::chrono::milliseconds>(deadline() - std::chrono::steady_clock::now());
+    return std::max(rest, std::chrono::milliseconds(1));
+  }
 
   // The same op, as told to a shared-memory group that runs all of it or one step of it.
   core::CallInfo call(bool step = false) const { return {timeout, op, seq, step, identity}; }

@@ -22,16 +22,19 @@ constexpr auto kRootCauseWait = std::chrono::milliseconds(1000);
 // A leader waiting on gloo checks for an abort this often (in-process at once; the Store's notice at this pace).
 constexpr auto kNoticeEvery = std::chrono::milliseconds(100);
 
+// Past an op's deadline, how long a wait gives the inner op to end with an error of its own (see wait_inner).
+constexpr auto kOwnErrorWait = std::chrono::milliseconds(1000);
+
 // The in-host steps of a collective wait this much longer than its inter-host steps: a local rank that is late
 // because its own inter-host step waits on a slow or cut link then times out there first, and its error, which names
 // the host it cannot reach, is the group's root cause (not "rank 0 did not arrive" from a peer on its own host). A
 // local rank that dies is seen at once (its pid) either way.
 constexpr auto kInHostGrace = std::chrono::milliseconds(5000);
 
-// One step of `op` inside the host.
+// One step of `op` inside the host: it waits for what is left of the op's timeout, plus the grace.
 core::CallInfo in_host(const OpContext& op) {
   core::CallInfo call = op.call(true);
-  if (call.timeout.count() > 0) call.timeout += kInHostGrace;
+  if (call.timeout.count() > 0) call.timeout = op.left() + kInHostGrace;
   return call;
 }
 
@@ -217,7 +220,7 @@ void HierarchicalEngine::wait_inner(const OpContext& op, const char* step, c10::
                                     const c10::intrusive_ptr<c10d::Work>& work) {
   using clock = std::chrono::steady_clock;
   using std::chrono::milliseconds;
-  const auto deadline = clock::now() + op.timeout;
+  const auto deadline = op.deadline();  // the op's, shared by all its steps
   // In slices: a completed op ends a slice at once (the Work's condition variable); between slices, this rank
   // looks for an abort (another group of the process failed) and for the group's notice (a rank elsewhere did).
   for (;;) {
@@ -237,8 +240,17 @@ void HierarchicalEngine::wait_inner(const OpContext& op, const char* step, c10::
         }
       }
       if (clock::now() >= deadline) {
+        // The inner op waits to the same deadline (an exchange's peers, start_exchange): a moment more lets it end
+        // with its own error, which names the peer it could not reach, rather than with a bare "timed out".
+        try {
+          work->wait(kOwnErrorWait);
+          return;
+        } catch (const std::exception& failure) {
+          if (work->isCompleted()) throw InnerStepError(op.where() + step + " failed: " + message_of(failure));
+        }
         InnerBackends::abandon(std::move(backend));
-        throw InnerStepError(op.where() + step + " failed: " + message_of(error));
+        throw InnerStepError(op.where() + step + " did not finish within the op's timeout of " +
+                             std::to_string(op.timeout.count()) + " ms: " + message_of(error));
       }
     }
     std::optional<std::string> cause;
@@ -412,7 +424,7 @@ c10::intrusive_ptr<c10d::Work> HierarchicalEngine::start_exchange(const OpContex
     works.push_back(backend.send(outgoing, host, tag));
     peer_of.push_back(who);
   }
-  return c10::make_intrusive<PointToPointWork>(std::move(works), std::move(peer_of), op.timeout);
+  return c10::make_intrusive<PointToPointWork>(std::move(works), std::move(peer_of), op.left());
 }
 
 namespace {

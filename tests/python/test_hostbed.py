@@ -13,6 +13,8 @@
 - Training across two shaped hosts of two ranks (support/hosts_training_rank.py): shardkit's DDP, ZeRO-2,
   fully_shard and HSDP end where one process training on the whole global batch ends (rtol 1e-5), and fully_shard
   with int8 bytes between hosts follows the exact run's loss over 50 steps, sending a quarter of its bytes.
+- A link shaped to a crawl is slow, not an error: an allreduce that needs seconds on the link finishes right
+  within a timeout longer than that, and with a shorter timeout every rank raises at about its deadline.
 - Nothing of the bed outlives it: its network namespaces are gone afterwards, also when a host failed.
 
 Skips, saying why, where the bed cannot be made (not root, no `ip` / `tc` / `unshare`).
@@ -35,6 +37,7 @@ RANK_SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "_hosts_rank.
 COLLECTIVES_SCRIPT = Path(__file__).resolve().parent / "support" / "hosts_collectives_rank.py"
 LINK_CUT_SCRIPT = Path(__file__).resolve().parent / "support" / "link_cut_rank.py"
 TRAINING_SCRIPT = Path(__file__).resolve().parent / "support" / "hosts_training_rank.py"
+CRAWL_SCRIPT = Path(__file__).resolve().parent / "support" / "crawl_rank.py"
 
 
 @pytest.fixture(scope="module")
@@ -170,3 +173,30 @@ def test_training_across_shaped_hosts_ends_where_one_host_does(bed_available, tm
         assert abs(last - want) <= 0.02 * want, f"rank {rank}: final loss {last} vs {want} exact"
         ratio = result["quantized_bytes"] / result["exact_bytes"]
         assert 0.24 < ratio < 0.28, f"rank {rank}: int8 sent {ratio:.3f} of the exact run's bytes between hosts"
+
+
+@pytest.mark.timeout(240)
+def test_a_crawling_link_is_slow_not_an_error_until_the_deadline(bed_available, tmp_path):
+    # 20 Mbit/s; an allreduce of 4 MiB per rank, 2 hosts x 2 ranks: 4 MiB must cross each host's link each way
+    # (2 S (H-1)/H), about 1.7 s at the link's rate.
+    bound_s = 4 * 2**20 / (20e6 / 8)
+    outcomes = {}
+    with HostBed(2, rate_mbit=20) as bed:
+        for timeout_s in (30, 1):
+            out = tmp_path / f"timeout{timeout_s}"
+            out.mkdir()
+            commands = [["env", f"GLOO_SOCKET_IFNAME={bed.host_if[h]}", sys.executable, "-m", "torch.distributed.run",
+                         "--nnodes=2", f"--node_rank={h}", "--nproc_per_node=2", f"--master_addr={bed.addr(0)}",
+                         f"--master_port={29400 + timeout_s}", str(CRAWL_SCRIPT), str(out), str(timeout_s), "4"]
+                        for h in range(2)]
+            run = bed.launch(commands, env=_env(), timeout=150, logs=out / "logs")
+            assert run.ok, run.story()
+            outcomes[timeout_s] = [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
+    for rank, result in enumerate(outcomes[30]):
+        assert result["error"] is None and result["right"], f"rank {rank}: {result}"
+        assert result["seconds"] > 0.9 * bound_s, f"rank {rank}: {result['seconds']:.2f} s: the link did not crawl"
+    for rank, result in enumerate(outcomes[1]):
+        assert result["error"] is not None, f"rank {rank} finished in {result['seconds']:.2f} s within a 1 s timeout"
+        # At the deadline (plus the in-host grace a local peer may wait, and the second the failure path waits
+        # for a root cause), not before it.
+        assert 1 <= result["seconds"] < 1 + 5 + 3, f"rank {rank} raised after {result['seconds']:.2f} s"
