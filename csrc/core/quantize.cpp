@@ -99,6 +99,39 @@ float quantize_block(const float* x, size_t n, float qmax, int8_t* codes) {
   return absmax / qmax;
 }
 
+// Element e's nibble is the low one of byte e / 2 for even e, the high one for odd e. Codes [begin, begin + n) are
+// packed in pairs where they fill whole bytes (the loop the compiler vectorises); an odd first element completes the
+// byte its predecessor started, an odd last one starts a byte (its high nibble 0 until the next block fills it).
+void pack_nibbles(const int8_t* block_codes, size_t begin, size_t n, unsigned char* codes) {
+  size_t i = 0;
+  if (begin % 2 == 1 && n > 0) {
+    codes[begin / 2] = static_cast<unsigned char>((codes[begin / 2] & 0x0F) | ((block_codes[0] & 0x0F) << 4));
+    i = 1;
+  }
+  unsigned char* out = codes + (begin + i) / 2;
+  for (; i + 1 < n; i += 2) {
+    *out++ = static_cast<unsigned char>((block_codes[i] & 0x0F) | ((block_codes[i + 1] & 0x0F) << 4));
+  }
+  if (i < n) *out = static_cast<unsigned char>(block_codes[i] & 0x0F);
+}
+
+// values[i] = code of element begin + i, times scale (the nibble sign-extended).
+void unpack_nibbles(const unsigned char* codes, size_t begin, size_t n, float scale, float* values) {
+  auto low = [](unsigned char byte) { return static_cast<float>(static_cast<int8_t>(byte << 4) >> 4); };
+  auto high = [](unsigned char byte) { return static_cast<float>(static_cast<int8_t>(byte) >> 4); };
+  size_t i = 0;
+  if (begin % 2 == 1 && n > 0) {
+    values[0] = high(codes[begin / 2]) * scale;
+    i = 1;
+  }
+  const unsigned char* in = codes + (begin + i) / 2;
+  for (; i + 1 < n; i += 2, ++in) {
+    values[i] = low(*in) * scale;
+    values[i + 1] = high(*in) * scale;
+  }
+  if (i < n) values[i] = low(*in) * scale;
+}
+
 }  // namespace
 
 std::string QuantFormat::describe() const {
@@ -129,13 +162,7 @@ void quantize(const void* src, size_t count, DType dtype, QuantFormat format, vo
     int8_t* out = format.bits == QuantBits::Int8 ? reinterpret_cast<int8_t*>(codes) + begin : block_codes.data();
     const float scale = quantize_block(x, n, qmax, out);
     std::memcpy(scales + b * sizeof(float), &scale, sizeof(float));
-    if (format.bits == QuantBits::Int4) {  // element e's nibble: low for even e, high for odd (an even one comes first)
-      for (size_t i = 0; i < n; ++i) {
-        const size_t e = begin + i;
-        const auto nibble = static_cast<unsigned char>(out[i] & 0x0F);
-        codes[e / 2] = (e % 2 == 0) ? nibble : static_cast<unsigned char>(codes[e / 2] | (nibble << 4));
-      }
-    }
+    if (format.bits == QuantBits::Int4) pack_nibbles(out, begin, n, codes);
   }
 }
 
@@ -153,11 +180,7 @@ void dequantize(const void* record, size_t count, DType dtype, QuantFormat forma
       const auto* in = reinterpret_cast<const int8_t*>(codes) + begin;
       for (size_t i = 0; i < n; ++i) values[i] = static_cast<float>(in[i]) * scale;
     } else {
-      for (size_t i = 0; i < n; ++i) {
-        const size_t e = begin + i;
-        const auto byte = static_cast<unsigned char>(e % 2 == 0 ? codes[e / 2] << 4 : codes[e / 2] & 0xF0);
-        values[i] = static_cast<float>(static_cast<int8_t>(byte) >> 4) * scale;  // sign-extended nibble
-      }
+      unpack_nibbles(codes, begin, n, scale, values.data());
     }
     store(values.data(), begin, n, dtype, dst);
   }

@@ -102,7 +102,7 @@ TEST_P(QuantizeF32, MatchesReferenceAndBound) {
 
 INSTANTIATE_TEST_SUITE_P(Formats, QuantizeF32,
                          ::testing::Combine(::testing::Values(QuantBits::Int8, QuantBits::Int4),
-                                            ::testing::Values(8u, 64u, 256u, 1000u),
+                                            ::testing::Values(8u, 9u, 64u, 255u, 1000u),
                                             ::testing::Values(size_t{1}, size_t{7}, size_t{256}, size_t{1001},
                                                               size_t{70000})));
 
