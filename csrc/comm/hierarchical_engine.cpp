@@ -416,13 +416,17 @@ c10::intrusive_ptr<c10d::Work> HierarchicalEngine::start_exchange(const OpContex
     const int host = static_cast<int>(i) < host_ ? static_cast<int>(i) : static_cast<int>(i) + 1;
     const std::string who = "rank " + std::to_string(notices_->global_rank(hosts_[host][local_rank_])) + " (host " +
                             std::to_string(host) + ")";
-    std::vector<at::Tensor> incoming{as_bytes(from_peer[i])};
-    works.push_back(backend.recv(incoming, host, tag));
-    peer_of.push_back(who);
-    std::vector<at::Tensor> outgoing{as_bytes(to_peer[i])};
-    inter_host_bytes_.fetch_add(to_peer[i].nbytes(), std::memory_order_relaxed);
-    works.push_back(backend.send(outgoing, host, tag));
-    peer_of.push_back(who);
+    if (from_peer[i].defined()) {
+      std::vector<at::Tensor> incoming{as_bytes(from_peer[i])};
+      works.push_back(backend.recv(incoming, host, tag));
+      peer_of.push_back(who);
+    }
+    if (to_peer[i].defined()) {
+      std::vector<at::Tensor> outgoing{as_bytes(to_peer[i])};
+      inter_host_bytes_.fetch_add(to_peer[i].nbytes(), std::memory_order_relaxed);
+      works.push_back(backend.send(outgoing, host, tag));
+      peer_of.push_back(who);
+    }
   }
   return c10::make_intrusive<PointToPointWork>(std::move(works), std::move(peer_of), op.left());
 }
@@ -616,7 +620,36 @@ void HierarchicalEngine::reduce(const OpContext& op, at::Tensor& data, core::Red
     if (leader()) partial = rank_ == root ? data : at::empty_like(data);
     local_->reduce(data.data_ptr(), partial.defined() ? partial.data_ptr() : nullptr, numel_of(data), dtype, reduce,
                    0, in_host(op));
-    if (leader() && data.numel() > 0) {
+    const Wire wire(reduce_wire(op, data, reduce), dtype);
+    if (leader() && data.numel() > 0 && !wire.exact()) {
+      // Quantized: every other host's leader sends its partial sum's record to root's host's leader, which sums
+      // the hosts' partial sums in host order (its own exact).
+      const int hosts = static_cast<int>(hosts_.size());
+      std::vector<at::Tensor> to_peer(hosts - 1), from_peer(hosts - 1), theirs(hosts - 1);  // undefined: no transfer
+      if (host_ == root_host) {
+        for (int i = 0; i < hosts - 1; ++i) {
+          theirs[i] = at::empty_like(partial);
+          from_peer[i] = wire.landing(theirs[i]);
+        }
+      } else {
+        to_peer[root_host < host_ ? root_host : root_host - 1] = wire.outgoing(partial);
+      }
+      c10::intrusive_ptr<c10d::Backend> leaders = inter_host_for(op);
+      wait_inner(op, "the inter-host reduce (gloo among host leaders)", leaders,
+                 start_exchange(op, *leaders, to_peer, from_peer));
+      if (host_ == root_host) {
+        std::vector<const void*> sums;
+        for (int h = 0, i = 0; h < hosts; ++h) {
+          if (h == host_) {
+            sums.push_back(partial.data_ptr());
+            continue;
+          }
+          wire.arrived(from_peer[i], theirs[i]);
+          sums.push_back(theirs[i++].data_ptr());
+        }
+        core::reduce_into(partial.data_ptr(), sums.data(), hosts, numel_of(partial), dtype, reduce);
+      }
+    } else if (leader() && data.numel() > 0) {
       const bool is_bool = data.scalar_type() == at::kBool;
       std::vector<at::Tensor> payload{is_bool ? partial.view(at::kByte) : partial};
       c10d::ReduceOptions options;

@@ -41,6 +41,8 @@
 //                    each of its ranks' blocks), and every rank holds the decoded values of every input — its own
 //                    host's too — so all ranks hold the same bits (what a replica's forward must see).
 //   reduce_scatter   the partial sums a host sends are quantized; this host's own partial sum stays exact.
+//   reduce           the other hosts' leaders send their partial sums as records to root's host's leader, which
+//                    sums them in host order (gloo's reduce has no room for records).
 //   allreduce        sums only: both exchanges carry records (the summing rank also keeps the decoded sum, so every
 //                    rank ends with the same bits); the leader scheme runs the rails' two-exchange pipeline on the
 //                    leaders' rail instead of gloo's allreduce.
@@ -163,7 +165,8 @@ class HierarchicalEngine : public Engine {
   static c10::intrusive_ptr<c10d::Work> start_allreduce(const OpContext& op, c10d::Backend& backend, at::Tensor& data,
                                                        core::ReduceOp reduce);
   // Starts an exchange on `backend`, this rank's inter-host backend, in which it sends to_peer[i] to the rank of its
-  // i-th other host and receives from_peer[i] from it (hosts in order, this one skipped; contiguous tensors, as bytes).
+  // i-th other host and receives from_peer[i] from it (hosts in order, this one skipped; contiguous tensors, as bytes;
+  // an undefined one: nothing that way).
   // Point to point, every transfer at once: gloo's all-to-all moves one direction at a time (half the link's rate,
   // measured). Exchanges in flight together on the same backend need tags of their own.
   c10::intrusive_ptr<c10d::Work> start_exchange(const OpContext& op, c10d::Backend& backend,

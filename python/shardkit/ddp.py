@@ -72,11 +72,10 @@ class DistributedDataParallel(_TorchDDP):
       torch optimizer sees no gradients at all, so use ``ZeroRedundancyOptimizer`` (one per model);
       ``gradient_as_bucket_view`` does not apply and is refused.
 
-    ``comm=shardkit.Quantized(weights=None, grads="int8")`` sends the buckets' allreduces between hosts as
-    block-quantized records (``shardkit.quantized``); inside a host they stay exact. ``zero_stage=0`` (``weights``
-    has nothing to do there) or ``1`` (``weights`` refused: ZeRO's all-gather writes into the owners' master
-    parameters, which it would round); not with a comm hook, nor under ``zero_stage=2`` (its reduces to the
-    gradient owners are not quantized yet).
+    ``comm=shardkit.Quantized(weights=None, grads="int8")`` sends the buckets' allreduces (ZeRO-2: reduces to the
+    owners) between hosts as block-quantized records (``shardkit.quantized``); inside a host they stay exact.
+    ``weights`` has nothing to do without ZeRO and is refused with it (ZeRO's all-gather writes into the owners'
+    master parameters, which it would round); not with a comm hook.
     """
 
     def __init__(
@@ -122,10 +121,6 @@ class DistributedDataParallel(_TorchDDP):
                              f"{zero_stage} would round the parameters themselves: ZeRO's all-gather writes into the "
                              "owners' master copy. Use weights=None (gradients only, zero_stage=1), or "
                              "shardkit.fully_shard(..., comm=...), whose all-gathers fill a separate buffer")
-        if comm is not None and zero_stage == 2 and comm.grads is not None:
-            raise ValueError(f"shardkit DDP: comm=shardkit.Quantized(grads={comm.grads!r}) with zero_stage=2 is not "
-                             "available yet: ZeRO-2's reduces to the gradient owners would cross hosts exact. Use "
-                             "zero_stage 0 or 1, or shardkit.fully_shard(..., comm=...)")
         if bucket_cap_mb is not None and bucket_cap_mb <= 0:
             raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb!r}")
         self.module = module

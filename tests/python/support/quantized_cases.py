@@ -118,6 +118,24 @@ def quantized_ops(rank: int, world: int, expected_scheme: str, n: int, bits: str
                                     + (hosts - 1) * record_bytes(parts[me], bits, block))
     assert sent == want, f"all_reduce sent {sent} bytes between hosts, expected {want}"
 
+    # reduce to the last rank: only root's tensor changes, within the partial sums' half-steps; every other host's
+    # leader sends its partial sum's record to root's host's leader.
+    root = world - 1
+    t = data[rank].clone()
+    before = inter_host_bytes()
+    with inter_host_format(comm):
+        dist.reduce(t, dst=root)
+    sent = inter_host_bytes() - before
+    if rank == root:
+        partials = [sum(data[r].double() for r in range(world) if topo.host_of[r] == h) for h in range(hosts)]
+        step = sum(p.abs().max() / QMAX[bits] for h, p in enumerate(partials) if h != topo.host_of[root])
+        error = (t.double() - sum(d.double() for d in data)).abs().max()
+        assert 1e-5 < error <= step / 2 + 1e-4, f"reduce: off by {error}, bound {step / 2}"
+    else:
+        assert torch.equal(t, data[rank]), "reduce changed a tensor that is not root's"
+    want = record_bytes(count, bits, block) if leader and me != topo.host_of[root] else 0
+    assert sent == want, f"reduce sent {sent} bytes between hosts, expected {want}"
+
     # Non-floating data in the same scope moves exact.
     ints = [make_input(r, n, torch.int32, salt=14) for r in range(world)]
     out = torch.empty(world * n, dtype=torch.int32)
