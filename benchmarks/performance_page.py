@@ -35,6 +35,8 @@ ABOUT = {
     "fsdp_step_w4.json": ("`benchmarks/fsdp_step.py --world 4`", "FSDP training step, world 4, against torch FSDP2"),
     "hosts.json": ("`benchmarks/hosts.py` (root)", "collectives across namespace hosts over tbf-shaped links, against "
                    "the link bound and gloo"),
+    "hosts_train.json": ("`benchmarks/hosts_train.py` (root)", "fully_shard training across namespace hosts over "
+                         "1 Gbit/s links, quantized and exact, against torch FSDP2 on gloo"),
     "checkpoint.json": ("`benchmarks/checkpoint.py`", "checkpoint save / load against torch FSDP2 + DCP"),
     "checkpoint_integrity.json": ("`benchmarks/checkpoint_integrity.py`", "the cost of verified, atomic checkpoints"),
     "identity_check.json": ("`benchmarks/identity_check.py`", "the cost of comparing collective identities"),
