@@ -3,7 +3,8 @@
 - Three namespace hosts on one bridge, each link shaped to 1000 Mbit/s both ways by tbf (checked in tc's own
   words), one rank each under torchrun: shardkit finds three hosts by itself (no SHARDKIT_HOST_ID), and
   all_reduce, all_gather_into_tensor and reduce_scatter_tensor give the exact results on the shardkit backend
-  and on gloo (benchmarks/_hosts_rank.py, which checks every result; the benchmark runs the same script).
+  (exact, and int8 between hosts: its small integers quantize exactly) and on gloo (benchmarks/_hosts_rank.py, which
+  checks every result; the benchmark runs the same script).
 - Every collective against its exact or float64 answer on shaped hosts (support/host_collectives.py): 3 hosts x 2
   ranks (rails, three on each rail) and 2 uneven hosts of 2 and 1 ranks (the leader scheme); nothing of shardkit's
   left in any host's /dev/shm.
@@ -76,9 +77,9 @@ def test_three_shaped_hosts_find_each_other_and_every_collective_is_exact(bed_av
     assert run.ok, run.story()
     result = json.loads(out.read_text())
     assert result["world"] == 3 and result["host_of"] == [0, 1, 2]
-    assert sorted(result["seconds"]) == sorted(f"{op}/{backend}" for op in
-                                               ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
-                                               for backend in ("shardkit", "shardkit-leaders", "gloo"))
+    ops = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
+    backends = ("shardkit", "shardkit-int8", "shardkit-leaders", "gloo")
+    assert sorted(result["seconds"]) == sorted(f"{op}/{backend}" for op in ops for backend in backends)
     assert not names & _netns_names(), "the bed left network namespaces behind"
 
 
