@@ -77,14 +77,8 @@ def run_rate(rate: float, args: argparse.Namespace, work: Path) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("SHARDKIT_HOST_ID", "GLOO_SOCKET_IFNAME")}
     env["OMP_NUM_THREADS"] = "1"
     with HostBed(args.hosts, rate) as bed:
-        commands = []
-        for h in range(args.hosts):
-            # gloo binds to the host's link (the made-up hostnames resolve nowhere); rank 0's host rendezvous.
-            commands.append(["env", f"GLOO_SOCKET_IFNAME={bed.host_if[h]}", sys.executable, "-m",
-                             "torch.distributed.run", f"--nnodes={args.hosts}", f"--node_rank={h}",
-                             f"--nproc_per_node={args.ranks_per_host}", f"--master_addr={bed.addr(0)}",
-                             "--master_port=29400", str(RANK_SCRIPT), str(out),
-                             "--bytes", str(args.mbytes << 20), "--reps", str(args.reps)])
+        script = [str(RANK_SCRIPT), str(out), "--bytes", str(args.mbytes << 20), "--reps", str(args.reps)]
+        commands = [bed.torchrun(h, args.ranks_per_host, script) for h in range(args.hosts)]
         result = bed.launch(commands, env=env, timeout=args.timeout, logs=work / f"logs-{rate:g}")
         described = bed.describe()
     if not result.ok:

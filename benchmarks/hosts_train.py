@@ -85,11 +85,8 @@ def run_bed(args: argparse.Namespace, cfg: ModelConfig, work: Path) -> dict[str,
     env = {k: v for k, v in os.environ.items() if k not in ("SHARDKIT_HOST_ID", "GLOO_SOCKET_IFNAME")}
     env["OMP_NUM_THREADS"] = "1"
     with HostBed(args.hosts, args.rate) as bed:
-        commands = [["env", f"GLOO_SOCKET_IFNAME={bed.host_if[h]}", sys.executable, "-m", "torch.distributed.run",
-                     f"--nnodes={args.hosts}", f"--node_rank={h}", f"--nproc_per_node={args.ranks_per_host}",
-                     f"--master_addr={bed.addr(0)}", "--master_port=29400",
-                     *rank_command(out, "time", cfg, ["--warmup", str(args.warmup), "--rounds", str(args.rounds)])]
-                    for h in range(args.hosts)]
+        script = rank_command(out, "time", cfg, ["--warmup", str(args.warmup), "--rounds", str(args.rounds)])
+        commands = [bed.torchrun(h, args.ranks_per_host, script) for h in range(args.hosts)]
         result = bed.launch(commands, env=env, timeout=args.timeout, logs=work / "logs-bed")
         described = bed.describe()
     if not result.ok:
@@ -231,7 +228,9 @@ def targets_of(results: dict[str, Any]) -> list[dict[str, Any]]:
     ratios = bed.get("ratios") or {}
     for pair, limit, anchor in (("c/a", 0.5, "torch FSDP2 on gloo"), ("c/b", 1 / 1.5, "shardkit.fully_shard exact")):
         value = (ratios.get(pair) or {}).get("medians")
-        add_target(targets, f"2x2 hosts, {rate:g} Mbit/s, ~30M GPT fully_shard step: int8 ÷ {anchor} ≤ {limit:.2f}",
+        params = (bed.get("config") or {}).get("n_params") or 0
+        add_target(targets, f"2x2 hosts, {rate:g} Mbit/s, {params / 1e6:.1f}M GPT fully_shard step: int8 ÷ {anchor} "
+                   f"≤ {limit:.2f}",
                    value, limit, higher_is_better=False, unit="×")
     diff = loss.get("final_rel_diff")
     add_target(targets, f"final loss after {loss.get('steps')} steps: |int8 - exact| ÷ exact ≤ 0.02",

@@ -68,9 +68,7 @@ def test_three_shaped_hosts_find_each_other_and_every_collective_is_exact(bed_av
                 qdisc = subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "show", "dev", ifname],
                                        capture_output=True, text=True).stdout
                 assert "tbf" in qdisc and "rate 1Gbit" in qdisc, (ns, ifname, qdisc)
-        commands = [["env", f"GLOO_SOCKET_IFNAME={bed.host_if[h]}", sys.executable, "-m", "torch.distributed.run",
-                     "--nnodes=3", f"--node_rank={h}", "--nproc_per_node=1", f"--master_addr={bed.addr(0)}",
-                     "--master_port=29400", str(RANK_SCRIPT), str(out), "--bytes", str(3 << 20), "--reps", "2"]
+        commands = [bed.torchrun(h, 1, [str(RANK_SCRIPT), str(out), "--bytes", str(3 << 20), "--reps", "2"])
                     for h in range(3)]
         run = bed.launch(commands, env=_env(), timeout=180, logs=tmp_path / "logs")
         names = set(bed.made)
@@ -88,10 +86,8 @@ def test_three_shaped_hosts_find_each_other_and_every_collective_is_exact(bed_av
 def test_every_collective_is_exact_across_shaped_hosts(bed_available, tmp_path, ranks_per_host, scheme):
     hosts = len(ranks_per_host)
     with HostBed(hosts, rate_mbit=1000) as bed:
-        commands = [["env", f"GLOO_SOCKET_IFNAME={bed.host_if[h]}", sys.executable, "-m", "torch.distributed.run",
-                     f"--nnodes={hosts}", f"--node_rank={h}", f"--nproc_per_node={ranks_per_host[h]}",
-                     f"--master_addr={bed.addr(0)}", "--master_port=29400", str(COLLECTIVES_SCRIPT), str(tmp_path),
-                     scheme] for h in range(hosts)]
+        commands = [bed.torchrun(h, ranks_per_host[h], [str(COLLECTIVES_SCRIPT), str(tmp_path), scheme])
+                    for h in range(hosts)]
         run = bed.launch(commands, env=_env(), timeout=240, logs=tmp_path / "logs")
     assert run.ok, run.story()
     world = sum(ranks_per_host)
@@ -158,9 +154,7 @@ def test_a_cut_link_makes_every_rank_raise_within_the_timeout_naming_the_other_h
 @pytest.mark.timeout(300)
 def test_training_across_shaped_hosts_ends_where_one_host_does(bed_available, tmp_path):
     with HostBed(2, rate_mbit=1000) as bed:
-        commands = [["env", f"GLOO_SOCKET_IFNAME={bed.host_if[h]}", sys.executable, "-m", "torch.distributed.run",
-                     "--nnodes=2", f"--node_rank={h}", "--nproc_per_node=2", f"--master_addr={bed.addr(0)}",
-                     "--master_port=29400", str(TRAINING_SCRIPT), str(tmp_path)] for h in range(2)]
+        commands = [bed.torchrun(h, 2, [str(TRAINING_SCRIPT), str(tmp_path)]) for h in range(2)]
         run = bed.launch(commands, env=_env(), timeout=240, logs=tmp_path / "logs")
     assert run.ok, run.story()
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
@@ -186,9 +180,7 @@ def test_a_crawling_link_is_slow_not_an_error_until_the_deadline(bed_available, 
         for timeout_s in (30, 1):
             out = tmp_path / f"timeout{timeout_s}"
             out.mkdir()
-            commands = [["env", f"GLOO_SOCKET_IFNAME={bed.host_if[h]}", sys.executable, "-m", "torch.distributed.run",
-                         "--nnodes=2", f"--node_rank={h}", "--nproc_per_node=2", f"--master_addr={bed.addr(0)}",
-                         f"--master_port={29400 + timeout_s}", str(CRAWL_SCRIPT), str(out), str(timeout_s), "4"]
+            commands = [bed.torchrun(h, 2, [str(CRAWL_SCRIPT), str(out), str(timeout_s), "4"], port=29400 + timeout_s)
                         for h in range(2)]
             run = bed.launch(commands, env=_env(), timeout=150, logs=out / "logs")
             assert run.ok, run.story()

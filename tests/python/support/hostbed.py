@@ -25,6 +25,7 @@ import secrets
 import shlex
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -114,6 +115,13 @@ class HostBed:
     def prefix(self, h: int) -> list[str]:
         """What runs a command in host h's network namespace (add UNSHARE + HOST_SHELL for the rest: launch())."""
         return ["ip", "netns", "exec", self.netns[h]]
+
+    def torchrun(self, h: int, ranks_per_host: int, script_and_args: list[str], port: int = 29400) -> list[str]:
+        """Host h's command for launch(): torchrun starting ``ranks_per_host`` ranks of the script, gloo bound to the
+        host's link (the made-up hostnames resolve nowhere), rendezvous on host 0."""
+        return ["env", f"GLOO_SOCKET_IFNAME={self.host_if[h]}", sys.executable, "-m", "torch.distributed.run",
+                f"--nnodes={self.hosts}", f"--node_rank={h}", f"--nproc_per_node={ranks_per_host}",
+                f"--master_addr={self.addr(0)}", f"--master_port={port}", *script_and_args]
 
     def describe(self) -> str:
         rate = f"{self.rate_mbit:g} Mbit/s each way (tbf)" if self.rate_mbit else "unshaped veth"
