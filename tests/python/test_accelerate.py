@@ -361,3 +361,129 @@ def test_the_readme_shows_the_example_and_it_runs_under_torchrun(tmp_path):
     assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
     assert re.fullmatch(r"2 processes on shardkit: last gradient norm \d+\.\d{3}\n", result.stdout), result.stdout
     assert (tmp_path / "accelerate_checkpoint" / "shardkit").is_dir()
+
+
+# --- mixed precision: every strategy against accelerate's own wrapping, in one launch ------------------------------
+
+# The anchor of each strategy under accelerate's mixed_precision: its DDP on gloo for shardkit's DDP and ZeRO, its
+# FSDP2 plugin for fully_shard, its FSDP1 plugin for the FSDP1 front (both plugins on gloo, on the CPU).
+ANCHORS = {"ddp": "torch_ddp", "zero1": "torch_ddp", "zero2": "torch_ddp", "fully_shard": "torch_fsdp2",
+           "fsdp": "torch_fsdp1"}
+
+
+def _accelerate_on_gloo(engine: str, precision: str, store: str):
+    """accelerate's own Accelerator, on gloo on the CPU: ``torch_ddp`` (``cpu=True``: its MULTI_CPU DDP) or, with a
+    ``FullyShardedDataParallelPlugin`` of version 2 / 1, its FSDP (``torch_fsdp2`` / ``torch_fsdp1``). accelerate
+    builds FSDP only on its MULTI_GPU path, which it takes only with CUDA: a process state that names gloo and
+    MULTI_GPU, with ACCELERATE_TORCH_DEVICE=cpu as the device, takes that path on the CPU."""
+    import os
+
+    import accelerate
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, InitProcessGroupKwargs
+
+    handlers = [InitProcessGroupKwargs(init_method=f"file://{store}")]
+    if engine == "torch_ddp":
+        return accelerate.Accelerator(cpu=True, mixed_precision=precision, gradient_accumulation_steps=2,
+                                      kwargs_handlers=handlers)
+
+    class GlooAsMultiGpu(PartialState):
+        def _prepare_backend(self, cpu=False, sagemaker_dp=False, backend=None):
+            return "gloo", DistributedType.MULTI_GPU
+
+    os.environ["ACCELERATE_TORCH_DEVICE"] = "cpu"
+    GlooAsMultiGpu(**handlers[0].to_kwargs(), rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    version = 2 if engine == "torch_fsdp2" else 1
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=version, auto_wrap_policy="transformer_based_wrap",
+                                            transformer_cls_names_to_wrap=["Block"],
+                                            **({"reshard_after_forward": True} if version == 2 else
+                                               {"sharding_strategy": "FULL_SHARD", "use_orig_params": True}))
+    return accelerate.Accelerator(mixed_precision=precision, gradient_accumulation_steps=2, kwargs_handlers=handlers,
+                                  fsdp_plugin=plugin)
+
+
+def _mixed_precision_cells(rank: int, world: int, workdir: str, cells: list[tuple[str, str, str]]):
+    """Each (engine, strategy, precision) cell in turn, in this one launch: its own process group (a fresh store),
+    accelerate's state reset between cells. engine: ``shardkit`` (with ``strategy``) or an anchor
+    (``_accelerate_on_gloo``; strategy None)."""
+    import os
+
+    import torch.distributed as dist
+    from accelerate.state import AcceleratorState, GradientState
+    from accelerate.utils import InitProcessGroupKwargs
+
+    from shardkit.integrations.accelerate import Accelerator, ShardkitPlugin
+
+    results = {}
+    for i, (engine, strategy, precision) in enumerate(cells):
+        store = f"{workdir}/store-{i}"
+        torch.manual_seed(0)
+        model = TiedLM()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        computed = []  # the dtype the first block's linear layer computes in
+        model.blocks[0].fc.register_forward_hook(lambda module, args, out: computed.append(out.dtype))
+        try:
+            if engine == "shardkit":
+                plugin = ShardkitPlugin(strategy=strategy,
+                                        auto_wrap={Block} if strategy in ("fully_shard", "fsdp") else None)
+                accelerator = Accelerator(gradient_accumulation_steps=2, mixed_precision=precision,
+                                          shardkit_plugin=plugin,
+                                          kwargs_handlers=[InitProcessGroupKwargs(init_method=f"file://{store}")])
+            else:
+                accelerator = _accelerate_on_gloo(engine, precision, store)
+            model, optimizer = accelerator.prepare(model, optimizer)
+            norms = _train(accelerator, model, optimizer, rank, world, range(STEPS))
+            if engine == "torch_fsdp1":  # accelerate's get_state_dict on torch's FSDP1 on the CPU crashes (SIGSEGV)
+                from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+                full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+                params = {k: v.detach().numpy().copy() for k, v in full.items()}
+            else:
+                params = _full_params(accelerator, model)
+            results[(engine, strategy, precision)] = {
+                "norms": norms, "params": params if rank == 0 else None, "pg_backend": dist.get_backend(),
+                "wrapper": type(model).__name__, "native_amp": accelerator.native_amp,
+                "scaler": accelerator.scaler is not None, "computed": sorted({str(d) for d in computed})}
+        finally:
+            os.environ.pop("ACCELERATE_TORCH_DEVICE", None)
+            AcceleratorState._reset_state(reset_partial_state=True)
+            GradientState._reset_state()
+            if dist.is_initialized():
+                dist.destroy_process_group()
+    return results
+
+
+MIXED = ("bf16", "fp16")
+DTYPES = {"bf16": "torch.bfloat16", "fp16": "torch.float16"}
+
+
+@pytest.fixture(scope="module")
+def mixed_precision_runs(tmp_path_factory):
+    """Every strategy and its anchor under bf16 and fp16: one launch of 2 ranks."""
+    from support.harness import run
+
+    workdir = tmp_path_factory.mktemp("mixed")
+    cells = [cell for precision in MIXED for strategy in ANCHORS
+             for cell in (("shardkit", strategy, precision), (ANCHORS[strategy], None, precision))]
+    cells = list(dict.fromkeys(cells))  # one anchor run serves ddp, zero1 and zero2
+    return run(_mixed_precision_cells, 2, str(workdir), cells, workdir=workdir, backend=None, timeout=400)[0]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("precision", MIXED)
+@pytest.mark.parametrize("strategy", list(ANCHORS))
+def test_mixed_precision_trains_as_accelerate_with_torch_wrappers_on_gloo(mixed_precision_runs, strategy, precision):
+    ours = mixed_precision_runs[("shardkit", strategy, precision)]
+    theirs = mixed_precision_runs[(ANCHORS[strategy], None, precision)]
+    assert theirs["pg_backend"] == "gloo" and ours["pg_backend"] == "shardkit", (ours, theirs)
+    # accelerate's own choices: bf16 autocast on the CPU; fp16 on the CPU neither autocast nor a scaler (accelerate
+    # allows fp16 autocast only on accelerators), so DDP computes in fp32 and the FSDP plugins in the policy's fp16.
+    assert (ours["native_amp"], ours["scaler"]) == (theirs["native_amp"], theirs["scaler"]) == \
+        (precision == "bf16", False), (ours, theirs)
+    expected = "torch.float32" if (precision, ANCHORS[strategy]) == ("fp16", "torch_ddp") else DTYPES[precision]
+    assert ours["computed"] == theirs["computed"] == [expected], (ours["computed"], theirs["computed"])
+    torch.testing.assert_close(torch.tensor(ours["norms"]), torch.tensor(theirs["norms"]), rtol=1e-5, atol=1e-6)
+    assert sorted(ours["params"]) == sorted(theirs["params"])
+    for name, value in theirs["params"].items():
+        torch.testing.assert_close(torch.from_numpy(ours["params"][name]), torch.from_numpy(value), rtol=1e-5,
+                                   atol=1e-6, msg=f"{strategy}, {precision}: {name}")

@@ -5,6 +5,8 @@
 - A config file with ``distributed_type: FSDP, fsdp_version: 2`` and transformer-based wrapping makes the
   Accelerator (given no plugin) shard with ``fully_shard``, each named block a unit of its own, and trains to the
   same loss as the same job with that ShardkitPlugin passed explicitly.
+- ``--multi_gpu`` with an FSDP config file: accelerate ignores the file's ``distributed_type`` and exports no FSDP
+  setting; shardkit runs DDP and rank 0 warns, naming the flag and the file (the exact text, once per job).
 - A ``MULTI_CPU`` config without mpirun starts one process, which refuses to train alone, saying how to start N.
 - The config settings shardkit does not carry out raise, naming them (read from the variables the launcher
   exports; no process group needed).
@@ -91,6 +93,50 @@ def test_an_fsdp2_config_file_makes_shardkit_shard_with_fully_shard(tmp_path):
         "ShardkitPlugin(strategy='fully_shard', auto_wrap=['Block'], reshard_after_forward=False))"))
     same = _results(tmp_path, CONFIG.format(kind="MULTI_GPU", use_cpu="false"), script=explicit)
     assert [row["loss"] for row in same] == [row["loss"] for row in rows]
+
+
+def test_multi_gpu_with_an_fsdp_config_file_warns_that_shardkit_runs_ddp(tmp_path):
+    out_dir = tmp_path / "rows"
+    out_dir.mkdir()
+    out = _launch(tmp_path, FSDP2_CONFIG, "--multi_gpu", "--num_processes", "2", script_args=(str(out_dir),))
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    rows = [json.loads(path.read_text()) for path in sorted(out_dir.glob("rank*.json"))]
+    assert [(row["world"], row["strategy"], row["units"]) for row in rows] == [(2, "ddp", [])] * 2
+    warning = _launch_config.IGNORED_FSDP_WARNING.format(flag="--multi_gpu",
+                                                         path=str(tmp_path / "accelerate_config.yaml"))
+    assert out.stderr.count(warning) == 1, out.stderr[-5000:]
+
+
+def test_the_ignored_fsdp_config_is_read_from_the_launch_command(tmp_path):
+    config = tmp_path / "fsdp.yaml"
+    config.write_text(FSDP2_CONFIG)
+    script = str(tmp_path / "train.py")
+    expected = _launch_config.IGNORED_FSDP_WARNING.format(flag="--multi_gpu", path=str(config))
+
+    def warning(*launch_args: str, environ: dict | None = None) -> str | None:
+        argv = [*launch_args, script, "--lr", "1"]
+        original = sys.argv
+        sys.argv = [script, "--lr", "1"]
+        try:
+            return _launch_config.ignored_fsdp_config(environ or {}, launcher=(argv, str(tmp_path)))
+        finally:
+            sys.argv = original
+
+    assert warning("--multi_gpu", "--config_file", "fsdp.yaml") == expected  # relative to the launch's directory
+    assert warning("--config-file=fsdp.yaml", "--multi-gpu", "--num_processes", "2") == expected
+    assert warning("--config_file", "fsdp.yaml") is None  # the file decides: FSDP variables arrive
+    assert warning("--multi_gpu", "--config_file", "fsdp.yaml",
+                   environ={"ACCELERATE_USE_FSDP": "true"}) is None
+    ddp = tmp_path / "ddp.yaml"
+    ddp.write_text(CONFIG.format(kind="MULTI_GPU", use_cpu="false"))
+    assert warning("--multi_gpu", "--config_file", str(ddp)) is None
+    # accelerate's default config file, read when the launch names none
+    home = tmp_path / "hf"
+    (home / "accelerate").mkdir(parents=True)
+    (home / "accelerate" / "default_config.yaml").write_text(FSDP2_CONFIG)
+    assert warning("--multi_gpu", environ={"HF_HOME": str(home)}) == expected.replace(
+        str(config), str(home / "accelerate" / "default_config.yaml"))
+    assert warning("--multi_gpu", environ={"HF_HOME": str(tmp_path / "nothing")}) is None
 
 
 def test_a_multi_cpu_config_without_mpirun_refuses_to_train_one_process_alone(tmp_path):

@@ -16,16 +16,24 @@ A setting shardkit does not carry out (size-based wrapping, parameter offload, a
 FSDP1 sharding strategy, a DeepSpeed config) raises, naming it, instead of being dropped. An explicit
 ``shardkit_plugin=`` wins over the file, as accelerate's own plugin arguments do.
 
+A flag that names the kind of launch (``--multi_gpu``, ``--use_deepspeed``, ...) wins over the file's
+``distributed_type``: ``accelerate launch --multi_gpu --config_file fsdp.yaml`` exports no FSDP variable at all, so
+the processes see a plain DDP launch. Where the process was started by ``accelerate launch`` (its parent, on Linux)
+with a config file (named, or accelerate's default one) whose ``distributed_type`` is FSDP, and no FSDP variable
+arrived, ``ignored_fsdp_config`` says so, and the Accelerator warns before it runs DDP (``IGNORED_FSDP_WARNING``).
+
 ``distributed_type: MULTI_CPU`` is accelerate's launch through ``mpirun`` (``--mpirun_hostfile``): without one,
 ``accelerate launch`` starts a single process on each machine, which would then train alone. That case is refused
 with the command that starts N processes on one machine (``launch_problem``).
 
-Library-neutral: only ``os.environ``-like mappings in, plain values out (no accelerate import).
+Library-neutral: only ``os.environ``-like mappings (and the launcher's command line) in, plain values out (no
+accelerate import).
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -103,3 +111,104 @@ def launch_problem(environ: Mapping[str, str] = os.environ) -> str | None:
             "expects mpirun (--mpirun_hostfile) to start the others. To start N processes on this machine, run "
             "`accelerate launch --multi_gpu --num_processes N train.py` (torchrun underneath; it works on CPUs too), "
             "set distributed_type: MULTI_GPU in the config, or use torchrun")
+
+
+# --- a config file accelerate launch ignored ---------------------------------------------------------------------
+# The flags that, given on the command line, make accelerate launch ignore the config file's distributed_type
+# (accelerate/commands/launch.py, _validate_launch_command).
+_KIND_FLAGS = ("--multi_gpu", "--tpu", "--tpu_use_cluster", "--use_deepspeed", "--use_megatron_lm")
+
+IGNORED_FSDP_WARNING = (
+    "shardkit Accelerator: accelerate launch was given {flag} and the config file {path}, whose distributed_type: FSDP "
+    "it then ignores (a flag naming the kind of launch wins over the file), so no FSDP setting reached this process "
+    "and shardkit runs DDP (ShardkitPlugin(strategy='ddp')), not sharded. To shard as the file says, launch without "
+    "{flag} (the file's distributed_type: FSDP starts the processes under torchrun as well), or pass "
+    "shardkit_plugin=ShardkitPlugin(strategy='fully_shard') to the Accelerator.")
+
+
+def launcher_command(pid: int | None = None) -> tuple[list[str], str] | None:
+    """(the command line, the working directory) of the process that started this one (or of ``pid``), where it is
+    ``accelerate launch`` and /proc tells; else None."""
+    pid = os.getppid() if pid is None else pid
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as file:
+            argv = [a.decode(errors="replace") for a in file.read().split(b"\0") if a]
+        cwd = os.readlink(f"/proc/{pid}/cwd")
+    except OSError:
+        return None
+    for i, arg in enumerate(argv[:-1]):
+        program = os.path.basename(arg)
+        if (program == "accelerate" or arg in ("accelerate.commands.accelerate_cli", "accelerate.commands.launch")) \
+                and argv[i + 1] == "launch":
+            return argv[i + 2:], cwd
+        if arg == "accelerate.commands.launch":  # python -m accelerate.commands.launch
+            return argv[i + 1:], cwd
+    return None
+
+
+def _launcher_options(argv: list[str], cwd: str, script: str | None) -> list[str]:
+    """The launcher's own arguments: those before the training script (``script``, this process's ``sys.argv[0]``),
+    with ``--x=v`` split and hyphens spelled as underscores (accelerate takes both)."""
+    end = len(argv)
+    if script:
+        target = os.path.realpath(script)
+        end = next((i for i, a in enumerate(argv) if os.path.realpath(os.path.join(cwd, a)) == target), end)
+    options = []
+    for arg in argv[:end]:
+        key, equals, value = arg.partition("=")
+        if key.startswith("--"):
+            key = "--" + key[2:].replace("-", "_")
+        options += [key, value] if equals else [key]
+    return options
+
+
+def _config_distributed_type(path: str) -> str | None:
+    """The ``distributed_type`` of accelerate's config file at ``path`` (YAML or JSON), upper-case; None where the
+    file cannot be read (the launcher would have failed on it)."""
+    try:
+        with open(path) as file:
+            text = file.read()
+        if path.endswith(".json"):
+            import json
+
+            config = json.loads(text)
+        else:
+            import yaml  # accelerate's own dependency
+
+            config = yaml.safe_load(text)
+    except Exception:  # noqa: BLE001 - an unreadable file (the launcher would have refused it): nothing to say
+        return None
+    value = config.get("distributed_type") if isinstance(config, dict) else None
+    return str(value).upper() if value is not None else None
+
+
+def _default_config_file(environ: Mapping[str, str]) -> str:
+    """accelerate's default config file (accelerate/commands/config/config_args.py's path)."""
+    home = environ.get("HF_HOME") or os.path.join(environ.get("XDG_CACHE_HOME", "~/.cache"), "huggingface")
+    return os.path.join(os.path.expanduser(home), "accelerate", "default_config.yaml")
+
+
+def ignored_fsdp_config(environ: Mapping[str, str] = os.environ,
+                        launcher: tuple[list[str], str] | None = None) -> str | None:
+    """The warning (``IGNORED_FSDP_WARNING``) where ``accelerate launch`` (``launcher``: its arguments and working
+    directory; default: this process's parent, if it is one) had a config file saying ``distributed_type: FSDP``
+    and a flag that overrode it, so that no FSDP variable reached this process; else None."""
+    if _flag(environ, "ACCELERATE_USE_FSDP"):
+        return None
+    launcher = launcher if launcher is not None else launcher_command()
+    if launcher is None:
+        return None
+    argv, cwd = launcher
+    options = _launcher_options(argv, cwd, sys.argv[0] if sys.argv and sys.argv[0] else None)
+    flag = next((f for f in _KIND_FLAGS if f in options), None)
+    if flag is None:
+        return None
+    if "--config_file" in options and options.index("--config_file") + 1 < len(options):
+        path = os.path.join(cwd, options[options.index("--config_file") + 1])
+    elif "--cpu" in options:
+        return None  # accelerate reads no default config under --cpu
+    else:
+        path = _default_config_file(environ)
+    if _config_distributed_type(path) != "FSDP":
+        return None
+    return IGNORED_FSDP_WARNING.format(flag=flag, path=path)

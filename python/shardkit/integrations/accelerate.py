@@ -32,7 +32,15 @@ The training loop is accelerate's, unchanged. What the subclass changes, and why
   are accelerate's as always. ``ddp`` (replicated state) uses accelerate's own files.
 - **accelerate's config file** chooses the strategy when no ``shardkit_plugin`` is given (an FSDP config: fully_shard
   or the FSDP1 front, its wrapping classes, ``reshard_after_forward``; see _launch_config.py), and a MULTI_CPU
-  launch that started one process alone is refused with the command that starts N.
+  launch that started one process alone is refused with the command that starts N. Where ``accelerate launch
+  --multi_gpu`` overrode an FSDP config file (accelerate then exports no FSDP setting), rank 0 warns that shardkit
+  runs DDP.
+- **mixed_precision** (``"bf16"`` / ``"fp16"``) as accelerate's own Accelerator takes it: ddp / zero1 / zero2 run the
+  forward under accelerate's autocast (as its DDP); fully_shard casts through a ``MixedPrecisionPolicy`` in that
+  dtype and adds no autocast (as its FSDP2 plugin); fsdp has both, autocast and the FSDP1 front's
+  ``MixedPrecision`` (as its FSDP1 plugin); a ``mixed_precision`` given in the ShardkitPlugin wins. accelerate's
+  autocast and placement come from its own ``prepare_model(evaluation_mode=True)``: everything but its wrapping.
+  fp16 on a CPU is what accelerate makes of it: no autocast and no scaler (fully_shard / fsdp: the policy's casts).
 
 Unsupported combinations raise, naming the feature: DeepSpeed / FSDP / Megatron plugins alongside a
 ShardkitPlugin, an optimizer with state at ``prepare`` under ZeRO, ``strategy="auto"`` where only ZeRO-3 + CPU
@@ -44,6 +52,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import warnings
 from typing import Any, Iterable, Iterator
 
 import torch
@@ -60,7 +69,7 @@ except ImportError as error:  # shardkit does not depend on accelerate
 
 from .. import state_dict as _state_dict
 from ..checkpoint import save as _checkpoint_save
-from ..fsdp import FullyShardedDataParallel
+from ..fsdp import FullyShardedDataParallel, MixedPrecision
 from ..zero import ZeroRedundancyOptimizer
 from . import _launch_config, _wrapping
 from ._wrapping import SHARDED_STATE, STRATEGIES
@@ -68,6 +77,10 @@ from ._wrapping import SHARDED_STATE, STRATEGIES
 __all__ = ["Accelerator", "ShardkitPlugin", "STRATEGIES", "SHARDED_STATE"]
 
 CHECKPOINT_SUBDIR = "shardkit"  # inside accelerate's checkpoint directory
+# accelerate's mixed_precision -> the dtype its FSDP plugins cast to (FullyShardedDataParallelPlugin.set_mixed_precision)
+# What accelerate's own prepare_model would have wrapped the model in (shardkit wraps instead).
+_TORCH_WRAPPERS = (torch.nn.parallel.DistributedDataParallel, torch.distributed.fsdp.FullyShardedDataParallel)
+_MIXED_PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
 
 
 @dataclasses.dataclass
@@ -134,6 +147,9 @@ class Accelerator(accelerate.Accelerator):
         if shardkit_plugin is None:  # accelerate's config file, as `accelerate launch` exported it
             options = _launch_config.plugin_options()
             shardkit_plugin = ShardkitPlugin(**options) if options else None
+            ignored = _launch_config.ignored_fsdp_config() if options is None else None
+            if ignored is not None and os.environ.get("RANK", "0") == "0":  # once per job
+                warnings.warn(ignored, UserWarning, stacklevel=2)
         for name in _launch_config.consumed():  # shardkit shards; accelerate must not build its own FSDP plugin
             os.environ[name] = "false"
         self.shardkit_plugin = shardkit_plugin or ShardkitPlugin()
@@ -160,26 +176,53 @@ class Accelerator(accelerate.Accelerator):
         if getattr(model, "_is_accelerate_prepared", False) or evaluation_mode or not self._wraps:
             return super().prepare_model(model, device_placement, evaluation_mode)
         _wrapping.refuse_wrapped(model, "shardkit Accelerator.prepare", "ShardkitPlugin(strategy=...)")
-        with self._as_one_process():  # accelerate's placement and autocast, without its torch DDP
-            model = super().prepare_model(model, device_placement, evaluation_mode)
-        _wrapping.resolve(self.shardkit_plugin, model, self._optimizer_classes, "ShardkitPlugin")
+        strategy = _wrapping.resolve(self.shardkit_plugin, model, self._optimizer_classes, "ShardkitPlugin")
+        # accelerate's placement, autocast and compile, without its wrapping: evaluation_mode is accelerate's own
+        # switch for "everything but the distributed wrapper". (Making prepare_model see a one-process job does not
+        # hold: under mixed precision it rebuilds AcceleratorState(), which copies the shared process state back.)
+        # fully_shard is accelerate's FSDP2 path, which casts through the MixedPrecisionPolicy and adds no autocast.
+        registered = len(self._models)  # accelerate registers the model it prepares there
+        with self._without_autocast(strategy == "fully_shard"):
+            model = super().prepare_model(model, device_placement, evaluation_mode=True)
+        if isinstance(model, _TORCH_WRAPPERS) or len(self._models) != registered + 1:
+            raise RuntimeError(f"shardkit Accelerator.prepare (rank {self.process_index}): accelerate "
+                               f"{accelerate.__version__}'s prepare_model(evaluation_mode=True) wrapped or registered "
+                               f"the model otherwise than 1.15 does ({type(model).__name__}); shardkit cannot wrap it")
+        self._set_mixed_precision_policy(strategy)
         options = self.ddp_handler.to_kwargs() if self.ddp_handler is not None else {}
         wrapped, replaced = _wrapping.wrap(model, self.shardkit_plugin, "ShardkitPlugin", self.device, options)
         self._replaced_parameters.update(replaced)
         wrapped._is_accelerate_prepared = True
-        self._models[[m is model for m in self._models].index(True)] = wrapped
+        self._models[registered] = wrapped
         return wrapped
 
     @contextlib.contextmanager
-    def _as_one_process(self) -> Iterator[None]:
-        """accelerate's prepare_model wraps every model in torch's DDP when the job is distributed; the rest of
-        it is wanted. So that step sees a single-process job; shardkit wraps what it returns."""
-        kind = self.state.distributed_type
-        self.state.distributed_type = DistributedType.NO
+    def _without_autocast(self, skip: bool) -> Iterator[None]:
+        """accelerate's prepare_model wraps the forward in autocast where ``native_amp`` is on; its FSDP2 path
+        does not (the policy casts), so for fully_shard that step is skipped."""
+        native_amp = self.native_amp
+        self.native_amp = native_amp and not skip
         try:
             yield
         finally:
-            self.state.distributed_type = kind
+            self.native_amp = native_amp
+
+    def _set_mixed_precision_policy(self, strategy: str) -> None:
+        """``mixed_precision="bf16"`` / ``"fp16"`` on the sharding strategies, as accelerate's FSDP plugins take it:
+        where the plugin has no ``mixed_precision`` of its own, parameters and gradient reductions in that dtype
+        (fully_shard: torch's ``MixedPrecisionPolicy(param_dtype, reduce_dtype, output_dtype)``; fsdp: the FSDP1
+        front's ``MixedPrecision(param_dtype, reduce_dtype, buffer_dtype)``, besides accelerate's autocast, as
+        accelerate's FSDP1 path has both). ddp / zero1 / zero2 get accelerate's autocast, as its DDP does."""
+        dtype = _MIXED_PRECISION_DTYPES.get(self.state.mixed_precision)
+        plugin = self.shardkit_plugin
+        if dtype is None or plugin.mixed_precision is not None or strategy not in _wrapping.UNIT_STRATEGIES:
+            return
+        if strategy == "fully_shard":
+            from torch.distributed.fsdp import MixedPrecisionPolicy
+
+            plugin.mixed_precision = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype, output_dtype=dtype)
+        else:
+            plugin.mixed_precision = MixedPrecision(param_dtype=dtype, reduce_dtype=dtype, buffer_dtype=dtype)
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None):
         if (self._wraps and self.shardkit_plugin.resolved_strategy in ("zero1", "zero2")
