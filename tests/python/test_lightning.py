@@ -12,6 +12,11 @@
 - ``trainer.save_checkpoint`` after epoch 1 at 2 ranks, ``fit(ckpt_path=...)`` at 3: ends where the uninterrupted
   2-rank run ended (zero2, fully_shard).
 - zero2 and fully_shard on two simulated hosts (the hierarchical engine).
+- Evaluation (``validate`` / ``test`` / ``predict``) for every strategy, one job per backend: on the fresh model,
+  then after a fit (on the model fit left: fully_shard's stays sharded, no re-wrapping, no broadcast of its shards),
+  then ``test(ckpt_path="best")`` from a ``ModelCheckpoint``; every metric and prediction is the anchor's: Lightning's
+  ``DDPStrategy`` on gloo for ddp / zero, Lightning's ``ModelParallelStrategy`` (torch FSDP2) on gloo for
+  fully_shard and auto (which chooses fully_shard here).
 - Refusals: an unknown strategy, the FSDP1 front, Lightning's torch-DDP comm hooks, another backend, a
   LightningModule already wrapped.
 - The README's Lightning section is examples/lightning_train.py, and it runs under torchrun.
@@ -61,7 +66,7 @@ def runs(tmp_path_factory):
 
 def _assert_same_weights(ours: dict, theirs: dict, exact: bool, what: str) -> None:
     assert bool(ours["ranks_agree"]) and bool(theirs["ranks_agree"]), what
-    assert [k for k in theirs if k not in FACTS and not k.startswith("initial/")] == WEIGHTS
+    assert [k for k in theirs if k not in FACTS and not k.startswith(("initial/", "metric/"))] == WEIGHTS
     for name in WEIGHTS:
         if exact:  # two ranks' sums have one order: bitwise
             np.testing.assert_array_equal(ours[name], theirs[name], err_msg=f"{what}: {name}")
@@ -145,6 +150,67 @@ def test_save_checkpoint_then_fit_resumes_at_another_world_size(runs, tmp_path, 
     resumed = _fit(tmp_path / "resumed", strategy, "--resume", str(checkpoint), world=3)
     assert int(resumed["world"]) == 3
     _assert_same_weights(resumed, runs(strategy), exact=False, what=f"{strategy} resumed at 3 ranks")
+
+
+# --- evaluation: validate / test / predict, fresh and after fit, and test(ckpt_path="best") ------------------------
+
+OURS = ("ddp", "zero1", "zero2", "fully_shard", "auto")
+ANCHOR = {"ddp": "gloo", "zero1": "gloo", "zero2": "gloo", "fully_shard": "model_parallel", "auto": "model_parallel"}
+METRICS = ("fresh_val_loss", "val_loss", "test_loss", "val_loss_again", "best_score", "best_test_loss")
+
+
+@pytest.fixture(scope="module")
+def evaluations(tmp_path_factory):
+    """Every kind's --evaluate run: shardkit's five strategies in one job, the two anchors on gloo in another."""
+    from shardkit import estimate
+
+    root = tmp_path_factory.mktemp("lightning_evaluate")
+    budget = estimate.model_states(NUM_PARAMS, 2, "fp32", "adam", master_weights=False)["zero3"].total_gb * 1.001
+    done = {}
+    for kinds, options in ((OURS, ("--budget", repr(budget))), (("gloo", "model_parallel"), ())):
+        directory = root / kinds[0]
+        directory.mkdir()
+        proc = run_torchrun(SCRIPT, 2, str(directory / "result"), ",".join(kinds), "--evaluate", *options,
+                            timeout=480, cwd=directory)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
+        for kind in kinds:
+            with np.load(directory / f"result.{kind}.npz") as data:
+                done[kind] = {k: data[k] for k in data.files}
+    return done
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("strategy", OURS)
+def test_validate_test_predict_fresh_and_after_fit_as_lightnings_own_strategy(evaluations, strategy):
+    ours, theirs = evaluations[strategy], evaluations[ANCHOR[strategy]]
+    assert str(ours["backend"]) == "shardkit" and str(theirs["backend"]) == "gloo"
+    assert str(ours["resolved"]) == ("fully_shard" if strategy == "auto" else strategy)
+    exact = strategy == "ddp"  # two ranks' sums in one order; ZeRO and fully_shard clip from shards (see above)
+    _assert_same_weights(ours, theirs, exact=exact, what=f"{strategy} after evaluation")
+    for name in METRICS:
+        if exact or name == "fresh_val_loss":  # the fresh model: the same weights on every strategy
+            assert float(ours[f"metric/{name}"]) == float(theirs[f"metric/{name}"]), name
+        else:
+            np.testing.assert_allclose(ours[f"metric/{name}"], theirs[f"metric/{name}"], rtol=1e-5, err_msg=name)
+    assert float(ours["metric/val_loss"]) < float(ours["metric/fresh_val_loss"])  # evaluated the trained weights
+    assert float(ours["metric/val_loss_again"]) == float(ours["metric/val_loss"])
+    predictions = ours["metric/predictions"]
+    assert predictions.shape == (12, 1)  # rank 0's half of the 24 samples
+    if exact:
+        np.testing.assert_array_equal(predictions, theirs["metric/predictions"])
+    else:
+        np.testing.assert_allclose(predictions, theirs["metric/predictions"], rtol=1e-5, atol=1e-6)
+    # ModelCheckpoint kept its "best" (mode="max": epoch 0's weights), and test(ckpt_path="best") loaded them into
+    # the model fit left (sharded under fully_shard) and evaluated them
+    assert str(ours["metric/best_file"]) == str(theirs["metric/best_file"]) == "epoch=0-step=4.ckpt"
+    assert float(ours["metric/best_test_loss"]) > float(ours["metric/test_loss"])
+
+
+@pytest.mark.timeout(900)
+def test_the_fully_shard_anchor_is_lightnings_fsdp2_and_trains_as_its_ddp(evaluations):
+    fsdp2, ddp = evaluations["model_parallel"], evaluations["gloo"]
+    assert str(fsdp2["wrapper"]) == "Regression" and str(fsdp2["optimizer"]) == "AdamW"
+    _assert_same_weights(fsdp2, ddp, exact=False, what="ModelParallelStrategy vs DDPStrategy on gloo")
 
 
 # --- refusals --------------------------------------------------------------------------------------------------

@@ -54,6 +54,13 @@ Where Lightning's API leaves the choice to the strategy:
 - **After fit** the LightningModule holds the trained weights: plain tensors for ddp and ZeRO, DTensor shards
   for fully_shard (FSDP2 cannot be undone in place; ``.full_tensor()`` or ``lightning_module_state_dict()`` gives
   them whole).
+- **validate / test / predict** run on the model fit left. ddp and ZeRO (and auto before a fit has chosen) do as
+  ``DDPStrategy`` does: the plain module (fit's DDP is unwrapped at teardown), rank 0's state broadcast.
+  fully_shard evaluates the sharded module as it is (no broadcast, no re-wrapping); a fresh module is sharded as
+  fit would shard it (ModelParallelStrategy's ``configure_model`` shards in every stage) and stays sharded, so a
+  later ``fit`` with the same strategy trains it on. Under fully_shard the loops run under ``torch.no_grad``, not
+  ``inference_mode`` (Lightning does the same for its FSDPStrategy). ``ckpt_path=`` ("best", a file) loads the
+  file's whole weights into the shards.
 
 Registers nothing global: pass the instance, ``Trainer(strategy=ShardkitStrategy(...))``. Refused, naming the
 feature: an unknown strategy, ``"fsdp"``, Lightning's DDP comm-hook arguments (``ddp_comm_hook`` & co.: use
@@ -116,6 +123,7 @@ class ShardkitStrategy(DDPStrategy):
         self.spec = _wrapping.WrapSpec(strategy, comm_hook, powersgd_rank, auto_wrap, mixed_precision,
                                        reshard_after_forward, memory_budget_gb)
         self.spec.check(_OWNER, STRATEGIES)
+        self._sharded: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # the LightningModules fully_shard sharded
         super().__init__(process_group_backend="shardkit", **kwargs)
 
     @classmethod
@@ -141,7 +149,7 @@ class ShardkitStrategy(DDPStrategy):
     # --- set-up ------------------------------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer) -> None:
         if trainer.state.fn != TrainerFn.FITTING:
-            return super().setup(trainer)  # DDPStrategy's: no wrapping outside fit
+            return self._setup_for_evaluation(trainer)
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         if self._layer_sync:
@@ -152,13 +160,46 @@ class ShardkitStrategy(DDPStrategy):
         self._wrap()
         self.setup_precision_plugin()
         _optimizers_to_device(self.optimizers, self.root_device)
+        _evaluate_under_no_grad(trainer, self.model)
+
+    def _setup_for_evaluation(self, trainer: pl.Trainer) -> None:
+        """validate / test / predict. fully_shard: on the sharded model a fit left (no re-wrapping, no broadcast of
+        its shards), or a fresh model sharded as fit shards it (what ModelParallelStrategy's ``configure_model`` does
+        in every stage), and kept sharded for a later fit. ddp, zero1, zero2, and auto before any fit has chosen
+        (auto needs the optimizers): DDPStrategy's way, the plain module (fit's DDP is unwrapped at teardown) with
+        rank 0's state broadcast."""
+        assert self.accelerator is not None and self.model is not None
+        fresh = not self._sharded_here(self.model)
+        if fresh and self.spec.resolved_strategy != "fully_shard":
+            return super().setup(trainer)
+        self.accelerator.setup(trainer)
+        if fresh:
+            _wrapping.refuse_wrapped(self.model, _OWNER, "ShardkitStrategy(strategy=...)")
+            self.precision_plugin.convert_module(self.model)
+            self.model_to_device()
+            self.model, _ = _wrapping.wrap(self.model, self.spec, _OWNER, self.root_device, self._ddp_kwargs)
+            self._sharded.add(self.model)
+        self.model_to_device()
+        self.setup_precision_plugin()
+        _evaluate_under_no_grad(trainer, self.model)
+        return None
+
+    def _sharded_here(self, model: nn.Module) -> bool:
+        """Whether ``model`` is a LightningModule this strategy sharded (fully_shard wraps in place: after fit, and
+        after an evaluation that sharded it, the module Lightning hands back is the sharded one)."""
+        return isinstance(model, FSDPModule) and model in self._sharded
 
     def _wrap(self) -> None:
         """Wraps the model as the (resolved) strategy says; the optimizers follow (ZeRO, fully_shard's
-        parameters), and their LR schedulers with them."""
+        parameters), and their LR schedulers with them. A module this strategy already sharded (an earlier fit or
+        evaluation) stays as it is: the optimizers were built over its sharded parameters."""
+        if self._sharded_here(self.model):
+            return
         _wrapping.refuse_wrapped(self.model, _OWNER, "ShardkitStrategy(strategy=...)")
         _wrapping.resolve(self.spec, self.model, [type(o) for o in self.optimizers], _OWNER)
         self.model, replaced = _wrapping.wrap(self.model, self.spec, _OWNER, self.root_device, self._ddp_kwargs)
+        if isinstance(self.model, FSDPModule):
+            self._sharded.add(self.model)
         optimizers = []
         for optimizer in self.optimizers:
             if self.spec.resolved_strategy in ("zero1", "zero2"):
@@ -221,6 +262,16 @@ class ShardkitStrategy(DDPStrategy):
             return _state_dict.get_model_state_dict(self.model, options=options)
         return super().lightning_module_state_dict()
 
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        """The checkpoint's whole weights into the LightningModule; a sharded one (``ckpt_path`` after a fully_shard
+        fit: Lightning restores before ``setup``) keeps its share of each (a collective: every rank restores)."""
+        module = self.lightning_module
+        if not isinstance(module, FSDPModule):
+            return super().load_model_state_dict(checkpoint, strict)
+        options = _state_dict.StateDictOptions(full_state_dict=True, strict=strict)
+        _state_dict.set_model_state_dict(module, checkpoint["state_dict"], options=options)
+        return None
+
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """The optimizer's unsharded state keyed by parameter index, on rank 0 (``{}`` elsewhere for the sharded
         strategies; a collective for them)."""
@@ -244,6 +295,17 @@ class ShardkitStrategy(DDPStrategy):
 
 
 # --- helpers ---------------------------------------------------------------------------------------------------
+def _evaluate_under_no_grad(trainer: pl.Trainer, model: nn.Module) -> None:
+    """Under fully_shard, validate / test / predict run under ``torch.no_grad`` instead of ``torch.inference_mode``
+    (Lightning's default, ``Trainer(inference_mode=True)``), as Lightning does for its FSDPStrategy (torch issue
+    95957): FSDP2 allocates the unsharded parameters at the first forward, and if that forward runs under inference
+    mode they are inference tensors, which the next training step's all-gather cannot write into (``Inplace update
+    to inference tensor outside InferenceMode``)."""
+    if isinstance(model, FSDPModule):
+        for loop in (trainer.validate_loop, trainer.test_loop, trainer.predict_loop):
+            loop.inference_mode = False
+
+
 class _ClippingFromShards:
     """Mixed into the strategy's precision plugin (whichever Lightning chose), where Lightning clips: by norm through
     ``_wrapping.sharded_clip`` (a ZeroRedundancyOptimizer's global norm from its shards) or torch's function."""
