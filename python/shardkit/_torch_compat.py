@@ -142,6 +142,14 @@ def current_graph_task() -> int | None:
     return None if task == -1 else task
 
 
+def engine_will_run(node: Any) -> bool:
+    """Whether the backward pass this thread is running will run autograd node ``node``
+    (``torch._C._will_engine_execute_node``; call it during a backward pass only)."""
+    import torch
+
+    return bool(torch._C._will_engine_execute_node(node))
+
+
 def queue_end_of_backward(callback: Any) -> None:
     """Runs ``callback`` once the current backward pass has finished (``Variable._execution_engine.queue_callback``;
     callbacks run in the order queued)."""

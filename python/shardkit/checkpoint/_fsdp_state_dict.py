@@ -5,7 +5,9 @@ returns and ``model.load_state_dict()`` takes, as in torch FSDP1:
 
 - FULL_STATE_DICT (the default): the unwrapped model's keys, shapes and values. Gathered one flat parameter at
   a time; with ``FullStateDictConfig(rank0_only=True)`` the other ranks return ``{}`` and never hold more than
-  one flat parameter's full values. Loading takes such a dict (from any world size, or from the plain model)
+  one flat parameter's full values. Every value is a tensor of its own (its storage is exactly its bytes, as
+  torch FSDP1's clones): neither a view of a gathered flat buffer nor an alias of a live parameter or buffer, so
+  it stays as it was whatever the model does next (a step, a reshard), and torch.save writes only its bytes. Loading takes such a dict (from any world size, or from the plain model)
   on every rank; each rank copies its pieces.
 - SHARDED_STATE_DICT: no communication. Every parameter is a ``PieceTensor`` (_sharded_state.py): this rank's
   piece, a view of its shard (no copy), which torch.distributed.checkpoint sees as the parameter in its own
@@ -79,10 +81,10 @@ def full_state_dict(model: "FullyShardedDataParallel", config: FullStateDictConf
     keep = not config.rank0_only or dist.get_rank(model.process_group) == 0
     gathered: dict[int, torch.Tensor] = {}
     for g, _ in spaces(model):  # every rank gathers every group, in the same order
-        values = g.handle.gather_full_precision()
+        values = g.handle.gather_full_precision()  # views of one flat buffer per group
         if keep:
             for p, value in zip(g.params, values):
-                gathered[id(p)] = value.cpu() if config.offload_to_cpu else value
+                gathered[id(p)] = owned_copy(value, config.offload_to_cpu)
         del values  # before the next gather allocates: a rank that keeps nothing holds one unit at a time
     if not keep:
         return OrderedDict()
@@ -91,10 +93,21 @@ def full_state_dict(model: "FullyShardedDataParallel", config: FullStateDictConf
         if isinstance(value, torch.Tensor) and id(value) in gathered:
             out[key] = gathered[id(value)]
         elif isinstance(value, torch.Tensor):
-            out[key] = value.detach().cpu() if config.offload_to_cpu else value.detach()
+            out[key] = owned_copy(value, config.offload_to_cpu)
         else:
             out[key] = value
     return out
+
+
+def owned_copy(value: torch.Tensor, offload_to_cpu: bool) -> torch.Tensor:
+    """A copy of ``value`` (on the CPU when ``offload_to_cpu``) with a storage of its own, exactly its bytes:
+    what a full state dict hands out (a view of a flat buffer or an alias of a live tensor would change, or
+    point at freed memory, after the next step)."""
+    value = value.detach()
+    if offload_to_cpu and value.device.type != "cpu":
+        return value.to("cpu")  # a new tensor already
+    return value.clone(memory_format=torch.contiguous_format)
+
 
 
 def sharded_state_dict(model: "FullyShardedDataParallel", config: ShardedStateDictConfig, prefix: str) -> dict[str, Any]:

@@ -121,6 +121,12 @@ class _FlatGroup:
     # This iteration's training views (_FullParameterViews: one backward node, shared by every forward of the unit
     # in the iteration).
     training_views: tuple[torch.Tensor, ...] | None = None
+    # The views handed to the module while backward runs through the unit (pre-backward, or the pre-forward of an
+    # activation-checkpointing recompute), until its post-backward: a _FullParameterViews node of their own.
+    recompute_views: tuple[torch.Tensor, ...] | None = None
+    # Gradients a reentrant recompute's backward gave to recompute_views while the training views' node is still
+    # to run in this backward pass: reduced together with its gradients (handle order, None: none yet).
+    deferred_grads: list[torch.Tensor | None] | None = None
     unit_name: str = "(root)"  # the FSDP unit's module name, in profiler labels
 
 
@@ -525,15 +531,21 @@ class FullyShardedDataParallel(nn.Module):
         def pre_forward(module: nn.Module, args: tuple, kwargs: dict):
             if self._summoned:
                 return None
-            if unit.is_root:
-                self._start_iteration()
-            training = torch.is_grad_enabled()
-            if training and not self._orders_frozen and unit not in self._forward_order:
-                self._forward_order.append(unit)
-            self._unshard(unit)
-            if self.forward_prefetch and self._orders_frozen:
-                self._prefetch_after(unit, self._forward_order)
-            self._use_full_views(unit, training)
+            if _torch_compat.current_graph_task() is not None:
+                # A forward while backward runs: activation checkpointing recomputes the unit (or a module
+                # around it). It needs the parameters whole again; its gradients reach the unit's post-backward.
+                self._unshard(unit)
+                self._use_backward_views(unit)
+            else:
+                if unit.is_root:
+                    self._start_iteration()
+                training = torch.is_grad_enabled()
+                if training and not self._orders_frozen and unit not in self._forward_order:
+                    self._forward_order.append(unit)
+                self._unshard(unit)
+                if self.forward_prefetch and self._orders_frozen:
+                    self._prefetch_after(unit, self._forward_order)
+                self._use_full_views(unit, training)
             inputs = None
             if unit.is_root and self._offload_device is not None:  # FSDP1: the root's inputs to the compute device
                 inputs = _to_device((args, kwargs), self._offload_device)
@@ -549,9 +561,11 @@ class FullyShardedDataParallel(nn.Module):
             if self._summoned:
                 return None
             for g in unit.groups:
-                for p, places in zip(g.params, g.occurrences):
-                    for owner, attr in places:
-                        owner._parameters[attr] = p
+                _restore_parameters(g)
+            if _torch_compat.current_graph_task() is not None:
+                # The end of a recompute (pre_forward): its backward, or the one it serves, still reads the full
+                # buffer; the unit's post-backward reshards it. No pre-backward: backward is already here.
+                return None
             outputs = [t for t in _tensors_in(output) if t.requires_grad]
             will_backward = torch.is_grad_enabled() and bool(outputs)
             if will_backward:
@@ -574,12 +588,19 @@ class FullyShardedDataParallel(nn.Module):
         if not self._orders_frozen and unit not in self._backward_order:
             self._backward_order.append(unit)
         self._unshard(unit)
+        # The module sees its parameters whole until the unit's post-backward: a checkpointed part of it
+        # (torch.utils.checkpoint inside the unit's forward) recomputes from them.
+        self._use_backward_views(unit)
         if self.backward_prefetch == BackwardPrefetch.BACKWARD_PRE and self._orders_frozen:
             self._prefetch_after(unit, self._backward_order)
 
-    def _post_backward(self, unit: _Unit, group: _FlatGroup, grads: list[torch.Tensor | None]) -> None:
+    def _post_backward(self, unit: _Unit, group: _FlatGroup, grads: list[torch.Tensor | None],
+                       prefetch: bool = True) -> None:
         """Runs (the backward of _FullParameterViews) when autograd has every gradient of `group`'s parameters
         for one backward pass (None: the parameter got none), in parameter order."""
+        if group.deferred_grads is not None:
+            grads = _add_gradients(grads, group.deferred_grads)
+            group.deferred_grads = None
         sync = self._require_backward_grad_sync
         memory = self._reduce_memory.memory if sync and self._reduce_memory is not None else None
         made_in_memory = memory is not None and group.handle.flattens_into_memory
@@ -607,12 +628,25 @@ class FullyShardedDataParallel(nn.Module):
         # buffer can go now. Frozen groups have no such node: later nodes may still read them; they are freed at
         # the end of backward.
         self._reshard_group(group)
-        if self.backward_prefetch == BackwardPrefetch.BACKWARD_POST and self._orders_frozen:
+        _restore_parameters(group)
+        group.recompute_views = None
+        if prefetch and self.backward_prefetch == BackwardPrefetch.BACKWARD_POST and self._orders_frozen:
             self._prefetch_after(unit, self._backward_order)
+
+    def _defer_gradients(self, group: _FlatGroup, grads: list[torch.Tensor | None]) -> None:
+        """A reentrant recompute's backward gave `group` these gradients; the training views' node, still to run
+        in this backward pass, reduces them with its own."""
+        group.deferred_grads = grads if group.deferred_grads is None else _add_gradients(group.deferred_grads, grads)
 
     def _end_of_backward(self) -> None:
         """The autograd callback queued by the first pre-backward hook: runs once backward has finished."""
         self._orders_frozen = True
+        # Gradients a recompute deferred to a node that did not run after all (the unit ran twice, say): reduced
+        # now, in unit order, the same on every rank.
+        for u in self._units:
+            for g in u.groups:
+                if g.deferred_grads is not None:
+                    self._post_backward(u, g, [None] * len(g.params), prefetch=False)
         self._end_iteration()
 
     def _start_iteration(self) -> None:
@@ -634,7 +668,8 @@ class FullyShardedDataParallel(nn.Module):
             self._reduce_memory.release()
         for u in self._units:
             for g in u.groups:
-                g.training_views = None
+                g.training_views = g.recompute_views = g.deferred_grads = None
+                _restore_parameters(g)
             self._reshard(u)
         self._backward_pending = False
 
@@ -714,6 +749,33 @@ class FullyShardedDataParallel(nn.Module):
                 for owner, attr in places:
                     owner._parameters[attr] = view
 
+    def _use_backward_views(self, unit: _Unit) -> None:
+        """While backward runs through `unit` (gathered): its module's parameters become views of the full buffer
+        until the group's post-backward, so that a recompute (activation checkpointing) computes with them.
+
+        They are views of a _FullParameterViews node of their own. A non-reentrant recompute only refills tensors
+        saved by the training forward (its graph is never run), so its views need no gradient path. A reentrant
+        one runs a backward of its own through them: if the training views' node is still to run in this backward
+        pass (the unit used its parameters outside the checkpoint too), the recompute's gradients wait for it
+        (one reduction per unit and backward pass, as without checkpointing); otherwise (the whole unit ran under
+        reentrant checkpointing, so the training forward recorded nothing) this node is the unit's post-backward."""
+        for g in unit.groups:
+            if g.trainable:
+                if g.recompute_views is None:
+                    ordinary = g.training_views is not None and g.training_views[0].grad_fn is not None and \
+                        _torch_compat.engine_will_run(g.training_views[0].grad_fn)
+                    then = _DeferGradients(self, g) if ordinary else _PostBackward(self, unit, g)
+                    with torch.enable_grad():  # backward hooks run without grad mode
+                        leaf = g.handle.full_alias().requires_grad_(True)
+                        views = _FullParameterViews.apply(leaf, g.handle, then)
+                    g.recompute_views = (views,) if isinstance(views, torch.Tensor) else views
+                views = g.recompute_views
+            else:
+                views = g.handle.views(g.handle.full_alias())
+            for places, view in zip(g.occurrences, views):
+                for owner, attr in places:
+                    owner._parameters[attr] = view
+
 
 class _FullParameterViews(torch.autograd.Function):
     """A trainable flat group's parameters as views of its full buffer, for training forwards. One node per group
@@ -751,7 +813,32 @@ class _PostBackward:
         fsdp._post_backward(unit, group, grads)
 
 
+class _DeferGradients:
+    """The backward of a reentrant recompute's _FullParameterViews when the training views' node is still to run:
+    hands the gradients to FSDP, which adds them to that node's (held weakly, as _PostBackward)."""
+
+    def __init__(self, fsdp: FullyShardedDataParallel, group: _FlatGroup) -> None:
+        self._refs = (weakref.ref(fsdp), weakref.ref(group))
+
+    def __call__(self, grads: list[torch.Tensor | None]) -> None:
+        fsdp, group = (ref() for ref in self._refs)
+        if fsdp is None or group is None:
+            raise RuntimeError("shardkit FSDP: backward through a forward of a model that has been deleted")
+        fsdp._defer_gradients(group, grads)
+
+
 # --- helpers -----------------------------------------------------------------------------------------------
+def _restore_parameters(group: _FlatGroup) -> None:
+    """The module registers the sharded parameters again (where a forward or backward put views)."""
+    for p, places in zip(group.params, group.occurrences):
+        for owner, attr in places:
+            owner._parameters[attr] = p
+
+
+def _add_gradients(a: list[torch.Tensor | None], b: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    return [y if x is None else x if y is None else x + y for x, y in zip(a, b)]
+
+
 def _is_zero(optim: torch.optim.Optimizer) -> bool:
     return isinstance(optim, ZeroRedundancyOptimizer)
 
