@@ -610,3 +610,52 @@ def test_errors_and_warnings(ranks):
         assert len(m["warnings"]) == 1 and "Adafactor" in m["warnings"][0], m["warnings"]
     assert "rank 0" in results[0]["elsewhere"] and "consolidated to rank 1" in results[0]["elsewhere"]
     assert "rank 1" in results[1]["stale"] and "stepped since" in results[1]["stale"]
+
+
+# --- 6. full model state dicts are the user's: unchanged by the next step ----------------------------------------
+
+def _full_state_dicts_are_copies(rank, world, stage):
+    """Under zero_stage 1|2 the parameters are views of the DDP's flat buffer, which every step updates in place:
+    a full state dict (torch.distributed.checkpoint.state_dict's options, or FSDP1's state_dict_type context) must
+    hand out values of their own, equal to the model's, that stay as they were after the next step."""
+    from shardkit import FullyShardedDataParallel as FSDP
+    from shardkit.fsdp import FullStateDictConfig, StateDictType
+    from shardkit.state_dict import StateDictOptions, get_model_state_dict
+
+    pair = ZeroPair(mlp(), torch.optim.AdamW, {"lr": 1e-2}, stage=stage)
+    pair.step(rank, 0)
+    takers = {
+        "get_model_state_dict(full_state_dict=True)":
+            lambda: get_model_state_dict(pair.dut, options=StateDictOptions(full_state_dict=True)),
+        "get_model_state_dict(full_state_dict=True, cpu_offload=True)":
+            lambda: get_model_state_dict(pair.dut, options=StateDictOptions(full_state_dict=True, cpu_offload=True)),
+        "FULL_STATE_DICT(offload_to_cpu=True)": lambda: _full_state_dict(pair.dut, FullStateDictConfig(True)),
+    }
+    for step, (how, take) in enumerate(takers.items(), start=1):
+        where = f"rank {rank}, zero_stage={stage}, {how}"
+        got = take()
+        want = {k.removeprefix("module."): v for k, v in pair.ref.module.state_dict().items()}
+        if how.endswith("cpu_offload=True)") and rank != 0:
+            assert got == {}, where  # rank0_only, as torch's
+        else:
+            assert sorted(k.removeprefix("module.") for k in got) == sorted(want), where
+        captured = {k: v.clone() for k, v in got.items()}
+        for key, value in got.items():
+            assert value.untyped_storage().nbytes() == value.nbytes > 0, (where, key)
+            assert_close(value, want[key.removeprefix("module.")], f"{where}: {key}")
+        pair.step(rank, step)
+        for key, value in got.items():
+            assert torch.equal(value, captured[key]), f"{where}: {key} changed with the next step"
+
+
+def _full_state_dict(model, config):
+    from shardkit import FullyShardedDataParallel as FSDP
+    from shardkit.fsdp import StateDictType
+
+    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, config):
+        return model.state_dict()
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_full_state_dicts_are_copies_unchanged_by_the_next_step(ranks, stage):
+    ranks.run(_full_state_dicts_are_copies, 2, stage, timeout=60)

@@ -13,7 +13,8 @@ of this rank's piece of it (a view: no copy, no communication) -- the partition 
 same layout computed on the fly under zero_stage 0. DCP then writes every element once, spread over the ranks.
 Loading through DCP fills this rank's pieces; ``load_state_dict`` then all-gathers the pieces into whole
 parameters (a collective). FULL_STATE_DICT: the module's own state dict (no communication: it is whole on
-every rank), honouring ``rank0_only`` and ``offload_to_cpu``.
+every rank), honouring ``rank0_only`` and ``offload_to_cpu``, each value a copy of its own (under zero_stage 1|2
+the parameters are views of the DDP's flat buffer, which the next step updates in place).
 
 Optimizer: the name-keyed dict of _sharded_state.optim_state_dict over the optimizer's partition (its pieces
 are the slots; the names are the model's, without a DDP's ``module.``). ``optim_state_dict_to_load`` returns
@@ -33,7 +34,7 @@ from . import _fsdp_optim_state as fsdp_optim_state
 from ._sharded_state import (Place, ShardedSpace, Slot, check_param_groups, init_optimizer_state, load_entries,
                              local_optim_state, sharded_entries)
 from ._sharded_state import optim_state_dict as name_keyed_state
-from ._fsdp_state_dict import FullStateDictConfig, ShardedStateDictConfig, StateDictType
+from ._fsdp_state_dict import FullStateDictConfig, ShardedStateDictConfig, StateDictType, owned_copy
 
 if TYPE_CHECKING:
     from ..ddp import DistributedDataParallel
@@ -79,8 +80,8 @@ def model_state_dict(ddp: "DistributedDataParallel", kind: StateDictType,
         return sharded_entries(entries, _places(_spaces(ddp)), config.offload_to_cpu)
     if getattr(config, "rank0_only", False) and dist.get_rank(ddp.process_group) != 0:
         return {}
-    return {key: (value.detach().cpu() if config.offload_to_cpu else value.detach())
-            if isinstance(value, torch.Tensor) else value for key, value in entries.items()}
+    return {key: owned_copy(value, config.offload_to_cpu) if isinstance(value, torch.Tensor) else value
+            for key, value in entries.items()}
 
 
 def load_model_state_dict(ddp: "DistributedDataParallel", kind: StateDictType, state_dict: dict[str, Any],
