@@ -5,6 +5,9 @@ launch it: ``torchrun`` of a training script whose command line transformers' ``
 - Every strategy trains as transformers' own Trainer with torch's DDP on gloo (the anchor): a small GPT-2, 4 steps
   of 2 accumulated micro-batches, gradient clipping, a linear schedule; the same logged gradient norms and the same
   weights.
+- ``--bf16 true`` trains (ddp: as the anchor with bf16 autocast; fully_shard and fsdp: with accelerate's FSDP
+  plugins' bf16 casts, near it), and ``--load_best_model_at_end true`` leaves the model the best checkpoint's,
+  bitwise, as the anchor's (ddp, zero2, fully_shard, fsdp).
 - ``save_model`` writes a plain Hugging Face directory (no prefix, the tied weight once) that ``from_pretrained``
   loads with nothing missing, bitwise equal to the trained weights.
 - ``resume_from_checkpoint`` of a checkpoint saved at one world size, at another, ends where the run that never
@@ -59,12 +62,14 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("trainer")
     done: dict = {}
 
-    def run(strategy: str | None):
-        if strategy not in done:
+    def run(strategy: str | None, *settings: str):
+        key = (strategy, settings)
+        if key not in done:
             extra = ["--anchor", "--use_cpu", "true", "--ddp_backend", "gloo"] if strategy is None else \
                 ["--shardkit_strategy", strategy]
-            done[strategy] = (root / (strategy or "anchor"), *_launch(root / (strategy or "anchor"), 2, *extra))
-        return done[strategy]
+            name = f"{strategy or 'anchor'}-{len(done)}"
+            done[key] = (root / name, *_launch(root / name, 2, *extra, *settings))
+        return done[key]
 
     return run
 
@@ -153,6 +158,38 @@ def test_auto_chooses_by_the_memory_budget_and_trains_as_the_anchor(runs, tmp_pa
     ours, theirs = _weights(arrays, "trained"), _weights(anchor_arrays, "trained")
     for name, value in theirs.items():
         torch.testing.assert_close(ours[name], value, rtol=1e-5, atol=1e-6, msg=f"auto ({expected}): {name}")
+
+
+# bf16 autocast (--bf16 true; on a host without a GPU transformers asks for --use_cpu true with it, for its own
+# Trainer and so for shardkit's), with an evaluation every 2 steps and the best checkpoint loaded at the end. The best
+# is the one with the lowest evaluation loss: checkpoint-2 (on these random tokens the loss on the evaluated samples
+# rises again by step 4), so that loading it changes the model.
+BF16_BEST = ("--bf16", "true", "--use_cpu", "true", "--eval_strategy", "steps", "--eval_steps", "2", "--load_best_model_at_end", "true",
+             "--metric_for_best_model", "loss", "--with_eval", "true")
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("strategy", ["ddp", "zero2", "fully_shard", "fsdp"])
+def test_bf16_with_the_best_model_loaded_at_the_end(runs, strategy):
+    _, anchor_facts, anchor_arrays = runs(None, *BF16_BEST)
+    _, facts, arrays = runs(strategy, *BF16_BEST)
+    for who, found, weights in (("anchor", anchor_facts, anchor_arrays), (strategy, facts, arrays)):
+        assert found["best_model_checkpoint"].endswith("checkpoint-2"), (who, found["best_model_checkpoint"])
+        best, last, trained = _weights(weights, "best"), _weights(weights, "last"), _weights(weights, "trained")
+        assert any(not torch.equal(best[k], last[k]) for k in best), who  # loading the best changes the model
+        for name, value in best.items():  # the model is the best checkpoint's, bitwise
+            torch.testing.assert_close(trained[name], value, rtol=0, atol=0, msg=f"{who}: {name}")
+    assert len(facts["norms"]) == len(anchor_facts["norms"]) == 4
+    if strategy in ("ddp", "zero2"):  # the same autocast as the anchor's torch DDP: the same numbers
+        rtol, atol = 1e-5, 1e-6
+    else:  # accelerate's FSDP plugins' bf16: parameters and reductions cast to bf16 (MixedPrecisionPolicy /
+        # MixedPrecision) besides or instead of the autocast, so bf16's rounding apart from the anchor's (measured:
+        # norms 6e-4, weights 5e-3 at most)
+        rtol, atol = 1e-2, 1e-2
+    torch.testing.assert_close(torch.tensor(facts["norms"]), torch.tensor(anchor_facts["norms"]), rtol=rtol, atol=atol)
+    ours, theirs = _weights(arrays, "trained"), _weights(anchor_arrays, "trained")
+    for name, value in theirs.items():
+        torch.testing.assert_close(ours[name], value, rtol=rtol, atol=atol, msg=f"{strategy}: {name}")
 
 
 def test_arguments_refuse_what_they_cannot_do(tmp_path):

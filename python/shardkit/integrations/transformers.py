@@ -57,6 +57,7 @@ except ImportError as error:  # shardkit does not depend on transformers
 
 from . import _wrapping
 from . import accelerate as _accelerate
+from .. import state_dict as _state_dict
 from ..checkpoint import save as _checkpoint_save
 
 __all__ = ["ShardkitTrainingArguments", "Trainer"]
@@ -156,6 +157,27 @@ class Trainer(transformers.Trainer):
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
+    # --- the best model, at the end of training ----------------------------------------------------------------
+    def _load_best_model(self) -> None:
+        # transformers' own loads the best checkpoint's files with model.load_state_dict, which cannot copy plain
+        # tensors into fully_shard's DTensors (and gives the wrapper's names to DDP / the FSDP1 front). The files
+        # hold the whole model with the unwrapped model's names (save_model above); they are loaded through
+        # shardkit.state_dict's set_model_state_dict, a full state dict, which every strategy takes. Every rank
+        # reads the files, as transformers' own does.
+        if not self.accelerator._wraps:
+            return super()._load_best_model()
+        checkpoint = self.state.best_model_checkpoint
+        state = _read_model_files(checkpoint)
+        if state is None:
+            raise FileNotFoundError(f"shardkit Trainer (rank {self.args.process_index}): load_best_model_at_end: no "
+                                    f"model files ({_hf_trainer.SAFE_WEIGHTS_NAME}, {_hf_trainer.SAFE_WEIGHTS_INDEX_NAME}"
+                                    f" or {_hf_trainer.WEIGHTS_NAME}) in the best checkpoint {checkpoint}")
+        _hf_trainer.logger.info(f"Loading best model from {checkpoint} (score: {self.state.best_metric}).")
+        state = _with_tied_names(state, self.accelerator.unwrap_model(self.model_wrapped))
+        options = _state_dict.StateDictOptions(full_state_dict=True, strict=False)
+        result = _state_dict.set_model_state_dict(self.model_wrapped, state, options=options)
+        self._issue_warnings_after_load(result)
+
     # --- optimizer state --------------------------------------------------------------------------------------
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         if not self._sharded_state:
@@ -177,6 +199,44 @@ class Trainer(transformers.Trainer):
                              f"{directory}; {checkpoint} holds {found} (saved with another strategy?)")
         _wrapping.load_into(self.accelerator._models_and_optimizers(), directory)
         self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, _SCHEDULER_NAME), weights_only=True))
+
+
+def _read_model_files(directory: str) -> dict[str, torch.Tensor] | None:
+    """The model state a checkpoint directory's Hugging Face model files hold (safetensors, one file or an index of
+    several; else pytorch_model.bin, read with weights_only), on the CPU; None where it has none."""
+    import json
+
+    from safetensors.torch import load_file
+
+    single = os.path.join(directory, _hf_trainer.SAFE_WEIGHTS_NAME)
+    index = os.path.join(directory, _hf_trainer.SAFE_WEIGHTS_INDEX_NAME)
+    pickled = os.path.join(directory, _hf_trainer.WEIGHTS_NAME)
+    if os.path.isfile(single):
+        return load_file(single, device="cpu")
+    if os.path.isfile(index):
+        with open(index) as file:
+            files = sorted(set(json.load(file)["weight_map"].values()))
+        state: dict[str, torch.Tensor] = {}
+        for name in files:
+            state.update(load_file(os.path.join(directory, name), device="cpu"))
+        return state
+    if os.path.isfile(pickled):
+        return torch.load(pickled, map_location="cpu", weights_only=True)
+    return None
+
+
+def _with_tied_names(state: dict[str, torch.Tensor], model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``state`` with every name of a tied parameter present (the files keep a tied weight once, under one of its
+    names), so a strict full-state-dict load finds each."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    for tied in names.values():
+        present = next((n for n in tied if n in state), None)
+        for name in tied:
+            if present is not None and name not in state:
+                state[name] = state[present]
+    return state
 
 
 @contextlib.contextmanager

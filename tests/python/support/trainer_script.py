@@ -2,8 +2,10 @@
 
 Its arguments are the Trainer's command line, parsed by transformers' own ``HfArgumentParser`` (as a training script
 of the users' guides does), plus this script's: ``--anchor`` (transformers' own Trainer and TrainingArguments,
-torch's DDP on gloo), ``--one_host_per_rank`` (simulated hosts: the hierarchical engine), ``--resume <checkpoint>``
-and ``--result <file>``. It trains a small GPT-2 (no dropout, so
+torch's DDP on gloo), ``--one_host_per_rank`` (simulated hosts: the hierarchical engine), ``--resume <checkpoint>``,
+``--with_eval`` (an evaluation set, the first 24 training samples, for ``--eval_strategy`` and
+``--load_best_model_at_end``; the best checkpoint's and the last checkpoint's model files then come back too) and
+``--result <file>``. It trains a small GPT-2 (no dropout, so
 that runs at different world sizes see the same arithmetic), then ``save_model`` to ``<output_dir>/final``; rank 0
 loads that directory with ``from_pretrained`` and writes what the test compares to ``--result`` (an .npz).
 """
@@ -23,6 +25,7 @@ class Case:
     anchor: bool = False
     one_host_per_rank: bool = False  # each rank on a simulated host of its own (SHARDKIT_HOST_ID)
     resume: str | None = None
+    with_eval: bool = False
     result: str = "result.npz"
 
 
@@ -54,7 +57,8 @@ def main() -> None:
     model = gpt2()
     tokens = torch.randint(0, 64, (96, 12), generator=torch.Generator().manual_seed(1))
     dataset = [{"input_ids": t, "labels": t} for t in tokens]
-    trainer = Trainer(model=model, args=args, train_dataset=dataset)
+    trainer = Trainer(model=model, args=args, train_dataset=dataset,
+                      eval_dataset=dataset[:24] if case.with_eval else None)
     trainer.train(resume_from_checkpoint=case.resume)
     final = f"{args.output_dir}/final"
     trainer.save_model(final)
@@ -68,7 +72,8 @@ def main() -> None:
     facts = {"backend": dist.get_backend(), "world": dist.get_world_size(), "hosts": hosts, "norms": norms,
              "wrapper": type(trainer.model_wrapped).__name__,
              "resolved": trainer.accelerator.shardkit_plugin.resolved_strategy if not case.anchor else None,
-             "optimizer": type(getattr(trainer.optimizer, "optimizer", trainer.optimizer)).__name__}
+             "optimizer": type(getattr(trainer.optimizer, "optimizer", trainer.optimizer)).__name__,
+             "best_model_checkpoint": trainer.state.best_model_checkpoint}
     trainer.accelerator.wait_for_everyone()
     if dist.get_rank() != 0:
         return
@@ -79,6 +84,11 @@ def main() -> None:
     facts["loading_info"] = {k: sorted(map(str, v)) for k, v in info.items() if k != "error_msgs"}
     arrays = {f"trained/{k}": v.detach().float().numpy() for k, v in trained.items()}
     arrays.update({f"loaded/{k}": v.detach().float().numpy() for k, v in loaded.state_dict().items()})
+    if case.with_eval:  # the model files of the best checkpoint and of the last one
+        last = f"{args.output_dir}/checkpoint-{trainer.state.global_step}"
+        for kind, directory in (("best", trainer.state.best_model_checkpoint), ("last", last)):
+            arrays.update({f"{kind}/{k}": v.float().numpy() for k, v in
+                           load_file(f"{directory}/model.safetensors").items()})
     np.savez(case.result, facts=np.array(json.dumps(facts)), **arrays)
 
 
