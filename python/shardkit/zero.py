@@ -263,11 +263,25 @@ class ZeroRedundancyOptimizer(Optimizer):
                                    f"parameters: {_first_difference(mine, theirs, self.rank, other)}")
 
     # --- training -------------------------------------------------------------------------------------
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        """torch's GradScaler hands itself to ``step`` (instead of unscaling ``.grad`` and asserting that it saw
+        some) when this is True: under ZeRO-2, so that ``step`` can refuse it by name (see ``step``)."""
+        return self._zero2 is not None
+
+    def step(self, closure: Callable[[], Any] | None = None, grad_scaler: Any = None) -> Any:
         """Steps this rank's slice, then all-gathers the updated parameters (a collective: call on every rank).
 
         ``closure`` is called once, before the step (as SGD/Adam do); the returned loss is passed through.
+        ``grad_scaler``: passed by ``torch.amp.GradScaler.step`` under ZeRO-2 only, and refused there: fp16 loss
+        scaling would have to unscale, check and agree on the gradient shards, which GradScaler cannot see (its
+        ``unscale_`` reads ``.grad``, None under ZeRO-2). Not built; ZeRO-1 and bf16 need no such support.
         """
+        if grad_scaler is not None:
+            raise NotImplementedError(
+                f"ZeroRedundancyOptimizer (rank {self.rank}): zero_stage=2 with torch.amp.GradScaler (fp16 loss "
+                "scaling) is not supported: the gradients live in the shards (optimizer.gradient_shards), which "
+                "GradScaler cannot unscale or check; use bf16 without a scaler, or zero_stage=1")
         loss = None
         if closure is not None:
             with torch.enable_grad():
