@@ -179,7 +179,7 @@ def evaluations(tmp_path_factory):
     return done
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1000)
 @pytest.mark.parametrize("strategy", OURS)
 def test_validate_test_predict_fresh_and_after_fit_as_lightnings_own_strategy(evaluations, strategy):
     ours, theirs = evaluations[strategy], evaluations[ANCHOR[strategy]]
@@ -206,7 +206,7 @@ def test_validate_test_predict_fresh_and_after_fit_as_lightnings_own_strategy(ev
     assert float(ours["metric/best_test_loss"]) > float(ours["metric/test_loss"])
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1000)
 def test_the_fully_shard_anchor_is_lightnings_fsdp2_and_trains_as_its_ddp(evaluations):
     fsdp2, ddp = evaluations["model_parallel"], evaluations["gloo"]
     assert str(fsdp2["wrapper"]) == "Regression" and str(fsdp2["optimizer"]) == "AdamW"
