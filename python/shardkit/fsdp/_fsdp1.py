@@ -18,7 +18,10 @@ collectives they issue match on every backend — DESIGN.md, "Collective order")
                  become views of the full buffer; forward_prefetch issues the next unit's all-gather.
   post-forward   the sharded parameters come back; FULL_SHARD / HYBRID_SHARD free the full buffer (the
                  root keeps it: backward starts with it); a hook on the outputs marks the pre-backward.
-  pre-backward   all-gather again if freed; BACKWARD_PRE prefetches the next unit in backward order.
+  pre-backward   all-gather again if freed; the module's parameters are views of the full buffer again until the
+                 post-backward (activation checkpointing recomputes from them: _use_backward_views); BACKWARD_PRE
+                 prefetches the next unit in backward order. A unit's forward run while backward runs (a
+                 recompute) gathers it if needed, issues no prefetch, and neither reshards nor hooks its outputs.
   post-backward  (every gradient of a flat group's parameters is in: the backward of _FullParameterViews)
                  the gradients are flattened — on a shardkit group on one host into shared memory, from
                  which the reduce-scatter reads the peers' gradients without copying them (zero-copy) —
