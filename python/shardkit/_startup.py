@@ -15,10 +15,12 @@ The start-up (``backend._create_backend``) talks through the group's c10d Store:
 - ``shardkit/abort`` (``_C.ABORT_KEY``): the notice. A rank that fails anywhere above, or sees a peer on its host
   exit, writes why (the first writer wins); every wait polls it. So a failure on one host reaches the others.
 
-Every wait waits for its keys in the Store in slices of ``_SLICE`` seconds (the Store server answers when they are
-set: no polling traffic) and between slices looks at the pids it watches, the notice and the group's deadline. A
-rank that dies before writing its own host key cannot be told from one that is slow to start; that wait ends at
-the deadline, as torch's own rendezvous does.
+Every wait polls the Store for its keys (``check``: one round trip that never waits on the server), sleeping between
+polls from ``_FIRST_POLL`` up to ``_SLICE`` seconds, and between polls looks at the pids it watches, the notice and
+the group's deadline. It never lets a Store wait time out: torch's TCPStore client logs a warning for each timed-out
+wait (``[c10d] waitForInput: poll for socket ... timed out``), which a start-up in slices printed once per empty slice
+on every rank. A rank that dies before writing its own host key cannot be told from one that is slow to start; that
+wait ends at the deadline, as torch's own rendezvous does.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ import torch.distributed as dist
 
 from . import _C
 
-_SLICE = timedelta(milliseconds=200)  # a death is seen within about this (plus the Store's round trip)
+_SLICE = 0.2  # seconds between polls at most: a death is seen within about this (plus the Store's round trip)
+_FIRST_POLL = 0.0005  # seconds; doubled after each empty poll, so a key set at once costs a fraction of a slice
 _EXPLAIN_WITHIN = 1.0  # seconds a failed connection waits for its cause to show
 _GLOO_CONNECT = timedelta(seconds=2)  # gloo's pair connects, once every address is known (see connect_gloo)
 
@@ -78,16 +81,14 @@ class StartupWatch:
         """Returns once every key is set in ``store`` (default: the group's); raises StartupFailed on a notice, a
         local peer's death or the deadline."""
         store = store if store is not None else self.store
-        while True:
-            try:
-                store.wait(keys, _SLICE)
-                return
-            except RuntimeError:  # the slice ended (DistStoreError "wait timeout"; a RuntimeError in every torch)
-                pass
+        pause = _FIRST_POLL
+        while not store.check(keys):
             self.check(waiting_for)
             if time.monotonic() > self.deadline:
                 raise StartupFailed(f"{self.where()}: timed out after {self.timeout.total_seconds():.0f} s "
                                     f"{waiting_for}")
+            time.sleep(pause)
+            pause = min(2 * pause, _SLICE)
 
     def get(self, key: str, waiting_for: str) -> bytes:
         self.wait_for([key], waiting_for)
