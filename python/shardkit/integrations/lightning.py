@@ -84,6 +84,7 @@ try:
     from lightning.pytorch.plugins.precision import Precision
     from lightning.pytorch.strategies import DDPStrategy
     from lightning.pytorch.trainer.states import TrainerFn
+    from lightning.pytorch.utilities import GradClipAlgorithmType
 except ImportError as error:  # shardkit does not depend on Lightning
     raise ImportError("shardkit.integrations.lightning needs Lightning (pip install lightning; tested with 2.6.6): "
                       f"{error}") from error
@@ -266,8 +267,10 @@ class ShardkitStrategy(DDPStrategy):
         """The checkpoint's whole weights into the LightningModule; a sharded one (``ckpt_path`` after a fully_shard
         fit: Lightning restores before ``setup``) keeps its share of each (a collective: every rank restores)."""
         module = self.lightning_module
-        if not isinstance(module, FSDPModule):
+        if not isinstance(module, FSDPModule) and self.spec.resolved_strategy != "fully_shard":
             return super().load_model_state_dict(checkpoint, strict)
+        # fully_shard's files hold torch's canonical names (get_model_state_dict's: a compiled submodule's without
+        # ``_orig_mod.``), so a module not sharded yet (Lightning restores before setup) loads them by that mapping.
         options = _state_dict.StateDictOptions(full_state_dict=True, strict=strict)
         _state_dict.set_model_state_dict(module, checkpoint["state_dict"], options=options)
         return None
@@ -309,6 +312,16 @@ def _evaluate_under_no_grad(trainer: pl.Trainer, model: nn.Module) -> None:
 class _ClippingFromShards:
     """Mixed into the strategy's precision plugin (whichever Lightning chose), where Lightning clips: by norm through
     ``_wrapping.sharded_clip`` (a ZeroRedundancyOptimizer's global norm from its shards) or torch's function."""
+
+    def clip_gradients(self, optimizer: torch.optim.Optimizer, clip_val: float = 0.0,
+                       gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM) -> None:
+        # Lightning's MixedPrecision refuses to clip for an optimizer whose step unscales ("fused"), which it reads
+        # from _step_supports_amp_scaling: ZeRO-2 sets it only to refuse a GradScaler by name in step. Without a
+        # scaler ("bf16-mixed") there is nothing to unscale: clip as the base plugin does (found by the matrix).
+        inner = getattr(optimizer, "_optimizer", optimizer)
+        if isinstance(inner, ZeroRedundancyOptimizer) and getattr(self, "scaler", None) is None:
+            return Precision.clip_gradients(self, optimizer, clip_val, gradient_clip_algorithm)
+        return super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
 
     def clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
         optimizer = getattr(optimizer, "_optimizer", optimizer)
@@ -373,9 +386,15 @@ def _keyed_by_index(state: dict[str, Any]) -> dict[str, Any]:
                              for group in state["param_groups"]]}
 
 
+_WRAPPER_PARTS = ("_orig_mod", "_checkpoint_wrapped_module")  # torch.compile's, checkpoint_wrapper's
+
+
 def _keyed_by_name(state: Mapping[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """The reverse of ``_keyed_by_index`` for ``optimizer`` over ``model``'s parameters."""
-    name_of = {id(p): name for name, p in model.named_parameters()}
+    """The reverse of ``_keyed_by_index`` for ``optimizer`` over ``model``'s parameters, by torch's canonical names
+    (as ``get_optimizer_state_dict`` gives them: without a compiled submodule's ``_orig_mod`` or a checkpoint
+    wrapper's ``_checkpoint_wrapped_module``)."""
+    name_of = {id(p): ".".join(part for part in name.split(".") if part not in _WRAPPER_PARTS)
+               for name, p in model.named_parameters()}
     names = [name_of[id(p)] for group in optimizer.param_groups for p in group["params"]]
     saved = [i for group in state["param_groups"] for i in group["params"]]
     if len(saved) != len(names):
