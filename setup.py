@@ -175,9 +175,23 @@ def get_extensions():
 
 
 def _cmdclass():
+    import sys
+    import sysconfig
+
     from torch.utils.cpp_extension import BuildExtension
 
-    return {"build_ext": BuildExtension.with_options(use_ninja=True)}
+    class BuildExtensionInOneTree(BuildExtension.with_options(use_ninja=True)):
+        """torch's ninja build, its objects always in build/temp.<platform>-<python>: an editable install
+        (``pip install -e .``, which setuptools builds in a fresh temporary folder) and a wheel (``pip wheel .``,
+        in build/) then share one object tree, and ninja recompiles only what changed since either. `make test`
+        builds both (the .venv's editable install, then test_clean_install's wheel): the second costs a link,
+        not a second compile of every source."""
+
+        def finalize_options(self) -> None:
+            super().finalize_options()
+            self.build_temp = str(ROOT / "build" / f"temp.{sysconfig.get_platform()}-{sys.implementation.cache_tag}")
+
+    return {"build_ext": BuildExtensionInOneTree}
 
 
 setup(
