@@ -1,6 +1,7 @@
 # shardkit — every set-up step lives here, so a fresh machine needs only `make test` or `make demo`.
 #
 #   make test        apt deps + .venv (torch 2.13.0 CPU) + build, then GoogleTest (ctest) and pytest
+#   make matrix      every front x setting x entry point combination (make test runs the pairwise cover)
 #   make demo        same set-up, then the estimator, a GPT trained under shardkit.auto and under DDP, collectives
 #   make cuda-check  .venv-cuda (torch 2.14.1, CUDA 13) + the CUDA extension compiled, linked and imported
 #   make gpu-test    on a GPU machine, with its own torch: the CUDA build, the tests marked cuda, the GPU benchmark
@@ -28,7 +29,7 @@ CUDA_HOME    ?= $(if $(wildcard /usr/local/cuda/include/cuda_runtime.h),/usr/loc
 export MAX_JOBS ?= 2
 CSRC := $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' 2>/dev/null) setup.py pyproject.toml
 
-.PHONY: test demo cuda-check gpu-test bench bench-peers peer-test apt-deps venv build cpp-test py-test clean-venv clean-venv-check clean
+.PHONY: test matrix demo cuda-check gpu-test bench bench-peers peer-test apt-deps venv build cpp-test py-test clean-venv clean-venv-check clean
 
 # --- set-up -------------------------------------------------------------------------------------------
 apt-deps:
@@ -61,6 +62,11 @@ py-test: build
 	$(VENV)/bin/python -m pytest tests/python -ra
 
 test: cpp-test py-test
+
+# The everyday matrix whole (every combination of front x settings, per entry point; make test runs its pairwise
+# cover): tests/python/test_matrix.py with SHARDKIT_MATRIX=whole; compile cells use inductor here.
+matrix: build
+	SHARDKIT_MATRIX=whole SHARDKIT_MATRIX_COMPILE=inductor $(VENV)/bin/python -m pytest tests/python/test_matrix.py -ra
 
 # torch's test utilities (torch.testing._internal) import expecttest, which the wheel does not depend on.
 $(VENV)/.peer-deps: $(VENV)/.deps

@@ -49,10 +49,16 @@ def test_pairwise_cover_is_complete():
         assert len(cells) < len(matrix.whole(dimensions)) / 4, (entry, len(cells))
 
 
-@pytest.mark.parametrize("entry", _entry_points())
+def _launch_timeout(entry: str) -> float:
+    """Seconds for one entry point's launch: generous per cell (4 ranks' worth of load on 2 cores in CI)."""
+    return 120 + 30 * len(matrix.cells_for(entry, SCOPE))
+
+
+@pytest.mark.parametrize("entry", [pytest.param(e, marks=pytest.mark.timeout(_launch_timeout(e) + 60))
+                                   for e in _entry_points()])
 def test_matrix(ranks, entry):
     cells = matrix.cells_for(entry, SCOPE)
     outcomes = ranks.run(matrix.run_launch, WORLD, entry, cells, str(ranks.workdir), backend=None,
-                         timeout=120 + 30 * len(cells))
+                         timeout=_launch_timeout(entry))
     problems = matrix.compare(entry, outcomes)
     assert not problems, f"{len(problems)} problem(s) in {len(cells)} cells:\n" + "\n".join(problems)

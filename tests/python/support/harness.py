@@ -50,6 +50,7 @@ def _rank_main(fn, rank, world_size, args, kwargs, store_path, backend, pg_timeo
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
                        "LOCAL_WORLD_SIZE": str(world_size)})
     with open(stack_file, "w") as stacks:
+        faulthandler.enable(file=stacks)  # a crash (SIGSEGV, SIGABRT) leaves its Python stack for the report too
         faulthandler.dump_traceback_later(dump_after, exit=False, file=stacks)
         try:
             import torch.distributed as dist
