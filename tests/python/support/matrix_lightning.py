@@ -39,6 +39,7 @@ and the LightningModule's whole weights after fit (rank 0).
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
@@ -204,6 +205,7 @@ def _weights(module: nn.Module, rank: int) -> dict[str, np.ndarray]:
 
 
 def run_cell(side: str, cell: dict[str, Any], rank: int, world: int, directory: str) -> dict[str, Any]:
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)  # its notes, repeated per Trainer
     measured: dict[str, Any] = {"loss": [], "norm": [], "clipping": cell["clip"]}
     checkpoints = os.path.join(directory, "checkpoints") if cell["after"] == "checkpoint" else None
     trainer, module, fitted = _fit(side, cell, world, measured, checkpoints)
