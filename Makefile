@@ -178,8 +178,10 @@ clean:
 # --- AddressSanitizer: the FSDP1 front's and ZeRO's state-dict tests against an ASAN build ------------------------
 # A copy of the sources under build/asan/src, its extension built in place there with -fsanitize=address (never
 # the .venv's editable build), imported first through PYTHONPATH by .venv's Python; libasan is preloaded (Python is
-# not instrumented) and leak checks are off (Python keeps objects until exit by design). Its build/ is kept, so a
-# rerun recompiles only what changed (the first build took ~35 min on the 2-core machine under load).
+# not instrumented), and libstdc++ with it: Python does not link it, and ASAN's __cxa_throw interceptor, resolved at
+# start-up, would otherwise abort at the first C++ exception ("CHECK failed: ... real___cxa_throw"). Leak checks are
+# off (Python keeps objects until exit by design). Its build/ is kept, so a rerun recompiles only what changed (the
+# first build took 46 min on the 2-core machine shared with other jobs).
 ASAN_DIR   := build/asan/src
 ASAN_TESTS := tests/python/test_fsdp_checkpoint.py tests/python/test_fsdp_activation_checkpointing.py \
               tests/python/test_checkpoint_resharding.py "tests/python/test_zero.py::test_full_state_dicts_are_copies_unchanged_by_the_next_step" \
@@ -192,6 +194,7 @@ asan: venv
 	  --exclude='*.so' . | tar xf - -C $(ASAN_DIR)
 	cd $(ASAN_DIR) && SHARDKIT_CUDA=0 SHARDKIT_DEBUG=1 CFLAGS="-fsanitize=address -fno-omit-frame-pointer -g" \
 	  LDFLAGS="-fsanitize=address" $(CURDIR)/$(VENV)/bin/python setup.py -q build_ext --inplace
-	cd $(ASAN_DIR) && PYTHONPATH=$(CURDIR)/$(ASAN_DIR)/python LD_PRELOAD=$$(g++ -print-file-name=libasan.so) \
+	cd $(ASAN_DIR) && PYTHONPATH=$(CURDIR)/$(ASAN_DIR)/python \
+	  LD_PRELOAD="$$(g++ -print-file-name=libasan.so) $$(g++ -print-file-name=libstdc++.so)" \
 	  ASAN_OPTIONS=detect_leaks=0:abort_on_error=0:print_summary=1 \
 	  $(CURDIR)/$(VENV)/bin/python -m pytest -p no:cacheprovider $(ASAN_TESTS) -ra
