@@ -185,7 +185,9 @@ clean:
 ASAN_DIR   := build/asan/src
 ASAN_TESTS := tests/python/test_fsdp_checkpoint.py tests/python/test_fsdp_activation_checkpointing.py \
               tests/python/test_checkpoint_resharding.py "tests/python/test_zero.py::test_full_state_dicts_are_copies_unchanged_by_the_next_step" \
-              "tests/python/test_zero.py::test_checkpoint_resume_is_bit_identical"
+              "tests/python/test_zero.py::test_checkpoint_resume_is_bit_identical" \
+              --deselect "tests/python/test_fsdp_checkpoint.py::test_full_state_dict_peak_memory_is_one_unit_above_the_sharded_state"
+# (deselected: it bounds the process's peak RSS, which ASAN's redzones and quarantine of freed memory inflate)
 
 .PHONY: asan
 asan: venv
