@@ -222,10 +222,15 @@ class Setup:
         from torch.distributed.checkpoint import state_dict
         return state_dict
 
+    def full_options(self):
+        """What users pass for a whole model on rank 0: ``cpu_offload=True``. Not to torch's FSDP1 anchor: on a CPU
+        module its offloading post-hook crashes rank 0 now and then (SIGSEGV in _state_dict_utils.param_hook, torch
+        2.13); without it every rank gets the whole model, the same values."""
+        offload = not (self.side == "torch" and self.front == "fsdp")
+        return self._sd().StateDictOptions(full_state_dict=True, cpu_offload=offload)
+
     def full_state(self, rank: int) -> dict[str, np.ndarray]:
-        sd = self._sd()
-        options = sd.StateDictOptions(full_state_dict=True, cpu_offload=True)
-        state = sd.get_model_state_dict(self.model, options=options)
+        state = self._sd().get_model_state_dict(self.model, options=self.full_options())
         return {k: v.detach().float().clone().numpy() for k, v in state.items()} if rank == 0 else {}
 
 
@@ -254,16 +259,17 @@ def run_cell(side: str, cell: dict[str, Any], rank: int, world: int, directory: 
 
 def _full_state_dict_after(setup: Setup, rank: int, world: int) -> dict[str, Any]:
     """The full state dict as a user keeps it: taken, then one more step, then read. Its values must still be
-    tensors of their own (not views into memory the front freed or reuses), and hold what they held when taken."""
-    sd = setup._sd()
-    options = sd.StateDictOptions(full_state_dict=True, cpu_offload=True)
-    state = sd.get_model_state_dict(setup.model, options=options)
+    readable tensors (no storage smaller than the tensor: a view into memory the front freed or reuses), and must
+    clone (the crash of issue #37). What they held when taken is compared with the anchor's."""
+    state = setup._sd().get_model_state_dict(setup.model, options=setup.full_options())
     taken = {k: v.detach().float().clone().numpy() for k, v in state.items()}
     setup.step(STEPS, rank, world)
     problems = []
     for name, value in state.items():
         if value.numel() and value.untyped_storage().nbytes() < value.numel() * value.element_size():
             problems.append(f"{name}: storage of {value.untyped_storage().nbytes()} bytes")
+        else:
+            value.clone()
     return {"full_sd": taken if rank == 0 else {}, "full_sd_problems": problems}
 
 
