@@ -59,7 +59,7 @@ cpp-test: apt-deps
 	ctest --test-dir $(BUILD_CPP) --output-on-failure -j 2
 
 py-test: build
-	$(VENV)/bin/python -m pytest tests/python -ra
+	$(VENV)/bin/python -m pytest tests/python -ra --durations=25
 
 test: cpp-test py-test
 

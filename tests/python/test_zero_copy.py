@@ -40,7 +40,12 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from support.collective_cases import TOPOLOGIES, make_input, ops_for, topology_env
 from support.ddp_cases import assert_modules_match, batch, loss_fn, sgd, shardkit_ddp, wide_mlp
 
-EVERY_TOPOLOGY = pytest.mark.parametrize("topology", list(TOPOLOGIES))
+# One host at every world size (where the shared buffers apply), and two multi-host groups (where every rank falls
+# back to its ordinary buffers): even hosts, and uneven ones. The other simulated topologies of collective_cases
+# exercise the hierarchical engine's schemes, which test_collectives covers; here they would rerun the same
+# fallback (2x2hosts-leaders even ran 2x2hosts again: this test sets no scheme).
+EVERY_TOPOLOGY = pytest.mark.parametrize("topology", ["1host-w1", "1host-w2", "1host-w3", "1host-w4", "2x2hosts",
+                                                      "3hosts-uneven"])
 R = dist.ReduceOp
 # Elements: at the small-message limit (32 KiB of f32: the slot path, even in a shared buffer), just past it,
 # odd, and past the 1 MiB slot (the copying path chunks it; the zero-copy one does not).
