@@ -235,7 +235,12 @@ class Accelerator(accelerate.Accelerator):
     def unwrap_model(self, model: nn.Module, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True):
         if isinstance(model, FullyShardedDataParallel):
             model = model.module
-        return super().unwrap_model(model, keep_fp32_wrapper, keep_torch_compile)
+        model = super().unwrap_model(model, keep_fp32_wrapper, keep_torch_compile)
+        # With dynamo_backend, accelerate compiles the model before shardkit wraps it (accelerate's own DDP compiles
+        # its wrapper), so the compiled module lies inside the wrapper, where accelerate's unwrapping does not look.
+        if not keep_torch_compile and isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+            model = model._orig_mod
+        return model
 
     # --- training ----------------------------------------------------------------------------------------
     @contextlib.contextmanager

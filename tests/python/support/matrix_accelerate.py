@@ -156,6 +156,8 @@ def run_cell(side: str, cell: dict[str, Any], rank: int, world: int, directory: 
                 measured[key].append(value)
         if not measured["norm"]:
             del measured["norm"]
+        # The model class a user's save_pretrained goes to (accelerate's own: the model, compiled or not).
+        measured["unwrapped"] = type(run.accelerator.unwrap_model(run.model, keep_torch_compile=False)).__name__
         after = cell["after"]
         if after == "eval":
             run.model.eval()
@@ -227,10 +229,11 @@ def _dcp_round_trip(run: Run, path: str, phase: str) -> None:
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     optimizer = run.optimizer.optimizer
-    model_sd, optim_sd = get_state_dict(run.model, optimizer)
+    model = getattr(run.model, "_orig_mod", run.model)  # under dynamo_backend: torch.compile's module around FSDP
+    model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
     if phase == "save":
         dcp.save(state, checkpoint_id=path)
         return
     dcp.load(state, checkpoint_id=path)
-    set_state_dict(run.model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
