@@ -64,6 +64,7 @@ __all__ = ["ShardkitTrainingArguments", "Trainer"]
 
 _SCHEDULER_NAME = "scheduler.pt"  # transformers' file names (trainer.py), which it does not export
 _OPTIMIZER_NAME = "optimizer.pt"
+_COMPILED_PREFIX = "_orig_mod."  # torch.compile's module: the compiled model's parameters are under it
 
 
 @dataclasses.dataclass
@@ -149,10 +150,23 @@ class Trainer(transformers.Trainer):
         with _module_attribute(_hf_trainer, "Accelerator", shardkit_accelerator):
             super().create_accelerator_and_postprocess()
 
+    def _wrap_model(self, model: torch.nn.Module, training: bool = True, dataloader: Any = None) -> torch.nn.Module:
+        # Evaluation runs self.model unwrapped (transformers: "no point in wrapping" under no_grad). fully_shard's
+        # root hooks, under torch_compile, lie on the compiled module around it (accelerate compiles, then shardkit
+        # shards), so the bare model would meet its root's sharded DTensor parameters; it evaluates the prepared
+        # model instead, as transformers' own FSDP does.
+        if (not training and model is self.model and self.model_wrapped is not model and self.accelerator._wraps
+                and self.accelerator.shardkit_plugin.resolved_strategy == "fully_shard"):
+            return self.model_wrapped
+        return super()._wrap_model(model, training, dataloader)
+
     # --- the model's files ----------------------------------------------------------------------------------
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         state = self.accelerator.get_state_dict(self.model_wrapped)  # every rank: a collective when sharded
+        # Under torch_compile the accelerator's model is the compiled module (names "_orig_mod.*"); the files hold
+        # the model's own names, as transformers' _save of the uncompiled self.model writes them.
+        state = {name.removeprefix(_COMPILED_PREFIX): value for name, value in state.items()}
         self._save(output_dir, state_dict=state)
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
