@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .matrix_torch import STEPS, VOCAB, Block, TinyLM, batch
+from .matrix_torch import STEPS, VOCAB, Block, batch, make_model
 
 DIMENSIONS = {
     "front": ("ddp", "zero1", "zero2", "fully_shard", "fsdp"),
@@ -52,18 +52,6 @@ def _reset_accelerate() -> None:
 
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
-
-
-def _model(cell: dict[str, Any]) -> nn.Module:
-    torch.manual_seed(0)
-    model = TinyLM(inner_checkpoint=cell["ac"] == "inner")
-    if cell["ac"] == "wrapper":
-        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-            apply_activation_checkpointing, checkpoint_wrapper)
-
-        apply_activation_checkpointing(model, checkpoint_wrapper_fn=checkpoint_wrapper,
-                                       check_fn=lambda m: isinstance(m, Block))
-    return model
 
 
 def _accelerator(side: str, cell: dict[str, Any]):
@@ -108,7 +96,7 @@ class Run:
     def __init__(self, side: str, cell: dict[str, Any]) -> None:
         self.side, self.cell = side, cell
         self.accelerator = _accelerator(side, cell)
-        model = _model(cell)
+        model = make_model(cell)
         optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
         self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
 

@@ -88,6 +88,20 @@ def batch(step: int, micro: int, accumulation: int, rank: int, world: int) -> tu
     return mine[:, :-1], mine[:, 1:]
 
 
+def make_model(cell: dict[str, Any]) -> nn.Module:
+    """The cell's TinyLM (seed 0), with its activation checkpointing: ``inner`` inside each block, ``wrapper``
+    torch's ``checkpoint_wrapper`` on each block (before any front wraps it). Every entry point builds it here."""
+    torch.manual_seed(0)
+    model = TinyLM(inner_checkpoint=cell["ac"] == "inner")
+    if cell["ac"] == "wrapper":
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+            apply_activation_checkpointing, checkpoint_wrapper)
+
+        apply_activation_checkpointing(model, checkpoint_wrapper_fn=checkpoint_wrapper,
+                                       check_fn=lambda m: isinstance(m, Block))
+    return model
+
+
 # --- wrapping -------------------------------------------------------------------------------------------------
 class Setup:
     """One side's wrapped model, optimizer and the front's calls, for one cell."""
@@ -95,15 +109,7 @@ class Setup:
     def __init__(self, side: str, cell: dict[str, Any]) -> None:
         self.side, self.front, self.cell = side, cell["front"], cell
         self.dtype = DTYPES.get(cell["precision"])
-        torch.manual_seed(0)
-        model = TinyLM(inner_checkpoint=cell["ac"] == "inner")
-        if cell["ac"] == "wrapper":
-            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-                apply_activation_checkpointing, checkpoint_wrapper)
-
-            apply_activation_checkpointing(model, checkpoint_wrapper_fn=checkpoint_wrapper,
-                                           check_fn=lambda m: isinstance(m, Block))
-        self.model = self._wrap(model)
+        self.model = self._wrap(make_model(cell))
         self.optimizer = self._optimizer()
         self.scaler = self._scaler()
         self.compiled = self.model
