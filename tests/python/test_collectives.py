@@ -381,6 +381,8 @@ def test_a_group_destroyed_from_a_callback_on_its_own_worker_ends_cleanly(ranks,
 
 
 EXIT_WITH_WORK_IN_FLIGHT = """
+import sys
+
 import torch
 import torch.distributed as dist
 import shardkit  # noqa: F401
@@ -388,7 +390,8 @@ import shardkit  # noqa: F401
 dist.init_process_group("shardkit")
 for _ in range(64):  # never waited for, never destroyed: the Works alone hold these tensors
     dist.all_reduce(torch.ones(1 << 16), async_op=True)
-print("issued", dist.get_rank(), flush=True)
+# One write per line: two ranks share the pipe, and print("issued", rank) writes its pieces separately.
+sys.stdout.write(f"issued {dist.get_rank()}\n"); sys.stdout.flush()
 """
 
 

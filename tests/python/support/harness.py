@@ -12,6 +12,7 @@ import dataclasses
 import faulthandler
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import re
 import signal
@@ -59,7 +60,10 @@ def _rank_main(fn, rank, world_size, args, kwargs, store_path, backend, pg_timeo
                 dist.init_process_group(backend, init_method=f"file://{store_path}", rank=rank,
                                         world_size=world_size, timeout=timedelta(seconds=pg_timeout))
             value = fn(rank, world_size, *args, **kwargs)
-            results.put((rank, True, value))
+            # Pickled here, by value: a tensor put on the queue as it is travels as a file descriptor of shared
+            # memory that the parent fetches from this process later, which fails ("Connection reset by peer") when
+            # this rank has exited first.
+            results.put((rank, True, pickle.dumps(value)))
         except BaseException:  # noqa: BLE001 - the test decides what an exception means
             results.put((rank, False, traceback.format_exc()))
         finally:
@@ -111,7 +115,7 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, workdir: Path, t
         outcome = outcomes[rank]
         outcome.finished = True
         if ok:
-            outcome.value = payload
+            outcome.value = pickle.loads(payload)  # noqa: S301 - our own ranks' values
         else:
             outcome.error = payload
         pending -= 1
