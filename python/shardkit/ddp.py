@@ -24,9 +24,9 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.nn.parallel import DistributedDataParallel as _TorchDDP
 
 from . import _C, _agreement, _flat, _profiling
-from .checkpoint import _zero_state_dict as zero_state_dict
+from . import _zero_state_dict as zero_state_dict
 from .backend import compare_identities_across_hosts, shared_buffer, warn_zero_copy_unavailable, zero_copy_unavailable
-from .checkpoint._fsdp_state_dict import FullStateDictConfig, ShardedStateDictConfig, StateDictType
+from .checkpoint._front_protocol import StateDictSetting
 from .hooks import check_state_group
 from .quantized import Quantized, check_group
 
@@ -191,9 +191,9 @@ class DistributedDataParallel(_TorchDDP):
             self._zero_partition = self._own_partition(named, spaces)
         # Buffers are broadcast before a forward that follows a synchronised training forward (torch's rule).
         self.require_forward_param_sync = True
-        # Set by FullyShardedDataParallel.state_dict_type(); None: nn.Module's state dicts (torch DDP's).
-        self._state_dict_type: StateDictType | None = None
-        self._state_dict_config: FullStateDictConfig | ShardedStateDictConfig | None = None
+        # Set by FullyShardedDataParallel.state_dict_type() (checkpoint/_front_protocol.py: a ModelFront); None:
+        # nn.Module's state dicts (torch DDP's).
+        self.state_dict_setting: StateDictSetting | None = None
 
     # --- construction ---------------------------------------------------------------------------------
     def _zero_copy_buckets(self, gradient_as_bucket_view: bool, zero_stage: int) -> Callable[[int], Any] | None:
@@ -441,15 +441,15 @@ class DistributedDataParallel(_TorchDDP):
         partition.mark_parameters()
         return partition
 
-    # --- checkpoints (shardkit/checkpoint/_zero_state_dict.py) --------------------------------------------------------
+    # --- checkpoints (shardkit/_zero_state_dict.py) --------------------------------------------------------
     def state_dict(self, *args: Any, destination=None, prefix: str = "", keep_vars: bool = False):
         """nn.Module's (keys prefixed ``module.``, as torch DDP's); inside
         ``FullyShardedDataParallel.state_dict_type(self, ...)`` the full or sharded one it names, the same keys."""
-        if self._state_dict_type is None:
+        if self.state_dict_setting is None:
             return super().state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
         if args:
             raise TypeError("state_dict takes keyword arguments only (destination=, prefix=, keep_vars=)")
-        state = zero_state_dict.model_state_dict(self, self._state_dict_type, self._state_dict_config, prefix)
+        state = zero_state_dict.model_state_dict(self, self.state_dict_setting, prefix)
         if destination is not None:
             destination.update(state)
             return destination
@@ -458,12 +458,20 @@ class DistributedDataParallel(_TorchDDP):
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False):
         """nn.Module's; inside ``FullyShardedDataParallel.state_dict_type(self, ...)`` it also takes a sharded
         state dict of any world size (loaded through torch.distributed.checkpoint), then a collective."""
-        if self._state_dict_type is None:
+        if self.state_dict_setting is None:
             return super().load_state_dict(state_dict, strict=strict, assign=assign)
         if assign:
             raise NotImplementedError("shardkit DDP: load_state_dict(assign=True) inside state_dict_type() is not "
                                       "supported; the parameters are loaded by copy")
-        return zero_state_dict.load_model_state_dict(self, self._state_dict_type, state_dict, strict)
+        return zero_state_dict.load_model_state_dict(self, self.state_dict_setting, state_dict, strict)
+
+    # checkpoint/_front_protocol.py's ModelFront: a plain torch optimizer over this model (whole state on every rank).
+    def name_keyed_optim_state_dict(self, optim: torch.optim.Optimizer) -> dict[str, Any]:
+        return zero_state_dict.plain_optim_state_dict(self, optim)
+
+    def name_keyed_optim_state_dict_to_load(self, optim: torch.optim.Optimizer,
+                                            optim_state_dict: dict[str, Any]) -> dict[str, Any]:
+        return zero_state_dict.plain_optim_state_dict_to_load(self, optim, optim_state_dict)
 
     @property
     def gradient_shards(self) -> list[torch.Tensor]:

@@ -4,7 +4,8 @@
 torch's own functions recognise torch's wrappers only (FSDP1/2, DDP, TP): on any other module they call
 ``model.state_dict()`` and ``optimizer.state_dict()`` and rename parameters by identity, which would gather a
 shardkit FSDP model in full and give its optimizer state in piece shapes. These choose shardkit's state dicts
-instead (shardkit/checkpoint: _fsdp_state_dict, _zero_state_dict, _fsdp_optim_state):
+instead, through the protocol every shardkit front implements (checkpoint/_front_protocol.py; the adapters:
+fsdp/_state_dict.py, _zero_state_dict.py):
 
 - models: a shardkit ``FullyShardedDataParallel`` or ``DistributedDataParallel`` (any zero_stage), canonical
   names (the unwrapped model's: no ``module.`` prefix), so a checkpoint from one loads into the other;
@@ -31,10 +32,12 @@ from torch import nn
 from torch.distributed.checkpoint import state_dict as _torch_sd
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-from .checkpoint import _zero_state_dict as zero_state_dict
+from . import _zero_state_dict as zero_state_dict
+from .checkpoint import _front_protocol as front_protocol
+from .checkpoint._front_protocol import (FullStateDictConfig, ModelFront, ShardedStateDictConfig, StateDictSetting,
+                                         StateDictType, implements)
+from .checkpoint._optim_state import parameter_names
 from .ddp import DistributedDataParallel
-from .fsdp import FullyShardedDataParallel
-from .checkpoint._fsdp_state_dict import FullStateDictConfig, ShardedStateDictConfig, StateDictType
 
 __all__ = ["StateDictOptions", "get_model_state_dict", "get_optimizer_state_dict", "get_state_dict",
            "set_model_state_dict", "set_optimizer_state_dict", "set_state_dict"]
@@ -43,7 +46,8 @@ _OptimArg = torch.optim.Optimizer | Iterable[torch.optim.Optimizer]
 
 
 def _ours(model: nn.Module) -> bool:
-    return isinstance(model, (FullyShardedDataParallel, DistributedDataParallel))
+    """A shardkit model front: its FSDP1 front or DistributedDataParallel."""
+    return implements(model, ModelFront)
 
 
 def _options(options: StateDictOptions | None, submodules: Any, call: str) -> StateDictOptions:
@@ -68,18 +72,18 @@ def _one(optimizers: _OptimArg, call: str) -> torch.optim.Optimizer:
 
 
 @contextlib.contextmanager
-def _kind(model: nn.Module, options: StateDictOptions) -> Iterator[StateDictType]:
+def _kind(model: nn.Module, options: StateDictOptions) -> Iterator[StateDictSetting]:
     if options.full_state_dict:
         kind = StateDictType.FULL_STATE_DICT
         config: Any = FullStateDictConfig(offload_to_cpu=options.cpu_offload, rank0_only=options.cpu_offload)
     else:
         kind, config = StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(offload_to_cpu=options.cpu_offload)
-    with FullyShardedDataParallel.state_dict_type(model, kind, config):
-        yield kind
+    with front_protocol.state_dict_type(model, kind, config):
+        yield StateDictSetting(kind, config)
 
 
 def _frozen_names(model: nn.Module) -> set[str]:
-    names = zero_state_dict.parameter_names(model)
+    names = parameter_names(model)
     return {names[id(p)] for p in model.parameters() if not p.requires_grad}
 
 
@@ -88,9 +92,9 @@ def get_model_state_dict(model: nn.Module, *, submodules: Any = None,
     if not _ours(model):
         return _torch_sd.get_model_state_dict(model, submodules=submodules, options=options)
     options = _options(options, submodules, "get_model_state_dict")
-    with _kind(model, options) as kind:
-        if isinstance(model, DistributedDataParallel):
-            state = zero_state_dict.model_state_dict(model, kind, model._state_dict_config, "", module_prefix="")
+    with _kind(model, options) as setting:
+        if isinstance(model, DistributedDataParallel):  # canonical names: without its ``module.``
+            state = zero_state_dict.model_state_dict(model, setting, "", module_prefix="")
         else:
             state = model.state_dict()
     if options.ignore_frozen_params:
@@ -106,7 +110,7 @@ def get_optimizer_state_dict(model: nn.Module, optimizers: _OptimArg, *, submodu
     options = _options(options, submodules, "get_optimizer_state_dict")
     optim = _one(optimizers, "get_optimizer_state_dict")
     with _kind(model, options):
-        state = FullyShardedDataParallel.optim_state_dict(model, optim)
+        state = front_protocol.optim_state_dict(model, optim, "shardkit.state_dict.get_optimizer_state_dict")
     if options.ignore_frozen_params and state:
         for name in _frozen_names(model):
             state["state"].pop(name, None)
@@ -128,9 +132,9 @@ def set_model_state_dict(model: nn.Module, model_state_dict: dict[str, Any], *,
         return _torch_sd.set_model_state_dict(model, model_state_dict, options=options)
     options = _options(options, None, "set_model_state_dict")
     strict = options.strict and not options.ignore_frozen_params
-    with _kind(model, options) as kind:
-        if isinstance(model, DistributedDataParallel):
-            result = zero_state_dict.load_model_state_dict(model, kind, model_state_dict, strict, module_prefix="")
+    with _kind(model, options) as setting:
+        if isinstance(model, DistributedDataParallel):  # canonical names: without its ``module.``
+            result = zero_state_dict.load_model_state_dict(model, setting, model_state_dict, strict, module_prefix="")
         else:
             result = model.load_state_dict(model_state_dict, strict=strict)
     if options.strict and options.ignore_frozen_params:
@@ -149,7 +153,8 @@ def set_optimizer_state_dict(model: nn.Module, optimizers: _OptimArg, optim_stat
     options = _options(options, None, "set_optimizer_state_dict")
     optim = _one(optimizers, "set_optimizer_state_dict")
     with _kind(model, options):
-        FullyShardedDataParallel.optim_state_dict_to_load(model, optim, optim_state_dict, load_directly=True)
+        optim.load_state_dict(front_protocol.optim_state_dict_to_load(
+            model, optim, optim_state_dict, "shardkit.state_dict.set_optimizer_state_dict"))
     return None
 
 

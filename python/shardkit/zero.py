@@ -72,7 +72,8 @@ from torch import nn
 from torch.optim import Optimizer
 
 from . import _exchange, _flat, _profiling
-from .checkpoint._zero_state_dict import LOCAL_PIECES_KEY
+from . import _zero_state_dict as zero_state_dict
+from ._zero_state_dict import LOCAL_PIECES_KEY
 
 __all__ = ["ELEMENTWISE_OPTIMIZERS", "ZeroRedundancyOptimizer"]
 
@@ -418,7 +419,7 @@ class ZeroRedundancyOptimizer(Optimizer):
         world size); call on every rank with the same dict. Each rank keeps only its slice of the state.
 
         Also takes what ``FullyShardedDataParallel.optim_state_dict_to_load(model, this, name_keyed)`` returns:
-        this rank's pieces' state already cut (see checkpoint/_zero_state_dict.py), marked with ``LOCAL_PIECES_KEY``."""
+        this rank's pieces' state already cut (see _zero_state_dict.py), marked with ``LOCAL_PIECES_KEY``."""
         # A rank's cut pieces may be empty where another's are not: only the whole dict says "no state anywhere".
         self._may_hold_state = LOCAL_PIECES_KEY in state_dict or bool(state_dict.get("state"))
         if LOCAL_PIECES_KEY in state_dict:
@@ -463,6 +464,13 @@ class ZeroRedundancyOptimizer(Optimizer):
             local_index += count
         self.optim.load_state_dict({"state": local_state, "param_groups": local_groups})
         self._consolidated, self._consolidated_to = None, None
+
+    # checkpoint/_front_protocol.py's OptimizerFront: the name-keyed state dict of this rank's pieces.
+    def name_keyed_state_dict(self, model: nn.Module) -> dict[str, Any]:
+        return zero_state_dict.optim_state_dict(model, self)
+
+    def name_keyed_state_dict_to_load(self, model: nn.Module, optim_state_dict: dict[str, Any]) -> dict[str, Any]:
+        return zero_state_dict.optim_state_dict_to_load(model, self, optim_state_dict)
 
 
 def _options(group: dict[str, Any]) -> dict[str, Any]:

@@ -6,7 +6,8 @@ metadata, ``info`` (what it holds) and ``consolidate`` (one plain ``torch.save``
 - ``consolidate(DIR, OUT.pt, optim=True)``: one plain state dict, written with ``torch.save``, that
   ``torch.load(OUT, weights_only=True)`` reads without shardkit. Tensors are read one at a time (never the
   whole checkpoint in memory besides the output) and take their parameters' own shapes again where the
-  checkpoint recorded them (shardkit's sharded state dicts flatten parameters; see _fsdp_state_dict.py). The
+  checkpoint recorded them (shardkit's sharded state dicts flattened parameters before PieceTensor; see
+  SHAPES_KEY in _sharded_state.py). The
   nesting of what was saved is kept: ``{"model": {...}, "optim": {"state": ..., "param_groups": [...]}}``
   for a save of ``{"model": ..., "optim": ...}``.
 """

@@ -15,10 +15,11 @@ parameter is asked of it:
 - ``cut(index, whole)``: this rank's piece of a whole value (a view).
 - ``gather(pieces)``: every parameter's whole value from every rank's pieces (one all-gather per call).
 
-The model and optimizer state dicts of shardkit.FullyShardedDataParallel (_fsdp_state_dict.py) and of
-shardkit.DistributedDataParallel / ZeroRedundancyOptimizer (_zero_state_dict.py) are built from these, with
-one format: a checkpoint saved by either loads into the other (the optimizer state always keyed by parameter
-names; the model state too through shardkit.state_dict.get_state_dict).
+The model and optimizer state dicts of shardkit.FullyShardedDataParallel (fsdp/_state_dict.py) and of
+shardkit.DistributedDataParallel / ZeroRedundancyOptimizer (shardkit/_zero_state_dict.py) are built from these,
+with one format: a checkpoint saved by either loads into the other (the optimizer state always keyed by
+parameter names; the model state too through shardkit.state_dict.get_state_dict). Those adapters live with their
+fronts; this package imports no front (_front_protocol.py).
 
 The name-keyed optimizer state dict (``optim_state_dict`` / ``local_optim_state``) is written once here, over
 ``Slot``s: one per parameter piece this rank's optimizer steps (FSDP: the sharded parameter itself; ZeRO: the
@@ -239,6 +240,16 @@ class Place:
     index: int
     local: torch.Tensor
     whole: torch.Tensor | None = None
+
+
+def owned_copy(value: torch.Tensor, offload_to_cpu: bool) -> torch.Tensor:
+    """A copy of ``value`` (on the CPU when ``offload_to_cpu``) with a storage of its own, exactly its bytes:
+    what a full state dict hands out (a view of a flat buffer or an alias of a live tensor would change, or
+    point at freed memory, after the next step)."""
+    value = value.detach()
+    if offload_to_cpu and value.device.type != "cpu":
+        return value.to("cpu")  # a new tensor already
+    return value.clone(memory_format=torch.contiguous_format)
 
 
 def sharded_entries(entries: dict[str, Any], places: dict[int, Place], offload_to_cpu: bool) -> dict[str, Any]:

@@ -5,11 +5,12 @@
 - ``FullyShardedDataParallel`` (_fsdp1.py): torch FSDP1's arguments on shardkit's fused flat layout, with its
   own schedule (unshard, prefetch, reduce-scatter, end of backward). The migration path from FSDP1.
 
-Both keep their shared-memory buffers resident through _resident_memory.py. Their state dicts live below them,
-in ``shardkit.checkpoint`` (which imports neither front), in one format: torch FSDP2's.
+Both keep their shared-memory buffers resident through _resident_memory.py. Their checkpoints are in one
+format, torch FSDP2's: ``fully_shard``'s are torch's own; the FSDP1 front's state-dict adapter (_state_dict.py)
+reads its flat parameters into ``shardkit.checkpoint``'s vocabulary (which imports neither front).
 """
 
-from ..checkpoint._fsdp_state_dict import FullStateDictConfig, ShardedStateDictConfig, StateDictType
+from ..checkpoint._front_protocol import FullStateDictConfig, ShardedStateDictConfig, StateDictType
 from ._fsdp1 import BackwardPrefetch, CPUOffload, FullyShardedDataParallel, MixedPrecision, ShardingStrategy
 from ._fully_shard import fully_shard
 

@@ -61,15 +61,11 @@ from .._collective_identity import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, Colle
 from ._resident_memory import ResidentSharedMemory
 from ..backend import (compare_identities_across_hosts, host_groups, shared_buffer, warn_zero_copy_unavailable,
                       zero_copy_unavailable)
-from ..checkpoint import _fsdp_optim_state as fsdp_optim_state
-from ..checkpoint import _zero_state_dict as zero_state_dict
-from ..checkpoint._fsdp_state_dict import (FullStateDictConfig, ShardedStateDictConfig, StateDictType, full_state_dict,
-                              sharded_state_dict)
-from ..checkpoint._fsdp_state_dict import load as load_state_dict_into
-from ..ddp import DistributedDataParallel
+from ..checkpoint import _front_protocol as front_protocol
+from ..checkpoint._front_protocol import FullStateDictConfig, ShardedStateDictConfig, StateDictSetting, StateDictType
 from ..quantized import Quantized, check_group
 from ..wrap import as_policy, assign_parameters, choose_units
-from ..zero import ZeroRedundancyOptimizer
+from . import _state_dict
 
 __all__ = ["BackwardPrefetch", "CPUOffload", "FullStateDictConfig", "FullyShardedDataParallel", "MixedPrecision",
            "ShardedStateDictConfig", "ShardingStrategy", "StateDictType"]
@@ -285,8 +281,8 @@ class FullyShardedDataParallel(nn.Module):
             CollectiveLedger(group, role, "shardkit FSDP")
             if group is not None and not backend_checks_identity(group, on_cpu) else None
             for group, role in ((self._shard_group, "shard group"), (self._replicate_group, "replicate group")))
-        self._state_dict_type = StateDictType.FULL_STATE_DICT
-        self._state_dict_config: FullStateDictConfig | ShardedStateDictConfig = FullStateDictConfig()
+        # Set by state_dict_type() (checkpoint/_front_protocol.py: this front is a ModelFront).
+        self.state_dict_setting = StateDictSetting(StateDictType.FULL_STATE_DICT, FullStateDictConfig())
 
     # --- construction ---------------------------------------------------------------------------------
     def _make_unit(self, name: str, module: nn.Module, params: list[tuple[str, nn.Parameter]]) -> _Unit:
@@ -366,39 +362,23 @@ class FullyShardedDataParallel(nn.Module):
         return self._fsdp_wrapped_module(*args, **kwargs)
 
     @staticmethod
-    @contextlib.contextmanager
     def state_dict_type(module: nn.Module, state_dict_type: StateDictType,
-                        state_dict_config: FullStateDictConfig | ShardedStateDictConfig | None = None) -> Iterator[None]:
+                        state_dict_config: FullStateDictConfig | ShardedStateDictConfig | None = None
+                        ) -> contextlib.AbstractContextManager[None]:
         """FSDP1's context: inside it, state_dict() and load_state_dict() of every shardkit FSDP root and every
-        shardkit DistributedDataParallel in ``module`` use ``state_dict_type`` (see shardkit/checkpoint/_fsdp_state_dict.py
-        and _zero_state_dict.py), and so do optim_state_dict() and optim_state_dict_to_load()."""
-        config = state_dict_config or (FullStateDictConfig() if state_dict_type == StateDictType.FULL_STATE_DICT
-                                       else ShardedStateDictConfig())
-        expected = FullStateDictConfig if state_dict_type == StateDictType.FULL_STATE_DICT else ShardedStateDictConfig
-        if not isinstance(config, expected):
-            raise TypeError(f"state_dict_type {state_dict_type.name} takes a {expected.__name__}, got {config!r}")
-        roots = [m for m in module.modules() if isinstance(m, (FullyShardedDataParallel, DistributedDataParallel))]
-        if not roots:
-            raise ValueError(f"state_dict_type: {type(module).__name__} holds no shardkit FullyShardedDataParallel or "
-                             "DistributedDataParallel")
-        previous = [(r._state_dict_type, r._state_dict_config) for r in roots]
-        for root in roots:
-            root._state_dict_type, root._state_dict_config = state_dict_type, config
-        try:
-            yield
-        finally:
-            for root, (kind, old) in zip(roots, previous):
-                root._state_dict_type, root._state_dict_config = kind, old
+        shardkit DistributedDataParallel in ``module`` use ``state_dict_type`` (see fsdp/_state_dict.py and
+        shardkit/_zero_state_dict.py), and so do optim_state_dict() and optim_state_dict_to_load()."""
+        return front_protocol.state_dict_type(module, state_dict_type, state_dict_config)
 
     def state_dict(self, *args: Any, destination=None, prefix: str = "", keep_vars: bool = False):
         """By default the full state dict (FSDP1's FULL_STATE_DICT): the unwrapped model's keys and shapes, on
         every rank; see state_dict_type() for the others. A collective for full ones: call it on every rank."""
         if args:
             raise TypeError("state_dict takes keyword arguments only (destination=, prefix=, keep_vars=)")
-        if self._state_dict_type == StateDictType.SHARDED_STATE_DICT:
-            state = sharded_state_dict(self, self._state_dict_config, prefix)
+        if self.state_dict_setting.sharded:
+            state = _state_dict.sharded_state_dict(self, self.state_dict_setting.config, prefix)
         else:
-            state = full_state_dict(self, self._state_dict_config, prefix)
+            state = _state_dict.full_state_dict(self, self.state_dict_setting.config, prefix)
         if destination is not None:
             destination.update(state)
             return destination
@@ -410,24 +390,20 @@ class FullyShardedDataParallel(nn.Module):
         if assign:
             raise NotImplementedError("shardkit FSDP: load_state_dict(assign=True) is not supported; the parameters "
                                       "are views of the flat shards and are loaded by copy")
-        return load_state_dict_into(self, state_dict, strict)
+        return _state_dict.load(self, state_dict, strict)
 
     @staticmethod
     def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer,
                          optim_state_dict: dict[str, Any] | None = None, group: Any = None) -> dict[str, Any]:
         """FSDP1's name-keyed optimizer state dict, full or sharded as the model's state_dict_type says: of an
-        optimizer over a shardkit FSDP model (checkpoint/_fsdp_optim_state.py), or of a shardkit
-        ZeroRedundancyOptimizer over any model (checkpoint/_zero_state_dict.py). A collective when full. An optimizer
-        that never stepped gets its state tensors created first (a zero-learning-rate step), so a checkpoint
-        can be loaded into them."""
+        optimizer over a shardkit FSDP or DDP model (fsdp/_state_dict.py, shardkit/_zero_state_dict.py), or of a
+        shardkit ZeroRedundancyOptimizer over any model (shardkit/_zero_state_dict.py), each front's through
+        checkpoint/_front_protocol.py. A collective when full. An optimizer that never stepped gets its state
+        tensors created first (a zero-learning-rate step), so a checkpoint can be loaded into them."""
         if optim_state_dict is not None or group is not None:
             raise NotImplementedError("shardkit FSDP optim_state_dict: the optim_state_dict= and group= arguments "
                                       "are not supported; the optimizer's own state is used")
-        if _is_zero(optim):
-            return zero_state_dict.optim_state_dict(model, optim)
-        if _is_ddp(model):
-            return zero_state_dict.plain_optim_state_dict(model, optim)
-        return fsdp_optim_state.optim_state_dict(_fsdp_root(model, "optim_state_dict"), optim)
+        return front_protocol.optim_state_dict(model, optim, "FullyShardedDataParallel.optim_state_dict")
 
     @staticmethod
     def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer,
@@ -438,16 +414,19 @@ class FullyShardedDataParallel(nn.Module):
         if is_named_optimizer or group is not None:
             raise NotImplementedError("shardkit FSDP optim_state_dict_to_load: is_named_optimizer= and group= are "
                                       "not supported")
-        if _is_zero(optim):
-            converted = zero_state_dict.optim_state_dict_to_load(model, optim, optim_state_dict)
-        elif _is_ddp(model):
-            converted = zero_state_dict.plain_optim_state_dict_to_load(model, optim, optim_state_dict)
-        else:
-            converted = fsdp_optim_state.optim_state_dict_to_load(_fsdp_root(model, "optim_state_dict_to_load"),
-                                                                  optim, optim_state_dict)
+        converted = front_protocol.optim_state_dict_to_load(model, optim, optim_state_dict,
+                                                            "FullyShardedDataParallel.optim_state_dict_to_load")
         if load_directly:
             optim.load_state_dict(converted)
         return converted
+
+    # checkpoint/_front_protocol.py's ModelFront: a plain optimizer over this model's sharded parameters.
+    def name_keyed_optim_state_dict(self, optim: torch.optim.Optimizer) -> dict[str, Any]:
+        return _state_dict.optim_state_dict(self, optim)
+
+    def name_keyed_optim_state_dict_to_load(self, optim: torch.optim.Optimizer,
+                                            optim_state_dict: dict[str, Any]) -> dict[str, Any]:
+        return _state_dict.optim_state_dict_to_load(self, optim, optim_state_dict)
 
     # --- training API -----------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -840,22 +819,6 @@ def _restore_parameters(group: _FlatGroup) -> None:
 
 def _add_gradients(a: list[torch.Tensor | None], b: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
     return [y if x is None else x if y is None else x + y for x, y in zip(a, b)]
-
-
-def _is_zero(optim: torch.optim.Optimizer) -> bool:
-    return isinstance(optim, ZeroRedundancyOptimizer)
-
-
-def _is_ddp(model: nn.Module) -> bool:
-    return isinstance(model, DistributedDataParallel)
-
-
-def _fsdp_root(model: nn.Module, call: str) -> "FullyShardedDataParallel":
-    if not isinstance(model, FullyShardedDataParallel):
-        raise TypeError(f"FullyShardedDataParallel.{call}: model must be a shardkit FullyShardedDataParallel or "
-                        f"DistributedDataParallel (or the optimizer a shardkit ZeroRedundancyOptimizer), got "
-                        f"{type(model).__name__}")
-    return model
 
 
 def _refuse_wrapped(module: nn.Module) -> None:

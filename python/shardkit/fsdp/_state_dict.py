@@ -1,4 +1,7 @@
-"""Model state dicts of shardkit.FullyShardedDataParallel: FSDP1's StateDictType, full and sharded.
+"""State dicts of shardkit.FullyShardedDataParallel: FSDP1's StateDictType, full and sharded, of the model and
+of an optimizer over it. The FSDP1 front's adapter to shardkit.checkpoint: it reads the front's units and flat
+parameters into checkpoint's vocabulary (ShardedSpace, Place, Slot: checkpoint/_sharded_state.py), and
+checkpoint, which imports no front, builds the state dicts from that.
 
 ``FullyShardedDataParallel.state_dict_type(model, StateDictType.X, config)`` picks what ``model.state_dict()``
 returns and ``model.load_state_dict()`` takes, as in torch FSDP1:
@@ -9,20 +12,23 @@ returns and ``model.load_state_dict()`` takes, as in torch FSDP1:
   torch FSDP1's clones): neither a view of a gathered flat buffer nor an alias of a live parameter or buffer, so
   it stays as it was whatever the model does next (a step, a reshard), and torch.save writes only its bytes. Loading takes such a dict (from any world size, or from the plain model)
   on every rank; each rank copies its pieces.
-- SHARDED_STATE_DICT: no communication. Every parameter is a ``PieceTensor`` (_sharded_state.py): this rank's
-  piece, a view of its shard (no copy), which torch.distributed.checkpoint sees as the parameter in its own
-  shape of which this rank holds the boxes its piece covers. ``torch.distributed.checkpoint.save/load`` work on
-  it directly, and the checkpoint is in torch FSDP2's format: it loads at any world size, into this front,
-  ZeRO, ``shardkit.fully_shard`` or torch FSDP2, and theirs load here (DCP reads, for each rank, the boxes its
-  pieces need). Loading through DCP writes straight into the shards; ``load_state_dict`` then only checks.
+- SHARDED_STATE_DICT: no communication. Every parameter is a ``PieceTensor`` (checkpoint/_sharded_state.py):
+  this rank's piece, a view of its shard (no copy), which torch.distributed.checkpoint sees as the parameter in
+  its own shape of which this rank holds the boxes its piece covers. ``torch.distributed.checkpoint.save/load``
+  work on it directly, and the checkpoint is in torch FSDP2's format: it loads at any world size, into this
+  front, ZeRO, ``shardkit.fully_shard`` or torch FSDP2, and theirs load here (DCP reads, for each rank, the boxes
+  its pieces need). Loading through DCP writes straight into the shards; ``load_state_dict`` then only checks.
 
 Buffers are plain tensors in both (every rank holds them whole: DCP saves them once).
-"""
+
+The optimizer (``optim_state_dict`` / ``optim_state_dict_to_load``): an optimizer over this front's model holds,
+per parameter, state for this rank's piece only; its name-keyed state dict (checkpoint/_optim_state.py), under
+the model's state_dict_type, holds PieceTensors of the pieces (SHARDED_STATE_DICT) or every state tensor
+gathered into its parameter's own shape (FULL_STATE_DICT: one all-gather per flat parameter and state key).
+Loading takes one of any world size, strategy or ZeRO stage, and cuts this rank's piece of every value."""
 
 from __future__ import annotations
 
-import dataclasses
-import enum
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
@@ -30,28 +36,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ._sharded_state import SHAPES_KEY, Place, ShardedSpace, load_entries, sharded_entries
+from ..checkpoint._front_protocol import FullStateDictConfig, ShardedStateDictConfig
+from ..checkpoint._optim_state import state_dict_of, state_dict_to_load
+from ..checkpoint._sharded_state import Place, ShardedSpace, load_entries, owned_copy, sharded_entries
 
 if TYPE_CHECKING:
-    from ..fsdp._fsdp1 import FullyShardedDataParallel, _FlatGroup
-
-__all__ = ["SHAPES_KEY", "FullStateDictConfig", "ShardedStateDictConfig", "StateDictType"]
-
-
-class StateDictType(enum.Enum):
-    FULL_STATE_DICT = enum.auto()
-    SHARDED_STATE_DICT = enum.auto()
-
-
-@dataclasses.dataclass
-class FullStateDictConfig:
-    offload_to_cpu: bool = False  # values on the CPU
-    rank0_only: bool = False  # only rank 0 of the group returns the values; the others return {}
-
-
-@dataclasses.dataclass
-class ShardedStateDictConfig:
-    offload_to_cpu: bool = False
+    from ._fsdp1 import FullyShardedDataParallel, _FlatGroup
 
 
 def spaces(model: "FullyShardedDataParallel") -> list[tuple["_FlatGroup", ShardedSpace]]:
@@ -99,17 +89,6 @@ def full_state_dict(model: "FullyShardedDataParallel", config: FullStateDictConf
     return out
 
 
-def owned_copy(value: torch.Tensor, offload_to_cpu: bool) -> torch.Tensor:
-    """A copy of ``value`` (on the CPU when ``offload_to_cpu``) with a storage of its own, exactly its bytes:
-    what a full state dict hands out (a view of a flat buffer or an alias of a live tensor would change, or
-    point at freed memory, after the next step)."""
-    value = value.detach()
-    if offload_to_cpu and value.device.type != "cpu":
-        return value.to("cpu")  # a new tensor already
-    return value.clone(memory_format=torch.contiguous_format)
-
-
-
 def sharded_state_dict(model: "FullyShardedDataParallel", config: ShardedStateDictConfig, prefix: str) -> dict[str, Any]:
     model._end_iteration()
     return sharded_entries(_keys_of(model, prefix), _places(model), config.offload_to_cpu)
@@ -120,3 +99,19 @@ def load(model: "FullyShardedDataParallel", state_dict: dict[str, Any], strict: 
     every rank must call it with its own dict). Errors name the parameter and both shapes."""
     model._end_iteration()
     return load_entries(_where(model, "load_state_dict"), _keys_of(model, ""), _places(model), state_dict, strict)
+
+
+def optim_state_dict(model: "FullyShardedDataParallel", optim: torch.optim.Optimizer) -> dict[str, Any]:
+    flat = spaces(model)  # at least one (FSDP refuses a module without parameters), not necessarily the root's
+    setting = model.state_dict_setting
+    return state_dict_of(optim, {id(p): name for name, p in model.named_parameters()},
+                         [(g.params, space) for g, space in flat], sharded=setting.sharded,
+                         rank0_only=setting.rank0_only, group=model.process_group,
+                         device=flat[0][0].handle.shard.device)
+
+
+def optim_state_dict_to_load(model: "FullyShardedDataParallel", optim: torch.optim.Optimizer,
+                             optim_state_dict: dict[str, Any]) -> dict[str, Any]:
+    return state_dict_to_load(f"shardkit FSDP (rank {dist.get_rank(model.process_group)}) optim_state_dict_to_load",
+                              optim, {id(p): name for name, p in model.named_parameters()},
+                              [(g.params, space) for g, space in spaces(model)], optim_state_dict)

@@ -1,6 +1,9 @@
 """State dicts of shardkit.DistributedDataParallel (any zero_stage) and shardkit.ZeroRedundancyOptimizer, in
-the format of shardkit.FullyShardedDataParallel's (_fsdp_state_dict.py, _fsdp_optim_state.py): a checkpoint saved
-by one loads into the other, at any world size.
+the format of shardkit.FullyShardedDataParallel's (fsdp/_state_dict.py): a checkpoint saved by one loads into the
+other, at any world size. The ZeRO fronts' adapter to shardkit.checkpoint: it reads the DDP's ZeRO partition and
+the optimizer's spaces and pieces into checkpoint's vocabulary (ShardedSpace, Place, Slot:
+checkpoint/_sharded_state.py); ddp.py and zero.py implement checkpoint's front protocol (_front_protocol.py)
+with it, so that neither the FSDP1 front nor checkpoint imports them.
 
 Chosen as in FSDP1: ``with FullyShardedDataParallel.state_dict_type(ddp, StateDictType.X, config):`` then
 ``ddp.state_dict()`` / ``ddp.load_state_dict()`` and ``FullyShardedDataParallel.optim_state_dict(ddp, zero)`` /
@@ -8,17 +11,18 @@ Chosen as in FSDP1: ``with FullyShardedDataParallel.state_dict_type(ddp, StateDi
 keys prefixed ``module.``), and so it stays inside it.
 
 Model, SHARDED_STATE_DICT: every rank holds every parameter, but writes only its own slice of the ZeRO
-partition: each trainable parameter is a PieceTensor (_sharded_state.py: the parameter in its own shape to DCP)
-of this rank's piece of it (a view: no copy, no communication) -- the partition the DDP owns under zero_stage 1|2, the
-same layout computed on the fly under zero_stage 0. DCP then writes every element once, spread over the ranks.
-Loading through DCP fills this rank's pieces; ``load_state_dict`` then all-gathers the pieces into whole
-parameters (a collective). FULL_STATE_DICT: the module's own state dict (no communication: it is whole on
-every rank), honouring ``rank0_only`` and ``offload_to_cpu``, each value a copy of its own (under zero_stage 1|2
-the parameters are views of the DDP's flat buffer, which the next step updates in place).
+partition: each trainable parameter is a PieceTensor (checkpoint/_sharded_state.py: the parameter in its own
+shape to DCP) of this rank's piece of it (a view: no copy, no communication) -- the partition the DDP owns under
+zero_stage 1|2, the same layout computed on the fly under zero_stage 0. DCP then writes every element once,
+spread over the ranks. Loading through DCP fills this rank's pieces; ``load_state_dict`` then all-gathers the
+pieces into whole parameters (a collective). FULL_STATE_DICT: the module's own state dict (no communication: it
+is whole on every rank), honouring ``rank0_only`` and ``offload_to_cpu``, each value a copy of its own (under
+zero_stage 1|2 the parameters are views of the DDP's flat buffer, which the next step updates in place).
 
-Optimizer: the name-keyed dict of _sharded_state.optim_state_dict over the optimizer's partition (its pieces
-are the slots; the names are the model's, without a DDP's ``module.``). ``optim_state_dict_to_load`` returns
-this rank's pieces' state cut from a dict of any world size, marked so that ``zero.load_state_dict`` takes it.
+Optimizer: the name-keyed dict of checkpoint/_sharded_state.py's optim_state_dict over the optimizer's partition
+(its pieces are the slots; the names are the model's, without a DDP's ``module.``). ``optim_state_dict_to_load``
+returns this rank's pieces' state cut from a dict of any world size, marked so that ``zero.load_state_dict``
+takes it.
 """
 
 from __future__ import annotations
@@ -29,29 +33,22 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import _flat
-from . import _fsdp_optim_state as fsdp_optim_state
-from ._sharded_state import (Place, ShardedSpace, Slot, check_param_groups, init_optimizer_state, load_entries,
-                             local_optim_state, sharded_entries)
-from ._sharded_state import optim_state_dict as name_keyed_state
-from ._fsdp_state_dict import FullStateDictConfig, ShardedStateDictConfig, StateDictType, owned_copy
+from . import _flat
+from .checkpoint import _optim_state as optim_state
+from .checkpoint._front_protocol import StateDictSetting
+from .checkpoint._optim_state import parameter_names
+from .checkpoint._sharded_state import (Place, ShardedSpace, Slot, check_param_groups, init_optimizer_state,
+                                        load_entries, local_optim_state, owned_copy, sharded_entries)
+from .checkpoint._sharded_state import optim_state_dict as name_keyed_state
 
 if TYPE_CHECKING:
-    from ..ddp import DistributedDataParallel
-    from ..zero import ZeroRedundancyOptimizer
+    from .ddp import DistributedDataParallel
+    from .zero import ZeroRedundancyOptimizer
 
 _PREFIX = "module."  # a DDP's state-dict prefix (nn.Module naming of its `module` attribute)
 # Marks a state dict holding this rank's pieces' state already cut (optim_state_dict_to_load), which
 # ZeroRedundancyOptimizer.load_state_dict takes as it is.
 LOCAL_PIECES_KEY = "shardkit_zero_local_pieces"  # keys of an outer param group that the local optimizer never sees
-
-
-def parameter_names(model: nn.Module) -> dict[int, str]:
-    """id(parameter) -> its name in the unwrapped model (a shardkit or torch DDP's ``module.`` dropped; shardkit's
-    is a torch DDP subclass)."""
-    while isinstance(model, nn.parallel.DistributedDataParallel):
-        model = model.module
-    return {id(p): name for name, p in model.named_parameters()}
 
 
 def _spaces(ddp: "DistributedDataParallel") -> list[tuple[_flat.FlatSpace, ShardedSpace]]:
@@ -71,20 +68,20 @@ def _places(spaces: list[tuple[_flat.FlatSpace, ShardedSpace]]) -> dict[int, Pla
             for flat, space in spaces for i, p in enumerate(flat.params)}
 
 
-def model_state_dict(ddp: "DistributedDataParallel", kind: StateDictType,
-                     config: FullStateDictConfig | ShardedStateDictConfig, prefix: str,
+def model_state_dict(ddp: "DistributedDataParallel", setting: StateDictSetting, prefix: str,
                      module_prefix: str = _PREFIX) -> dict[str, Any]:
     """``module_prefix``: ``module.`` for ``ddp.state_dict()``; "" for shardkit.state_dict's canonical names."""
     entries = ddp.module.state_dict(prefix=prefix + module_prefix, keep_vars=True)
-    if kind == StateDictType.SHARDED_STATE_DICT:
+    config = setting.config
+    if setting.sharded:
         return sharded_entries(entries, _places(_spaces(ddp)), config.offload_to_cpu)
-    if getattr(config, "rank0_only", False) and dist.get_rank(ddp.process_group) != 0:
+    if setting.rank0_only and dist.get_rank(ddp.process_group) != 0:
         return {}
     return {key: owned_copy(value, config.offload_to_cpu) if isinstance(value, torch.Tensor) else value
             for key, value in entries.items()}
 
 
-def load_model_state_dict(ddp: "DistributedDataParallel", kind: StateDictType, state_dict: dict[str, Any],
+def load_model_state_dict(ddp: "DistributedDataParallel", setting: StateDictSetting, state_dict: dict[str, Any],
                           strict: bool, module_prefix: str = _PREFIX) -> nn.modules.module._IncompatibleKeys:
     """A full or sharded state dict of any world size; under SHARDED_STATE_DICT a collective (the pieces loaded
     here are all-gathered into whole parameters)."""
@@ -92,7 +89,7 @@ def load_model_state_dict(ddp: "DistributedDataParallel", kind: StateDictType, s
     spaces = _spaces(ddp)
     entries = ddp.module.state_dict(prefix=module_prefix, keep_vars=True)
     result = load_entries(where, entries, _places(spaces), state_dict, strict)
-    if kind == StateDictType.SHARDED_STATE_DICT:
+    if setting.sharded:
         _flat.all_gather_parameters([flat for flat, _ in spaces], ddp.process_group)
     return result
 
@@ -121,13 +118,12 @@ def optim_state_dict(model: nn.Module, zero: "ZeroRedundancyOptimizer") -> dict[
     torch's DDP). Full is a collective over the optimizer's group."""
     init_optimizer_state(zero.optim)
     slots, spaces, group_names = _slots(model, zero)
-    kind = getattr(model, "_state_dict_type", None)
-    sharded = kind == StateDictType.SHARDED_STATE_DICT
+    setting: StateDictSetting | None = getattr(model, "state_dict_setting", None)
+    sharded = setting is not None and setting.sharded
     groups = [{**{k: v for k, v in g.items() if k not in ("params", "param_names")}, "params": names}
               for g, names in zip(zero.param_groups, group_names)]
     device = zero._spaces[0].device if zero._spaces else torch.device("cpu")
-    config = getattr(model, "_state_dict_config", None)
-    keep = sharded or not getattr(config, "rank0_only", False) or zero.rank == 0
+    keep = sharded or setting is None or not setting.rank0_only or zero.rank == 0
     return name_keyed_state(zero.optim, slots, spaces, groups, sharded=sharded, group=zero.process_group,
                             device=device, keep=keep)
 
@@ -150,14 +146,14 @@ def plain_optim_state_dict(ddp: "DistributedDataParallel", optim: torch.optim.Op
     """The name-keyed state dict of a torch optimizer over a shardkit DDP's parameters (every rank holds the
     whole state: no communication; sharded, the state tensors as they are, in their parameters' shapes, the
     format of ZeRO's and FSDP's pieces, and DCP saves each value once)."""
-    config = ddp._state_dict_config
-    return fsdp_optim_state.state_dict_of(
-        optim, parameter_names(ddp), [], sharded=ddp._state_dict_type == StateDictType.SHARDED_STATE_DICT,
-        rank0_only=getattr(config, "rank0_only", False), group=ddp.process_group, device=torch.device("cpu"),
+    setting = ddp.state_dict_setting
+    return optim_state.state_dict_of(
+        optim, parameter_names(ddp), [], sharded=setting is not None and setting.sharded,
+        rank0_only=setting is not None and setting.rank0_only, group=ddp.process_group, device=torch.device("cpu"),
         whole_in_place=True)
 
 
 def plain_optim_state_dict_to_load(ddp: "DistributedDataParallel", optim: torch.optim.Optimizer,
                                    optim_state_dict: dict[str, Any]) -> dict[str, Any]:
     where = f"shardkit DDP (rank {dist.get_rank(ddp.process_group)}) optim_state_dict_to_load"
-    return fsdp_optim_state.state_dict_to_load(where, optim, parameter_names(ddp), [], optim_state_dict)
+    return optim_state.state_dict_to_load(where, optim, parameter_names(ddp), [], optim_state_dict)
