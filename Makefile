@@ -113,12 +113,13 @@ clean-venv-check: venv
 	$(VENV)/bin/python -m pytest tests/python/test_clean_install.py -ra
 
 # --- demo ---------------------------------------------------------------------------------------------
-# The estimator's table; then a 3.3M-parameter GPT on 2 ranks: shardkit.auto under a 0.04 GB budget per rank
-# (DDP would need 0.053 GB: it picks ZeRO-2), and the same model under DDP for comparison, each ending with its
-# memory table (held vs estimated model-state bytes per rank) and throughput; then the collectives demo.
+# The estimator's table; then a 3.3M-parameter GPT on 2 ranks: shardkit.auto under a 0.03 GB budget per rank
+# (DDP would need 0.053 GB, ZeRO-2 0.033: it picks ZeRO-3, wrapped with fully_shard, the README's recommended
+# front), and the same model under DDP for comparison, each ending with its memory table (held vs estimated
+# model-state bytes per rank) and throughput; then the collectives demo.
 demo: build
 	$(VENV)/bin/python -m shardkit estimate --params 7b --gpus 4 --gpu-memory-gb 80
-	$(VENV)/bin/torchrun --standalone --nproc_per_node=2 examples/train_gpt.py --strategy auto --memory-budget-gb 0.04 --steps 300 --log-every 50
+	$(VENV)/bin/torchrun --standalone --nproc_per_node=2 examples/train_gpt.py --strategy auto --memory-budget-gb 0.03 --steps 300 --log-every 50
 	$(VENV)/bin/torchrun --standalone --nproc_per_node=2 examples/train_gpt.py --strategy ddp --steps 300 --log-every 50
 	$(VENV)/bin/torchrun --standalone --nproc_per_node=2 examples/collectives_demo.py
 

@@ -197,7 +197,8 @@ def _cmdclass():
 setup(
     packages=find_packages("python"),
     package_dir={"": "python"},
-    package_data={"shardkit": ["py.typed"]},  # PEP 561: the package's inline annotations are for type checkers
+    # PEP 561: the package's inline annotations are for type checkers, and _C.pyi types the compiled extension.
+    package_data={"shardkit": ["py.typed", "_C.pyi"]},
     ext_modules=get_extensions(),
     cmdclass=_cmdclass(),
 )

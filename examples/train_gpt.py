@@ -1,14 +1,16 @@
 """Train a small GPT with shardkit and let the memory math choose how to shard it.
 
     torchrun --standalone --nproc_per_node=2 examples/train_gpt.py --strategy auto --steps 100
-    torchrun --standalone --nproc_per_node=2 examples/train_gpt.py --strategy fsdp --checkpoint ckpt
+    torchrun --standalone --nproc_per_node=2 examples/train_gpt.py --strategy fully_shard --checkpoint ckpt
     torchrun --standalone --nproc_per_node=4 examples/train_gpt.py --strategy zero2 --resume ckpt
 
-Strategies: ``auto`` (shardkit.auto: the first of DDP, ZeRO-2, FSDP FULL_SHARD that fits the memory budget),
-``ddp``, ``zero1``, ``zero2`` (shardkit.DistributedDataParallel with zero_stage and ZeroRedundancyOptimizer),
-``fsdp`` (FullyShardedDataParallel FULL_SHARD, one unit per block), ``hsdp`` (HYBRID_SHARD: sharded inside a
-host, replicated across hosts). ``--hook powersgd|bf16`` compresses DDP's gradient allreduce. ``--precision
-bf16`` computes in bf16 (FSDP's MixedPrecision; autocast under DDP/ZeRO).
+Strategies: ``auto`` (shardkit.auto: the first of DDP, ZeRO-2, ZeRO-3 that fits the memory budget, ZeRO-3
+being fully_shard), ``ddp``, ``zero1``, ``zero2`` (shardkit.DistributedDataParallel with zero_stage and
+ZeroRedundancyOptimizer), ``fully_shard`` (shardkit.fully_shard on each block, then the model: torch FSDP2's
+API, the recommended sharded front), ``fsdp`` (the FSDP1 front, FullyShardedDataParallel FULL_SHARD, one unit
+per block), ``hsdp`` (its HYBRID_SHARD: sharded inside a host, replicated across hosts). ``--hook
+powersgd|bf16`` compresses DDP's gradient allreduce. ``--precision bf16`` computes in bf16 (fully_shard's
+MixedPrecisionPolicy, the FSDP1 front's MixedPrecision; autocast under DDP/ZeRO and auto).
 
 Data: synthetic counting sequences (a random start and stride per sequence, seeded per rank and step: after a
 few tokens the next one is predictable, so the loss falls), or ``--data FILE``: a local text file read as bytes (vocabulary
@@ -43,6 +45,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor
 
 import shardkit
 from shardkit import estimate
@@ -50,9 +54,12 @@ from shardkit import estimate
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpt_model import GPT, Block, ModelConfig  # noqa: E402
 
-STRATEGIES = ("auto", "ddp", "zero1", "zero2", "fsdp", "hsdp")
+STRATEGIES = ("auto", "ddp", "zero1", "zero2", "fully_shard", "fsdp", "hsdp")
 # Which row of shardkit.estimate each strategy is (auto: the one it chose).
-ESTIMATE_ROW = {"ddp": "ddp", "zero1": "zero1", "zero2": "zero2", "fsdp": "zero3", "hsdp": "zero3", "zero3": "zero3"}
+ESTIMATE_ROW = {"ddp": "ddp", "zero1": "zero1", "zero2": "zero2", "fully_shard": "zero3", "fsdp": "zero3",
+                "hsdp": "zero3", "zero3": "zero3"}
+# The strategies whose wrapper is given a bf16 mixed-precision policy under --precision bf16 (the others autocast).
+MIXED_PRECISION_WRAPPERS = ("fully_shard", "fsdp", "hsdp")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -127,6 +134,13 @@ def build(args: argparse.Namespace, cfg: ModelConfig, device: torch.device):
         model, optimizer = shardkit.auto(module, torch.optim.AdamW, memory_budget_gb=args.memory_budget_gb,
                                          auto_wrap_policy={Block}, **adamw)
         return model, optimizer, model.shardkit_plan.strategy
+    if args.strategy == "fully_shard":  # each block a unit, then the root: the README's recipe
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16) if bf16 \
+            else MixedPrecisionPolicy()
+        for block in module.blocks:
+            shardkit.fully_shard(block, mp_policy=policy)
+        model = shardkit.fully_shard(module, mp_policy=policy)
+        return model, torch.optim.AdamW(model.parameters(), **adamw), args.strategy
     if args.strategy in ("fsdp", "hsdp"):
         strategy = shardkit.fsdp.ShardingStrategy.FULL_SHARD if args.strategy == "fsdp" else \
             shardkit.fsdp.ShardingStrategy.HYBRID_SHARD
@@ -177,6 +191,8 @@ def state_bytes(model, optimizer) -> int:
     tensors += [v for s in inner.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim()]
     seen: dict[int, int] = {}
     for t in tensors:
+        if isinstance(t, DTensor):  # fully_shard's parameters, gradients and optimizer state: this rank's shard
+            t = t.to_local()
         storage = t.untyped_storage()
         seen[storage.data_ptr()] = storage.nbytes()
     return sum(seen.values())
@@ -287,10 +303,11 @@ def main(argv: list[str] | None = None) -> int:
     first = resume(args.resume, model, optimizer) if args.resume else 0
     batch = batches(args, cfg, rank, world, device)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.precision == "bf16" and \
-        row not in ("fsdp", "hsdp", "zero3") else contextlib.nullcontext()
+        args.strategy not in MIXED_PRECISION_WRAPPERS else contextlib.nullcontext()
     if rank == 0:
+        chosen = f" -> {row} ({model.shardkit_plan.front})" if args.strategy == "auto" else ""
         print(f"shardkit {shardkit.__version__}: GPT of {psi:,} parameters, {world} ranks on {device.type}, "
-              f"strategy {args.strategy}{f' -> {row}' if args.strategy == 'auto' else ''}, {args.precision}"
+              f"strategy {args.strategy}{chosen}, {args.precision}"
               f"{f', hook {args.hook}' if args.hook != 'none' else ''}"
               f"{f', resumed at step {first}' if first else ''}", flush=True)
     losses, held, tokens_per_step = [], 0, args.batch * cfg.seq * world

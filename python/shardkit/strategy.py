@@ -1,4 +1,6 @@
-"""``shardkit.auto`` (defined here): wrap a model with the data-parallel strategy the memory math picks.
+"""``shardkit.auto`` (defined here): wrap a model with the data-parallel strategy the memory math picks, through
+the front that ``front_for`` names for it (the one table of that choice: the integrations' ``strategy="auto"``
+wraps by it too).
 
     model, optimizer = shardkit.auto(model, torch.optim.AdamW, lr=3e-4)
 
@@ -12,23 +14,27 @@
 3. The estimator's rule (shardkit.estimate.recommend, the ZeRO paper's and the users' guides' arithmetic):
    the first of DDP, ZeRO-2, ZeRO-3 (FSDP FULL_SHARD) and ZeRO-3 + CPU offload whose model states plus
    ``headroom_gb`` fit the budget. Activations are not modelled: pass a measured ``activation_gb``.
-4. Wrap and build the optimizer:
+4. Wrap with the front ``front_for`` names and build the optimizer:
      ddp    shardkit.DistributedDataParallel(model)            + optimizer_class(model.parameters(), ...)
      zero2  shardkit.DistributedDataParallel(model, zero_stage=2) + ZeroRedundancyOptimizer(..., optimizer_class)
-     zero3  shardkit.FullyShardedDataParallel(model, auto_wrap_policy) + optimizer_class(model.parameters(), ...)
-     zero3_offload  as zero3, with cpu_offload=CPUOffload(offload_params=True): shards, gradients and the
-            optimizer's state in host memory, compute on the model's GPU (a CPU model has nothing to offload
-            from: ``auto`` raises saying so, with the table).
+     zero3  shardkit.fully_shard on each unit, then on the root (torch FSDP2's semantics: the model is sharded in
+            place and returned, its parameters DTensors) + optimizer_class(model.parameters(), ...)
+     zero3_offload  shardkit.FullyShardedDataParallel(model, auto_wrap_policy,
+            cpu_offload=CPUOffload(offload_params=True)) + optimizer_class(model.parameters(), ...): shards,
+            gradients and the optimizer's state in host memory, compute on the model's GPU (the FSDP1 front's
+            offload is the one shardkit builds and tests on CUDA; a CPU model has nothing to offload from:
+            ``auto`` raises saying so, with the table).
    When nothing fits, it raises with the table too. The decision is logged (logger ``shardkit.auto``, rank 0)
-   with the table behind it, and returned as ``model.shardkit_plan`` (an ``AutoPlan``). ``plan()`` is the
-   decision alone, without torch.distributed.
+   with the table behind it, and returned as ``model.shardkit_plan`` (an ``AutoPlan``; ``.front`` names the
+   front). ``plan()`` is the decision alone, without torch.distributed.
 
 Counted conservatively: a bf16/fp16 model's optimizer state is counted as fp32 moments (8 bytes per parameter
 for Adam) though torch's optimizers keep it in the parameters' dtype.
 
-FSDP's units: ``auto_wrap_policy`` if given; else the classes of the modules held in the model's
-``nn.ModuleList``s (a transformer's blocks), else a size-based policy of Psi / 8 parameters per unit, so that a
-rank gathers one slice of the model at a time, as the ZeRO-3 row of the estimate assumes.
+The sharded units (fully_shard's calls, the FSDP1 front's units): ``auto_wrap_policy`` if given (an FSDP1-style
+policy or a set of module classes, as ``shardkit.wrap`` applies it); else the classes of the modules held in the
+model's ``nn.ModuleList``s (a transformer's blocks), else a size-based policy of Psi / 8 parameters per unit, so
+that a rank gathers one slice of the model at a time, as the ZeRO-3 row of the estimate assumes.
 """
 
 from __future__ import annotations
@@ -44,18 +50,35 @@ from torch import nn
 
 from . import _exchange, estimate
 
-__all__ = ["AutoPlan", "agreed_plan", "auto", "plan"]
+__all__ = ["AutoPlan", "agreed_plan", "auto", "front_for", "plan"]
 
 log = logging.getLogger("shardkit.auto")
 
 _ADAM_LIKE = ("Adam", "AdamW", "NAdam", "RAdam", "Adamax", "Adafactor", "Lamb", "LAMB")
+
+# The front that carries out each of the estimator's choices (the keys of shardkit.estimate.STRATEGIES), named as
+# the integrations' strategies are: shardkit's DDP for ddp and zero2; for ZeRO-3 fully_shard, the front shardkit
+# leads with (README, docs/fully_shard.md); for ZeRO-3 + CPU offload the FSDP1 front, whose offload
+# (csrc/fsdp/offload.h) is the one shardkit tests on CUDA.
+_FRONTS = {"ddp": "ddp", "zero2": "zero2", "zero3": "fully_shard", "zero3_offload": "fsdp"}
+
+
+def front_for(strategy: str) -> str:
+    """The front that wraps a model for the estimator's choice ``strategy`` ("ddp" | "zero2" | "zero3" |
+    "zero3_offload"): "ddp", "zero2", "fully_shard" or "fsdp". ``shardkit.auto`` and the integrations'
+    ``strategy="auto"`` both ask here, so they wrap alike."""
+    try:
+        return _FRONTS[strategy]
+    except KeyError:
+        raise ValueError(f"shardkit.auto: no front for strategy {strategy!r}; the estimator's strategies are "
+                         f"{sorted(_FRONTS)}") from None
 
 
 @dataclasses.dataclass(frozen=True)
 class AutoPlan:
     """What ``auto`` decided and why: the inputs of the estimate, its table and the chosen strategy."""
 
-    strategy: str  # "ddp" | "zero2" | "zero3" (a key of shardkit.estimate.STRATEGIES)
+    strategy: str  # "ddp" | "zero2" | "zero3" | "zero3_offload" (a key of shardkit.estimate.STRATEGIES)
     num_params: int
     world_size: int
     precision: str  # "fp32" | "bf16" | "fp16"
@@ -64,6 +87,12 @@ class AutoPlan:
     headroom_gb: float
     activation_gb: float
     report: str  # the estimator's table and recommendation
+
+    @property
+    def front(self) -> str:
+        """The front that wraps the model for ``strategy`` (``front_for``): "ddp" | "zero2" | "fully_shard" |
+        "fsdp"."""
+        return front_for(self.strategy)
 
 
 def plan(num_params: int, world_size: int, budget_gb: float, precision: str = "fp32", optimizer: str = "adam",
@@ -109,8 +138,9 @@ def auto(model: nn.Module, optimizer_class: type[torch.optim.Optimizer], memory_
          process_group: dist.ProcessGroup | None = None, headroom_gb: float = 0.0, activation_gb: float = 0.0,
          auto_wrap_policy: Callable[..., bool] | set[type[nn.Module]] | None = None,
          **optimizer_kwargs: Any) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """(wrapped model, optimizer) with the strategy the memory math picks; see the module docstring. A
-    collective: call it on every rank of ``process_group`` (default: the default group) with the same model."""
+    """(wrapped model, optimizer) with the strategy the memory math picks; see the module docstring. For ZeRO-3 the
+    wrapped model is ``model`` itself, sharded in place by ``fully_shard`` (an ``FSDPModule``). A collective: call
+    it on every rank of ``process_group`` (default: the default group) with the same model."""
     from .ddp import DistributedDataParallel
     from .fsdp import CPUOffload, FullyShardedDataParallel
     from .zero import ZeroRedundancyOptimizer
@@ -124,21 +154,42 @@ def auto(model: nn.Module, optimizer_class: type[torch.optim.Optimizer], memory_
         raise RuntimeError(f"shardkit.auto (rank {rank}): only ZeRO-3 + CPU offload fits in {decided.budget_gb:g} GB "
                            f"per rank, and offloading needs a model on a CUDA device (its parameters are on "
                            f"{trainable[0].device}):\n{decided.report}")
-    log_decision(decided, estimate.STRATEGIES[decided.strategy], rank)
-    if decided.strategy == "ddp":
+    log_decision(decided, f"{estimate.STRATEGIES[decided.strategy]} ({decided.front})", rank)
+    if decided.front == "ddp":
         wrapped: nn.Module = DistributedDataParallel(model, process_group=group)
         optimizer: torch.optim.Optimizer = optimizer_class(wrapped.parameters(), **optimizer_kwargs)
-    elif decided.strategy == "zero2":
+    elif decided.front == "zero2":
         wrapped = DistributedDataParallel(model, process_group=group, zero_stage=2)
         optimizer = ZeroRedundancyOptimizer(wrapped.parameters(), optimizer_class, process_group=group,
                                             **optimizer_kwargs)
-    else:
+    elif decided.front == "fully_shard":
         policy = auto_wrap_policy if auto_wrap_policy is not None else default_wrap_policy(model)
-        offload = CPUOffload(offload_params=decided.strategy == "zero3_offload")
-        wrapped = FullyShardedDataParallel(model, process_group=group, auto_wrap_policy=policy, cpu_offload=offload)
+        wrapped = _fully_shard_units(model, policy, group, trainable[0].device.type)
+        optimizer = optimizer_class(wrapped.parameters(), **optimizer_kwargs)
+    else:  # "fsdp": ZeRO-3 + CPU offload
+        policy = auto_wrap_policy if auto_wrap_policy is not None else default_wrap_policy(model)
+        wrapped = FullyShardedDataParallel(model, process_group=group, auto_wrap_policy=policy,
+                                           cpu_offload=CPUOffload(offload_params=True))
         optimizer = optimizer_class(wrapped.parameters(), **optimizer_kwargs)
     wrapped.shardkit_plan = decided
     return wrapped, optimizer
+
+
+def _fully_shard_units(model: nn.Module, policy: Callable[..., bool] | set[type[nn.Module]],
+                       group: dist.ProcessGroup, device_type: str) -> nn.Module:
+    """``model`` sharded in place by ``shardkit.fully_shard``: every unit ``policy`` chooses (as the FSDP1 front
+    would choose them), innermost first as FSDP2 requires, then the root, all over ``group`` (a 1-D mesh of the
+    model's device type, so the model stays on its device as it would under the FSDP1 front). Returns the model."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from .fsdp import fully_shard
+    from .wrap import as_policy, choose_units
+
+    mesh = DeviceMesh.from_group(group, device_type)
+    (_, root), *units = choose_units(model, as_policy(policy), ignored=set())
+    for _, unit in reversed(units):  # choose_units lists them in pre-order: an enclosing unit before its own
+        fully_shard(unit, mesh=mesh)
+    return fully_shard(root, mesh=mesh)
 
 
 def default_wrap_policy(model: nn.Module) -> Callable[..., bool] | set[type[nn.Module]]:

@@ -50,12 +50,13 @@ def test_plan_at_and_around_every_threshold():
     assert plan(PSI, 4, totals["ddp"] * 0.8, optimizer="sgd").strategy == "ddp"
 
 
-def _auto_at(rank: int, world: int, budgets: list[float]) -> dict:
+def _auto_at(rank: int, world: int, budgets: list[float], policy: set | None) -> dict:
     import shardkit
 
     torch.manual_seed(0)
     module = torch.nn.Sequential(*[torch.nn.Linear(100, 100) for _ in range(10)])  # 101_000 parameters
-    model, optimizer = shardkit.auto(module, torch.optim.AdamW, memory_budget_gb=budgets[rank], lr=1e-3)
+    model, optimizer = shardkit.auto(module, torch.optim.AdamW, memory_budget_gb=budgets[rank], lr=1e-3,
+                                     auto_wrap_policy=policy)
     x = torch.randn(4, 100)
     losses = []
     for _ in range(2):
@@ -64,9 +65,15 @@ def _auto_at(rank: int, world: int, budgets: list[float]) -> dict:
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
-    return {"model": type(model).__name__, "zero_stage": getattr(model, "zero_stage", None),
+    from torch.distributed.fsdp import FSDPModule
+
+    # fully_shard shards the module in place (torch FSDP2): the same object, now an FSDPModule, each unit too.
+    wrapper = "fully_shard" if isinstance(model, FSDPModule) and model is module else type(model).__name__
+    units = sum(1 for m in module.modules() if isinstance(m, FSDPModule))
+    return {"model": wrapper, "zero_stage": getattr(model, "zero_stage", None), "units": units,
             "optimizer": type(optimizer).__name__, "strategy": model.shardkit_plan.strategy,
-            "budget": model.shardkit_plan.budget_gb, "finite": all(map(torch.isfinite, map(torch.tensor, losses)))}
+            "front": model.shardkit_plan.front, "budget": model.shardkit_plan.budget_gb,
+            "finite": all(map(torch.isfinite, map(torch.tensor, losses)))}
 
 
 @pytest.mark.timeout(120)
@@ -75,16 +82,37 @@ def test_auto_wraps_with_the_chosen_strategy_and_trains(ranks):
 
     rows = estimate.model_states(101_000, 2, "fp32", "adam", master_weights=False)
     ddp, zero2, zero3 = (rows[k].total_gb for k in ("ddp", "zero2", "zero3"))
-    cases = [([ddp, ddp * 2], "ddp", "DistributedDataParallel", 0, "AdamW"),
-             ([ddp * 2, ddp * 0.999], "zero2", "DistributedDataParallel", 2, "ZeroRedundancyOptimizer"),
-             ([zero2 * 0.999, zero3], "zero3", "FullyShardedDataParallel", None, "AdamW")]
-    for budgets, strategy, model, stage, optimizer in cases:
-        for rank, got in enumerate(ranks.run(_auto_at, 2, budgets, timeout=100)):
+    # ZeRO-3 is fully_shard, as the integrations' auto picks it, on the units of the policy: by default (no
+    # ModuleList: Psi / 8 parameters per unit, more than a Linear holds) the root alone; with {Linear}, each
+    # Linear and then the root, 11 FSDP modules.
+    cases = [([ddp, ddp * 2], None, "ddp", "ddp", "DistributedDataParallel", 0, 0, "AdamW"),
+             ([ddp * 2, ddp * 0.999], None, "zero2", "zero2", "DistributedDataParallel", 2, 0,
+              "ZeroRedundancyOptimizer"),
+             ([zero2 * 0.999, zero3], None, "zero3", "fully_shard", "fully_shard", None, 1, "AdamW"),
+             ([zero3, zero3], {torch.nn.Linear}, "zero3", "fully_shard", "fully_shard", None, 11, "AdamW")]
+    for budgets, policy, strategy, front, model, stage, units, optimizer in cases:
+        for rank, got in enumerate(ranks.run(_auto_at, 2, budgets, policy, timeout=100)):
             where = f"budgets {budgets}, rank {rank}"
             assert got["strategy"] == strategy, where  # every rank: the smallest budget decides
+            assert got["front"] == front, where
             assert got["budget"] == min(budgets), where
-            assert (got["model"], got["zero_stage"], got["optimizer"]) == (model, stage, optimizer), where
+            assert (got["model"], got["zero_stage"], got["units"], got["optimizer"]) == \
+                (model, stage, units, optimizer), where
             assert got["finite"], where
+
+
+def test_one_table_picks_the_front_for_auto_and_the_integrations():
+    """shardkit.auto and the integrations' strategy="auto" take the front from one place: ZeRO-3 is fully_shard
+    (the recommended front), offload the FSDP1 front (the integrations refuse offload)."""
+    from shardkit.integrations import _wrapping
+    from shardkit.strategy import front_for, plan
+
+    assert {s: front_for(s) for s in ("ddp", "zero2", "zero3", "zero3_offload")} == \
+        {"ddp": "ddp", "zero2": "zero2", "zero3": "fully_shard", "zero3_offload": "fsdp"}
+    assert plan(PSI, 4, _totals(4)["zero3"]).front == "fully_shard"
+    assert {front_for(s) for s in ("ddp", "zero2", "zero3")} <= set(_wrapping.STRATEGIES)
+    with pytest.raises(ValueError, match=r"no front for strategy 'zero1'"):
+        front_for("zero1")
 
 
 def _auto_refuses(rank: int, world: int, budget: float) -> str:

@@ -70,11 +70,12 @@ def test_the_venv_has_torch_and_the_wheel_but_no_numpy(clean_python, outside):
     assert Path(shardkit_file).is_relative_to(CLEAN_VENV / "lib"), shardkit_file  # the wheel, not the checkout
 
 
-def test_the_wheel_ships_the_license_and_py_typed(clean_python):
+def test_the_wheel_ships_the_license_py_typed_and_the_extension_stub(clean_python):
     (wheel,) = WHEEL_DIR.glob("shardkit-*.whl")
     with zipfile.ZipFile(wheel) as archive:
         names = set(archive.namelist())
-    assert {"shardkit/py.typed", "shardkit-0.2.0.dist-info/licenses/LICENSE"} <= names, sorted(names)
+    assert {"shardkit/py.typed", "shardkit/_C.pyi", "shardkit-0.2.0.dist-info/licenses/LICENSE"} <= names, \
+        sorted(names)
 
 
 def test_training_example(clean_python, outside):

@@ -61,13 +61,18 @@ def _example(monkeypatch: pytest.MonkeyPatch):
     (["--strategy", "ddp", "--hook", "bf16"], "ddp"),
     (["--strategy", "zero1"], "zero1"),
     (["--strategy", "zero2", "--precision", "bf16"], "zero2"),
+    (["--strategy", "fully_shard"], "fully_shard"),
+    (["--strategy", "fully_shard", "--precision", "bf16"], "fully_shard"),
     (["--strategy", "fsdp"], "fsdp"),
     (["--strategy", "hsdp"], "hsdp"),
     (["--strategy", "auto", "--memory-budget-gb", "0.0015"], "zero2"),  # DDP needs 0.00214 GB here, ZeRO-2 0.00134
+    (["--strategy", "auto", "--memory-budget-gb", "0.0012"], "zero3"),  # ZeRO-3 0.00107: auto wraps with fully_shard
 ])
 def test_each_strategy_trains_and_holds_what_the_estimate_says(args: list[str], row: str):
-    summary, _ = _train(2, "--steps", "5", *args)
+    summary, out = _train(2, "--steps", "5", *args)
     assert summary["row"] == row
+    if row == "zero3":
+        assert "strategy auto -> zero3 (fully_shard)" in out, out
     for rank, held in enumerate(summary["held_bytes"]):
         ratio = held / summary["estimate_bytes"]
         assert 0.95 <= ratio <= 1.05, f"rank {rank}: held {held} bytes, estimate {summary['estimate_bytes']}"

@@ -5,7 +5,8 @@ integration imports it without pulling in another's dependencies.
 - ``WrapSpec``: the user's choice (strategy, comm hook, auto_wrap, mixed precision, memory budget for ``auto``),
   validated once (``check``), with the errors naming the integration's class.
 - ``resolve``: ``strategy="auto"`` made concrete with shardkit's memory math (``shardkit.strategy.agreed_plan``:
-  every rank's budget, the smallest wins, so all ranks choose alike), once, at the first wrap.
+  every rank's budget, the smallest wins, so all ranks choose alike), once, at the first wrap; the front for the
+  estimate's choice is ``shardkit.strategy.front_for``'s, as ``shardkit.auto``'s is.
 - ``wrap``: the model wrapped by shardkit's fronts, and which parameters were replaced (fully_shard swaps each
   parameter for a sharded DTensor one; an optimizer built before must be pointed at them: ``swap_parameters``).
 - ``as_zero``: the optimizer rebuilt as a ``ZeroRedundancyOptimizer`` with its class, groups and options.
@@ -47,9 +48,6 @@ COMM_HOOKS = (None, "fp16", "bf16", "powersgd")
 ZERO_STAGES = {"ddp": 0, "zero1": 1, "zero2": 2}  # the strategies that are shardkit's DDP
 UNIT_STRATEGIES = ("fully_shard", "fsdp")  # the strategies that shard modules as units (auto_wrap)
 SHARDED_STATE = ("zero1", "zero2", "fully_shard", "fsdp")  # whose optimizer (and model) state lies in shards
-# The estimator's choice (shardkit.estimate.STRATEGIES) -> the integrations' strategy. ZeRO-3 is fully_shard, the
-# front shardkit leads with; ZeRO-3 + CPU offload has no integration strategy (see resolve).
-AUTO_CHOICES = {"ddp": "ddp", "zero2": "zero2", "zero3": "fully_shard"}
 
 
 @dataclasses.dataclass
@@ -114,12 +112,14 @@ def resolve(spec: WrapSpec, model: nn.Module, optimizer_classes: Iterable[type],
     optimizer = "sgd" if kinds == {"sgd"} else "adam"
     decided = _strategy.agreed_plan([p for p in model.parameters() if p.requires_grad], optimizer,
                                     spec.memory_budget_gb, group, who=f"{owner}(strategy='auto')")
-    if decided.strategy not in AUTO_CHOICES:
+    # ZeRO-3 + CPU offload has no integration strategy: the integrations wrap with the front front_for names for
+    # every other choice, and none of them offloads.
+    if decided.strategy == "zero3_offload":
         raise RuntimeError(f"{owner}(strategy='auto') (rank {rank}): only {_estimate.STRATEGIES[decided.strategy]} "
                            f"fits in {decided.budget_gb:g} GB per rank, and the integrations do not offload to the "
                            "CPU (shardkit.auto does, for a model on a CUDA device); give more memory_budget_gb or "
                            f"ranks:\n{decided.report}")
-    spec.resolved_strategy, spec.auto_plan = AUTO_CHOICES[decided.strategy], decided
+    spec.resolved_strategy, spec.auto_plan = decided.front, decided
     _strategy.log_decision(decided, f"{spec.resolved_strategy} ({_estimate.STRATEGIES[decided.strategy]}) for "
                            f"{owner}", rank)
     return spec.resolved_strategy
