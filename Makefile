@@ -84,7 +84,7 @@ peer-test: build $(VENV)/.peer-deps
 # build/temp.*); the venv's torch is installed once; `import numpy` must fail there, or the check proves nothing.
 CLEAN_VENV := build/clean-venv
 WHEEL_DIR  := build/wheel
-WHEEL_SRC  := $(wildcard python/shardkit/*.py python/shardkit/*/*.py) python/shardkit/py.typed LICENSE MANIFEST.in README.md
+WHEEL_SRC  := $(wildcard python/shardkit/*.py python/shardkit/*/*.py) python/shardkit/py.typed python/shardkit/_C.pyi LICENSE MANIFEST.in README.md
 CLEAN_TORCH := $(CLEAN_VENV)/.$(subst ==,-,$(TORCH_CPU))
 
 # build/lib.* goes too: a module deleted from python/shardkit/ must not linger in the wheel.
