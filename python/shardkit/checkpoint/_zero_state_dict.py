@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import _flat
+from .. import _flat, _torch_compat
 from . import _fsdp_optim_state as fsdp_optim_state
 from ._sharded_state import (Place, ShardedSpace, Slot, check_param_groups, init_optimizer_state, load_entries,
                              local_optim_state, sharded_entries)
@@ -85,7 +85,7 @@ def model_state_dict(ddp: "DistributedDataParallel", kind: StateDictType,
 
 
 def load_model_state_dict(ddp: "DistributedDataParallel", kind: StateDictType, state_dict: dict[str, Any],
-                          strict: bool, module_prefix: str = _PREFIX) -> nn.modules.module._IncompatibleKeys:
+                          strict: bool, module_prefix: str = _PREFIX) -> _torch_compat.IncompatibleKeys:
     """A full or sharded state dict of any world size; under SHARDED_STATE_DICT a collective (the pieces loaded
     here are all-gathered into whole parameters)."""
     where = f"shardkit DDP (rank {dist.get_rank(ddp.process_group)}) load_state_dict"
