@@ -18,13 +18,13 @@ from typing import Any, Sequence
 
 import torch.distributed as dist
 
-from . import _exchange
+from . import _exchange, _torch_compat
 
 
 def describe_group(group: dist.ProcessGroup | None) -> str:
     """A process group as ranks compare it: the same group object (or None for the default group) gives the same
     text on every rank of it."""
-    group = group if group is not None else dist.distributed_c10d._get_default_group()
+    group = group if group is not None else _torch_compat.default_group()
     return f"group '{group.group_name}' over ranks {dist.get_process_group_ranks(group)} ({dist.get_backend(group)})"
 
 
@@ -73,7 +73,7 @@ def exchange_groups(groups: Sequence[Any]) -> list[dist.ProcessGroup]:
     (shard, replicate) pair; None or anything else: the default group): the world group when they span every rank
     (one group of the world's size, or a pair whose sizes multiply to it), else those groups, in order."""
     given = [g for g in groups if isinstance(g, dist.ProcessGroup)]
-    world = dist.distributed_c10d._get_default_group()
+    world = _torch_compat.default_group()
     if not given or math.prod(dist.get_world_size(g) for g in given) == dist.get_world_size():
         return [world]
     return given

@@ -26,16 +26,19 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-# torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single; same arguments.
-all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-# torch's own rule for the device of an object collective (CPU when the group has a CPU backend); private,
-# present in torch since long before 2.11, the oldest shardkit supports.
-from torch.distributed.distributed_c10d import _get_object_coll_device
+
+from . import _torch_compat
+
+
+def all_gather_single(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None = None,
+                      async_op: bool = False) -> Any:
+    """``dist.all_gather_single`` (``all_gather_into_tensor`` before torch 2.13): _torch_compat picks the name."""
+    return _torch_compat.all_gather_single(output, input, group, async_op)
 
 
 def all_gather_object(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
     """Every rank's ``obj``, in group-rank order, on every rank (a collective)."""
-    device = _get_object_coll_device(group)
+    device = _torch_compat.object_collective_device(group)
     payload, sizes = _padded_payload(obj, device, group)
     received = torch.empty(payload.numel() * len(sizes), dtype=torch.uint8, device=device)
     dist.all_gather(_slices(received, len(sizes)), payload, group=group)
@@ -44,7 +47,7 @@ def all_gather_object(obj: Any, group: dist.ProcessGroup | None = None) -> list[
 
 def gather_object(obj: Any, dst: int, group: dist.ProcessGroup | None = None) -> list[Any] | None:
     """Every rank's ``obj``, in group-rank order, on group rank ``dst``; None elsewhere (a collective)."""
-    device = _get_object_coll_device(group)
+    device = _torch_compat.object_collective_device(group)
     payload, sizes = _padded_payload(obj, device, group)
     if dist.get_rank(group) != dst:
         dist.gather(payload, None, group=group, group_dst=dst)
@@ -57,7 +60,7 @@ def gather_object(obj: Any, dst: int, group: dist.ProcessGroup | None = None) ->
 def all_gather_ints(values: list[int], group: dist.ProcessGroup | None = None) -> list[list[int]]:
     """Every rank's ``values`` (the same count on every rank, each fitting int64), in group-rank order: one
     all-gather of int64s (a collective), on the device torch's object collectives use."""
-    device = _get_object_coll_device(group)
+    device = _torch_compat.object_collective_device(group)
     mine = torch.tensor(values, dtype=torch.int64, device=device)
     everyone = torch.empty(mine.numel() * dist.get_world_size(group), dtype=torch.int64, device=device)
     all_gather_single(everyone, mine, group=group)

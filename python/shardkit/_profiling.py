@@ -12,7 +12,9 @@ from typing import ContextManager
 
 import torch
 
-_profiler_enabled = torch._C._autograd._profiler_enabled
+from . import _torch_compat
+
+_profiler_enabled = _torch_compat.profiler_enabled_check()
 _NO_SPAN = contextlib.nullcontext()
 
 

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from . import _C
+from . import _C, _torch_compat
 
 _SLICE = 0.2  # seconds between polls at most: a death is seen within about this (plus the Store's round trip)
 _FIRST_POLL = 0.0005  # seconds; doubled after each empty poll, so a key set at once costs a fraction of a slice
@@ -206,13 +206,13 @@ def connect_gloo(watch: StartupWatch, store: dist.Store, rank: int, size: int, t
     retries a failed connect a few times, each up to that timeout: a peer that dies inside this window of a few
     milliseconds is reported after ~10 s rather than within a second."""
     watched = WatchedStore(store, watch, what)
-    settable = hasattr(dist.ProcessGroupGloo, "_set_default_timeout")
+    settable = _torch_compat.gloo_timeout_settable()
     try:
         backend = dist.ProcessGroupGloo(watched, rank, size, min(timeout, _GLOO_CONNECT) if settable else timeout)
     except RuntimeError as error:
         raise watch.explain(error, f"connecting {what}") from error
     if settable:
-        backend._set_default_timeout(timeout)
+        _torch_compat.set_gloo_timeout(backend, timeout)
     watch.kept_stores.append(watched)
     return backend
 

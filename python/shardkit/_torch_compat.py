@@ -1,17 +1,30 @@
-"""The private torch interfaces shardkit relies on (checkpoints, FSDP2), in one place (the twin of csrc/compat.h).
+"""Every private torch interface shardkit relies on, and every difference between the torch versions it supports,
+in one place (the twin of csrc/compat.h). tests/python/test_layers.py fails on a private torch name used anywhere
+else in python/shardkit.
 
-Each function says what it uses (shardkit supports torch >= 2.11). The checkpoint interfaces were read in torch
-2.13 (installed here) and 2.14.1 (its wheel), and in an older revision of torch's main branch (2.5-era), which
-uses them the same way; 2.11 lies between and was not read itself. A torch release that changes one of these
-fails here, with a message naming the interface, rather than somewhere inside a save.
+Each function says what it uses and why shardkit needs it (shardkit supports torch 2.11, 2.13 and 2.14). The
+checkpoint interfaces were read in torch 2.13 (installed here) and 2.14.1 (its wheel), and in an older revision of
+torch's main branch (2.5-era), which uses them the same way; 2.11 lies between and was not read itself. A torch
+release that changes one of these fails here, with a message naming the interface, rather than somewhere inside a
+save. What shardkit.fully_shard assumes about FSDP2's calls into its plug-ins is pinned by
+tests/python/test_torch_compat.py.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterable
 
+import torch
+import torch.distributed as dist
+from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
+
+if TYPE_CHECKING:
+    # What c10d hands a backend creator registered with extended_api=True (store, group_rank, group_size, timeout,
+    # group_id, global_ranks_in_group): shardkit.backend's creator reads it. Named for annotations only.
+    from torch.distributed.distributed_c10d import _DistributedBackendOptions as BackendOptions
 
 
 def flatten_state_dict(state_dict: dict[str, Any]) -> tuple[dict[str, Any], dict[str, tuple]]:
@@ -79,6 +92,12 @@ def fsdp2_shard_group(param_group: Any) -> Any:
 def fsdp2_params(param_group: Any) -> list[Any]:
     """The parameters (DTensors) a parameter group manages (``FSDPParamGroup.fsdp_params[i].sharded_param``)."""
     return [fsdp_param.sharded_param for fsdp_param in param_group.fsdp_params]
+
+
+def fsdp2_device(param_group: Any) -> torch.device:
+    """The device of the parameters a parameter group manages (``FSDPParamGroup.device``): shardkit's plug-ins
+    apply to host (CPU) parameters only."""
+    return param_group.device
 
 
 def fsdp2_module_path(param_group: Any) -> str:
@@ -156,3 +175,167 @@ def queue_end_of_backward(callback: Any) -> None:
     import torch
 
     torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+# --- process groups (torch.distributed.distributed_c10d): present in 2.11, 2.13 and 2.14 ---------------------------
+def default_group() -> dist.ProcessGroup:
+    """The default (world) process group (``distributed_c10d._get_default_group``): where a ``group=None`` must
+    become a group object shardkit can ask for its size, ranks or backend. Raises if none is initialised."""
+    return dist.distributed_c10d._get_default_group()
+
+
+def live_process_groups() -> list[dist.ProcessGroup]:
+    """Every process group not destroyed yet (the keys of ``distributed_c10d._world.pg_map``): shardkit shuts down
+    the backends nobody destroyed at the interpreter's exit."""
+    return list(dist.distributed_c10d._world.pg_map)
+
+
+def group_backend(group: dist.ProcessGroup, device: torch.device) -> Any:
+    """The backend that runs ``group``'s collectives on ``device``'s tensors (``ProcessGroup._get_backend``);
+    raises RuntimeError where the group has none for that device."""
+    return group._get_backend(device)
+
+
+def object_collective_device(group: dist.ProcessGroup | None) -> Any:
+    """torch's own rule for the device of an object collective (``distributed_c10d._get_object_coll_device``: CPU
+    when the group has a CPU backend), so shardkit's object exchanges run where torch's ``all_gather_object`` would."""
+    return dist.distributed_c10d._get_object_coll_device(group)
+
+
+def broadcast_coalesced(group: dist.ProcessGroup, tensors: list[torch.Tensor], bucket_bytes: int, src: int) -> None:
+    """Broadcasts ``tensors`` in place from rank ``src`` of ``group``, flattened into buckets of at most
+    ``bucket_bytes`` (``dist._broadcast_coalesced``, c10d's C++ broadcastCoalesced, whose root is a group rank: torch
+    DDP's initial and per-forward sync)."""
+    dist._broadcast_coalesced(group, tensors, bucket_bytes, src)
+
+
+def gloo_timeout_settable() -> bool:
+    """Whether a gloo backend's operation timeout can be set after it connected
+    (``ProcessGroupGloo._set_default_timeout``): then shardkit connects with a short timeout and operates with the
+    group's."""
+    return hasattr(dist.ProcessGroupGloo, "_set_default_timeout")
+
+
+def set_gloo_timeout(backend: Any, timeout: timedelta) -> None:
+    """Sets a connected gloo backend's operation timeout (``ProcessGroupGloo._set_default_timeout``; only where
+    ``gloo_timeout_settable()``)."""
+    backend._set_default_timeout(timeout)
+
+
+# --- nn.Module and Tensor internals ----------------------------------------------------------------------------
+# What nn.Module.load_state_dict returns (a namedtuple of missing_keys, unexpected_keys; no public name): shardkit's
+# load functions return the same.
+IncompatibleKeys = nn.modules.module._IncompatibleKeys
+
+
+def call_runs_forward_only(module: nn.Module) -> bool:
+    """Whether ``nn.Module.__call__`` on ``module`` would do nothing but call its forward: it was not compiled in
+    place (``nn.Module.compile`` sets ``_compiled_call_impl``) and no hook would run (its own ``_forward_hooks``,
+    ``_forward_pre_hooks``, ``_backward_hooks``, ``_backward_pre_hooks`` and nn.Module's global ones, the dicts
+    ``_call_impl`` checks). shardkit DDP then skips ``__call__``'s machinery, as ``_call_impl`` would."""
+    hooks = nn.modules.module
+    return not (module._compiled_call_impl is not None
+                or module._backward_hooks or module._backward_pre_hooks or module._forward_hooks
+                or module._forward_pre_hooks or hooks._global_backward_pre_hooks or hooks._global_backward_hooks
+                or hooks._global_forward_hooks or hooks._global_forward_pre_hooks)
+
+
+def registered_parameters(module: nn.Module) -> dict[str, nn.Parameter | None]:
+    """``module``'s own parameter slots, name -> parameter or None, in registration order (``module._parameters``,
+    the mapping itself): unlike ``named_parameters(recurse=False)`` it keeps None slots and is not what a subclass
+    overrides."""
+    return module._parameters
+
+
+def set_registered_parameter(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    """Puts ``tensor`` (a plain tensor, e.g. a view of a gathered buffer) in ``module``'s parameter slot ``name``
+    (``module._parameters[name] = tensor``, as FSDP2's ``unsafe_setattr_param`` does): ``nn.Module.__setattr__``
+    accepts only a Parameter or None there, and the module's forward reads the slot."""
+    module._parameters[name] = tensor
+
+
+def make_tensor_subclass(cls: type, data: torch.Tensor, requires_grad: bool = False) -> Any:
+    """An instance of the Tensor subclass ``cls`` sharing ``data``'s storage (``torch.Tensor._make_subclass``, the
+    constructor nn.Parameter uses)."""
+    return torch.Tensor._make_subclass(cls, data, requires_grad)
+
+
+def torch_function_disabled() -> ContextManager[Any]:
+    """A context in which Tensor subclasses' ``__torch_function__`` is not consulted
+    (``torch._C.DisableTorchFunctionSubclass``, what ``Tensor.__torch_function__`` itself uses): a subclass's
+    ``__torch_function__`` runs the op on the plain tensors under it."""
+    return torch._C.DisableTorchFunctionSubclass()
+
+
+def profiler_enabled_check() -> Callable[[], bool]:
+    """The C function telling whether an autograd profiler is recording (``torch._C._autograd._profiler_enabled``),
+    returned itself: shardkit's profiler spans cost one C call when none is."""
+    return torch._C._autograd._profiler_enabled
+
+
+# --- torch.compile (dynamo) --------------------------------------------------------------------------------------
+def eager_under_compile(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` run eagerly under torch.compile (``torch._disable_dynamo``: like ``torch._dynamo.disable``, but
+    importing dynamo, which costs seconds, only at the first call)."""
+    return torch._disable_dynamo(fn)
+
+
+def skip_frames(code: Any) -> None:
+    """Marks the frames of ``code`` (a function's ``__code__``) for dynamo to skip
+    (``torch._dynamo.eval_frame.skip_code``); the frames they call are still compiled. Imports dynamo."""
+    from torch._dynamo.eval_frame import skip_code
+
+    skip_code(code)
+
+
+def compiled_module_original(model: nn.Module) -> nn.Module | None:
+    """The module ``torch.compile(module)`` wrapped, where ``model`` is such a wrapper
+    (``torch._dynamo.eval_frame.OptimizedModule._orig_mod``); None for any other module. Imports dynamo."""
+    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+        return model._orig_mod
+    return None
+
+
+# --- torch DDP's and Join's private protocol: what shardkit DDP, a torch DDP subclass, answers -------------------------
+def active_ddp_module() -> nn.Module | None:
+    """The DDP module whose forward runs (``DistributedDataParallel._active_ddp_module``): torch.compile's
+    DDPOptimizer reads it (through ``_get_active_ddp_module``) to split the graph at the module's bucket cap."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel._active_ddp_module
+
+
+def set_active_ddp_module(module: nn.Module | None) -> None:
+    """Sets the DDP module whose forward runs (see ``active_ddp_module``)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    DistributedDataParallel._active_ddp_module = module
+
+
+def present_as_torch_ddp(ddp: nn.Module) -> None:
+    """Gives ``ddp`` (a torch DDP subclass whose torch constructor does not run) the attributes torch DDP's own
+    methods read that its constructor would have set: no Python reducer (``_use_python_reducer``), no delayed
+    all-reduce of all parameters (``_delay_all_reduce_all_params``)."""
+    ddp._use_python_reducer = False
+    ddp._delay_all_reduce_all_params = False
+
+
+def ddp_ignored_names(module: nn.Module) -> Iterable[str]:
+    """The parameter and buffer names torch DDP leaves out of its broadcasts and reductions for ``module``
+    (``module._ddp_params_and_buffers_to_ignore``, set by
+    ``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model``); none where it was not set."""
+    return getattr(module, "_ddp_params_and_buffers_to_ignore", ())
+
+
+def join_enabled(joinable: Any) -> bool:
+    """Whether ``joinable`` runs inside an enabled ``Join`` context (``Joinable._join_config.enable``, set by
+    ``Joinable.__init__``, disabled, and by the ``Join`` context's constructor)."""
+    return joinable._join_config.enable
+
+
+def record_comm_hook(ddp_model: nn.Module, name: str, state: Any) -> None:
+    """Adds ``(name, state)`` to torch DDP's record of the comm hooks registered on ``ddp_model``
+    (``DistributedDataParallel._comm_hooks``, the list torch's ``register_comm_hook`` appends each hook to) where
+    it keeps one, so that record names shardkit's native hooks too."""
+    if isinstance(getattr(ddp_model, "_comm_hooks", None), list):
+        ddp_model._comm_hooks.append((name, state))

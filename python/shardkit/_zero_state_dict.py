@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import _flat
+from . import _flat, _torch_compat
 from .checkpoint import _optim_state as optim_state
 from .checkpoint._front_protocol import StateDictSetting
 from .checkpoint._optim_state import parameter_names
@@ -82,7 +82,7 @@ def model_state_dict(ddp: "DistributedDataParallel", setting: StateDictSetting, 
 
 
 def load_model_state_dict(ddp: "DistributedDataParallel", setting: StateDictSetting, state_dict: dict[str, Any],
-                          strict: bool, module_prefix: str = _PREFIX) -> nn.modules.module._IncompatibleKeys:
+                          strict: bool, module_prefix: str = _PREFIX) -> _torch_compat.IncompatibleKeys:
     """A full or sharded state dict of any world size; under SHARDED_STATE_DICT a collective (the pieces loaded
     here are all-gathered into whole parameters)."""
     where = f"shardkit DDP (rank {dist.get_rank(ddp.process_group)}) load_state_dict"

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import _C, _exchange, _startup
+from . import _C, _exchange, _startup, _torch_compat
 
 BACKEND_NAME = "shardkit"
 _DEFAULT_SLOT_BYTES = 1 << 20
@@ -148,7 +148,7 @@ def _agree_segment_name(watch: _startup.StartupWatch, local_rank: int, host_inde
     return watch.get(key, "waiting for the host's first rank to name the shared-memory segment").decode()
 
 
-def _create_backend(options: "dist.distributed_c10d._DistributedBackendOptions", pg_options) -> dist.Backend:
+def _create_backend(options: _torch_compat.BackendOptions, pg_options) -> dist.Backend:
     if pg_options is not None:
         raise ValueError(f"the shardkit backend takes no pg_options, got {pg_options!r}")
     store, rank, size = options.store, options.group_rank, options.group_size
@@ -173,7 +173,7 @@ def _job_store(own: dist.Store, is_default_group: bool) -> dist.Store:
     as its shardkit backend holds it; the group's own where it is the default group, or the default group is not
     shardkit's."""
     if not is_default_group:
-        world = cpu_backend(dist.distributed_c10d._get_default_group())
+        world = cpu_backend(_torch_compat.default_group())
         if isinstance(world, _C.ProcessGroupShardkit):
             return world.job_store()
     return own
@@ -228,7 +228,7 @@ def _shut_down_at_exit() -> None:
     process at exit."""
     if not dist.is_available() or not dist.is_initialized():
         return
-    for group in list(dist.distributed_c10d._world.pg_map):  # the groups not destroyed yet
+    for group in _torch_compat.live_process_groups():  # the groups not destroyed yet
         backend = cpu_backend(group)
         if isinstance(backend, _C.ProcessGroupShardkit):
             backend.shutdown_now()
@@ -265,7 +265,7 @@ def host_groups(what: str) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
     """This rank's two subgroups of the world: the ranks on its host, and the ranks at its position on every
     host (hosts told apart by host_id()). A collective over the world group: every rank creates every group,
     in the same order. Every host must hold the same number of ranks; `what` names the caller in that error."""
-    world = dist.distributed_c10d._get_default_group()
+    world = _torch_compat.default_group()
     me = dist.get_rank()
     by_host: dict[str, list[int]] = {}
     for rank, host in enumerate(_exchange.all_gather_object(host_id(), world)):
@@ -296,9 +296,9 @@ def cpu_backend(group: dist.ProcessGroup | None = None) -> Any:
     """The backend that runs ``group``'s (default: the world's) collectives on CPU tensors, None where it has none
     (a group of "cuda:nccl" only). Under TORCH_DISTRIBUTED_DEBUG=DETAIL torch wraps every backend in a checking
     wrapper (a private type with ``wrapped_pg``): the backend inside it."""
-    group = group if group is not None else dist.distributed_c10d._get_default_group()
+    group = group if group is not None else _torch_compat.default_group()
     try:
-        backend = group._get_backend(torch.device("cpu"))
+        backend = _torch_compat.group_backend(group, torch.device("cpu"))
     except RuntimeError:
         return None
     while hasattr(backend, "wrapped_pg"):
@@ -319,7 +319,7 @@ def zero_copy_unavailable(group: dist.ProcessGroup | None = None) -> str | None:
     """Why ``group`` (default: the world) can have no zero-copy memory at all, or None where it can (if /dev/shm
     has the room): its CPU backend is not shardkit's, or its ranks are on several hosts. The same answer on every
     rank of the group, found without communication."""
-    group = group if group is not None else dist.distributed_c10d._get_default_group()
+    group = group if group is not None else _torch_compat.default_group()
     if not isinstance(cpu_backend(group), _C.ProcessGroupShardkit):
         return f"the group's backend is {dist.get_backend(group)}, not shardkit's"
     hosts = host_topology(group).num_hosts
@@ -388,7 +388,7 @@ def all_reduce_(tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM,
     Work or a Future. For latency-bound loops of small allreduces, where those cost more than the reduction
     (docs/backend.md, "Speed"); everything else should call ``torch.distributed.all_reduce``. A collective: every rank
     of ``group`` calls it in the same order as its other collectives."""
-    group = group if group is not None else dist.distributed_c10d._get_default_group()
+    group = group if group is not None else _torch_compat.default_group()
     entry = _DIRECT.get(id(group))
     if entry is None or entry[0] is not group:
         backend = cpu_backend(group)

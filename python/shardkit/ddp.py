@@ -23,7 +23,7 @@ from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.nn.parallel import DistributedDataParallel as _TorchDDP
 
-from . import _C, _agreement, _flat, _profiling
+from . import _C, _agreement, _flat, _profiling, _torch_compat
 from . import _zero_state_dict as zero_state_dict
 from .backend import compare_identities_across_hosts, shared_buffer, warn_zero_copy_unavailable, zero_copy_unavailable
 from .checkpoint._front_protocol import StateDictSetting
@@ -143,10 +143,9 @@ class DistributedDataParallel(_TorchDDP):
         self.zero_stage = zero_stage
         self.require_backward_grad_sync = True
         self._divide_by_initial_world_size = True  # join(): set by the join hook
-        ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+        ignored = set(_torch_compat.ddp_ignored_names(module))
         self.parameters_to_ignore = ignored
-        self._use_python_reducer = False  # torch DDP attributes that torch's own helpers read
-        self._delay_all_reduce_all_params = False
+        _torch_compat.present_as_torch_ddp(self)  # torch DDP attributes that torch's own helpers read
 
         named = [(name, p) for name, p in module.named_parameters() if p.requires_grad and name not in ignored]
         if not named:
@@ -267,7 +266,7 @@ class DistributedDataParallel(_TorchDDP):
 
     def _broadcast_from_rank0(self, tensors: list[torch.Tensor], src: int = 0) -> None:
         if tensors:
-            dist._broadcast_coalesced(self.process_group, tensors, _BROADCAST_BUCKET_BYTES, src)
+            _torch_compat.broadcast_coalesced(self.process_group, tensors, _BROADCAST_BUCKET_BYTES, src)
 
     def _synced_buffers(self) -> list[torch.Tensor]:
         return [b.detach() for n, b in self.module.named_buffers() if n not in self.parameters_to_ignore]
@@ -289,7 +288,7 @@ class DistributedDataParallel(_TorchDDP):
     # is traced and breaks three times before it reaches the module.
     def __call__(self, *inputs: Any, **kwargs: Any) -> Any:
         """nn.Module.__call__; without module hooks (or DistributedDataParallel.compile()) straight to forward."""
-        if self._compiled_call_impl is not None or _hooks_registered(self):
+        if not _torch_compat.call_runs_forward_only(self):
             return nn.Module.__call__(self, *inputs, **kwargs)
         return self.forward(*inputs, **kwargs)
 
@@ -300,7 +299,7 @@ class DistributedDataParallel(_TorchDDP):
         finally:
             self._after_forward(outer)
 
-    @torch._disable_dynamo  # everything it calls runs eagerly under torch.compile
+    @_torch_compat.eager_under_compile  # everything it calls runs eagerly under torch.compile
     def _before_forward(self, inputs: tuple, kwargs: dict) -> tuple[tuple, dict, tuple[Any, Any]]:
         """Opens the forward's profiler span, runs the forward's collectives and makes this the active DDP module
         (torch's _inside_ddp_forward, which torch.compile's DDPOptimizer reads). Returns the inputs moved to this
@@ -314,14 +313,15 @@ class DistributedDataParallel(_TorchDDP):
         except BaseException:
             span.__exit__(None, None, None)
             raise
-        outer = _TorchDDP._active_ddp_module  # a DDP nested in another restores the outer one afterwards
-        _TorchDDP._active_ddp_module = self
+        outer = _torch_compat.active_ddp_module()  # a DDP nested in another restores the outer one afterwards
+        _torch_compat.set_active_ddp_module(self)
         return inputs, kwargs, (span, outer)
 
     @staticmethod
-    @torch._disable_dynamo
+    @_torch_compat.eager_under_compile
     def _after_forward(outer: tuple[Any, Any]) -> None:
-        span, _TorchDDP._active_ddp_module = outer
+        span, outer_ddp = outer
+        _torch_compat.set_active_ddp_module(outer_ddp)
         span.__exit__(None, None, None)
 
     def _prepare_forward(self) -> None:
@@ -332,7 +332,7 @@ class DistributedDataParallel(_TorchDDP):
         if self.forward_sync_buffers and self.require_forward_param_sync:
             self._broadcast_from_rank0(self._synced_buffers())
         synced = torch.is_grad_enabled() and self.require_backward_grad_sync
-        if self._join_config.enable:
+        if _torch_compat.join_enabled(self):
             self._agree_on_backward_sync(synced)
         if synced:
             self.reducer.prepare_for_backward()
@@ -529,17 +529,9 @@ class _ShardkitJoinHook(JoinHook):
         ddp._broadcast_from_rank0(tensors, src=source)
 
 
-def _hooks_registered(module: nn.Module) -> bool:
-    """Whether nn.Module.__call__ would run hooks around ``module``'s forward (its own or global ones)."""
-    hooks = torch.nn.modules.module
-    return bool(module._backward_hooks or module._backward_pre_hooks or module._forward_hooks
-                or module._forward_pre_hooks or hooks._global_backward_pre_hooks or hooks._global_backward_hooks
-                or hooks._global_forward_hooks or hooks._global_forward_pre_hooks)
-
-
 def _group_of(process_group: dist.ProcessGroup | None, device_mesh: Any) -> dist.ProcessGroup:
     if device_mesh is None:
-        return process_group if process_group is not None else dist.distributed_c10d._get_default_group()
+        return process_group if process_group is not None else _torch_compat.default_group()
     if process_group is not None:
         raise ValueError("shardkit DDP: pass process_group or device_mesh, not both")
     if device_mesh.ndim != 1:
@@ -585,10 +577,8 @@ _UNSUPPORTED_PROPERTIES: set[str] = set()
 def _run_eagerly_under_torch_compile() -> None:
     """Marks __call__'s and forward's frames for dynamo to skip (frames they call are still compiled). Done at
     the first construction, not at import: importing torch._dynamo costs seconds."""
-    from torch._dynamo.eval_frame import skip_code
-
-    skip_code(DistributedDataParallel.__call__.__code__)
-    skip_code(DistributedDataParallel.forward.__code__)
+    _torch_compat.skip_frames(DistributedDataParallel.__call__.__code__)
+    _torch_compat.skip_frames(DistributedDataParallel.forward.__code__)
 
 # torch DDP's methods that shardkit DDP does not implement: each would reach for torch's reducer, logger or
 # hooks, which do not exist here. They raise naming themselves instead of an AttributeError from deep inside

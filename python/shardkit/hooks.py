@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from . import _C
+from . import _C, _torch_compat
 
 __all__ = ["PowerSGDState", "powerSGD_hook", "batched_powerSGD_hook", "fp16_compress_hook", "bf16_compress_hook",
            "fp16_compress_wrapper", "bf16_compress_wrapper", "register"]
@@ -247,5 +247,4 @@ def register(ddp_model: torch.nn.Module, state: Any, kind: str) -> None:
         ddp_model.reducer.register_native_comm_hook(kind, impl, group)
     else:
         _C.register_native_comm_hook_on_torch_reducer(ddp_model.reducer, kind, impl, group)
-        if isinstance(getattr(ddp_model, "_comm_hooks", None), list):  # torch's record of registered hooks
-            ddp_model._comm_hooks.append((f"shardkit.hooks.{kind}", state))
+        _torch_compat.record_comm_hook(ddp_model, f"shardkit.hooks.{kind}", state)

@@ -32,6 +32,7 @@ from torch import nn
 from torch.distributed.checkpoint import state_dict as _torch_sd
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 
+from . import _torch_compat
 from . import _zero_state_dict as zero_state_dict
 from .checkpoint import _front_protocol as front_protocol
 from .checkpoint._front_protocol import (FullStateDictConfig, ModelFront, ShardedStateDictConfig, StateDictSetting,
@@ -127,7 +128,7 @@ def get_state_dict(model: nn.Module, optimizers: _OptimArg, *, submodules: Any =
 
 
 def set_model_state_dict(model: nn.Module, model_state_dict: dict[str, Any], *,
-                         options: StateDictOptions | None = None) -> nn.modules.module._IncompatibleKeys:
+                         options: StateDictOptions | None = None) -> _torch_compat.IncompatibleKeys:
     if not _ours(model):
         return _torch_sd.set_model_state_dict(model, model_state_dict, options=options)
     options = _options(options, None, "set_model_state_dict")
@@ -160,7 +161,7 @@ def set_optimizer_state_dict(model: nn.Module, optimizers: _OptimArg, optim_stat
 
 def set_state_dict(model: nn.Module, optimizers: _OptimArg, *, model_state_dict: dict[str, Any],
                    optim_state_dict: dict[str, Any],
-                   options: StateDictOptions | None = None) -> nn.modules.module._IncompatibleKeys:
+                   options: StateDictOptions | None = None) -> _torch_compat.IncompatibleKeys:
     """Loads both; see the module docstring. Call on every rank."""
     if not _ours(model):
         return _torch_sd.set_state_dict(model, optimizers, model_state_dict=model_state_dict,

@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import _exchange, estimate
+from . import _exchange, _torch_compat, estimate
 
 __all__ = ["AutoPlan", "agreed_plan", "auto", "front_for", "plan"]
 
@@ -145,7 +145,7 @@ def auto(model: nn.Module, optimizer_class: type[torch.optim.Optimizer], memory_
     from .fsdp import CPUOffload, FullyShardedDataParallel
     from .zero import ZeroRedundancyOptimizer
 
-    group = process_group if process_group is not None else dist.distributed_c10d._get_default_group()
+    group = process_group if process_group is not None else _torch_compat.default_group()
     rank = dist.get_rank(group)
     trainable = [p for p in model.parameters() if p.requires_grad]
     decided = agreed_plan(trainable, _optimizer_kind(optimizer_class), memory_budget_gb, group,

@@ -19,6 +19,8 @@ from typing import Callable, Iterable
 
 from torch import nn
 
+from . import _torch_compat
+
 __all__ = ["always_wrap_policy", "lambda_auto_wrap_policy", "size_based_auto_wrap_policy",
            "transformer_auto_wrap_policy", "as_policy"]
 
@@ -106,7 +108,7 @@ def assign_parameters(root: nn.Module, units: list[tuple[str, nn.Module]],
     unit_paths = {name for name, _ in units}
     enclosing: dict[int, list[str]] = {}  # id(param) -> innermost unit of each registering module
     for path, sub in root.named_modules(remove_duplicate=False):
-        for p in sub._parameters.values():
+        for p in _torch_compat.registered_parameters(sub).values():
             if p is None or id(p) in ignored:
                 continue
             parts = path.split(".") if path else []

@@ -222,3 +222,212 @@ def test_the_integrations_shared_module_imports_no_training_library():
             roots.add((node.module or "").split(".")[0])
     outside = {r for r in roots if r not in sys.stdlib_module_names and r not in ("torch", "shardkit")}
     assert not outside, outside
+
+
+# --- private torch names live in _torch_compat.py only ----------------------------------------------------------
+# What counts as a private torch access, read from the source of every module but _torch_compat.py:
+# - importing a torch module whose path has a private part (``import torch._dynamo``, ``from torch._C import x``,
+#   ``from torch.distributed.fsdp._fully_shard import x``) or a private name (``from torch.x import _y``);
+# - an attribute chain from a name bound to torch (an ``import torch...`` or ``from torch... import x``), through
+#   attributes, calls or subscripts, with a private part (``dist._broadcast_coalesced``, ``torch._C.x``,
+#   ``nn.modules.module._IncompatibleKeys``, ``TorchDDP._active_ddp_module``), string annotations included;
+# - reading a private attribute of any other object (``module._forward_hooks``, ``self._compiled_call_impl`` of an
+#   nn.Module subclass, ``getattr(state, "_fsdp_param_groups")``) whose name shardkit itself never defines (as a
+#   function, class, module, variable, argument or stored attribute anywhere in python/shardkit): such a name is
+#   someone else's. Not torch's: attributes of a module imported from another library (``os._exit``), ``self``'s
+#   in a class deriving only from another library's classes (accelerate's Accelerator, Lightning's DDPStrategy,
+#   transformers' Trainer), and OTHER_LIBRARIES_PRIVATES.
+# Private means one leading underscore; dunders (``__call__``) are not private. A torch private that shardkit also
+# defines under the same name, stored rather than read, is not seen (shardkit DDP's _divide_by_initial_world_size).
+COMPAT = PACKAGE / "_torch_compat.py"
+OTHER_LIBRARIES_PRIVATES = {
+    ("integrations/lightning.py", "_optimizer"): "the torch optimizer a LightningOptimizer wraps",
+    ("integrations/transformers.py", "_no_split_modules"): "transformers' PreTrainedModel's unsplittable blocks",
+}
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _shardkit_names() -> set[str]:
+    """Every name python/shardkit defines: its modules and packages, and every function, class, variable, argument,
+    stored attribute and name imported from elsewhere than torch in its source."""
+    names = {p.name.split(".")[0] for p in PACKAGE.rglob("*") if "__pycache__" not in p.parts}
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                names.add(node.id)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                names.add(node.attr)
+            elif isinstance(node, ast.arg):
+                names.add(node.arg)
+            elif isinstance(node, ast.Import):
+                names.update((a.asname or a.name).split(".")[0] for a in node.names if not a.name.startswith("torch"))
+            elif isinstance(node, ast.ImportFrom) and (node.level or not (node.module or "").startswith("torch")):
+                names.update(a.asname or a.name for a in node.names)
+    return names
+
+
+def _import_bindings(tree: ast.AST) -> tuple[set[str], set[str]]:
+    """(names bound to torch or something imported from it, names bound to other imported modules or objects,
+    shardkit's own included)."""
+    torch_bound, other = set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                bound = alias.asname or alias.name.split(".")[0]
+                (torch_bound if alias.name.split(".")[0] == "torch" else other).add(bound)
+        elif isinstance(node, ast.ImportFrom):
+            from_torch = not node.level and (node.module or "").split(".")[0] == "torch"
+            for alias in node.names:
+                (torch_bound if from_torch else other).add(alias.asname or alias.name)
+    return torch_bound, other
+
+
+def _private_import(node: ast.AST) -> str | None:
+    if isinstance(node, ast.Import):
+        names = [a.name for a in node.names if a.name.split(".")[0] == "torch" and any(map(_is_private, a.name.split(".")))]
+        return f"import {', '.join(names)}" if names else None
+    if isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] == "torch":
+        if any(map(_is_private, node.module.split("."))) or any(_is_private(a.name) for a in node.names):
+            return f"from {node.module} import {', '.join(a.name for a in node.names)}"
+    return None
+
+
+def _chain_base(node: ast.AST, through_calls: bool) -> ast.AST:
+    """The expression an attribute chain starts from: through attributes only, or through calls and subscripts
+    too (``torch.empty(1)._x`` starts from torch; ``module_of(x)._y`` is no attribute of a module)."""
+    while True:
+        if isinstance(node, ast.Attribute):
+            node = node.value
+        elif through_calls and isinstance(node, ast.Call):
+            node = node.func
+        elif through_calls and isinstance(node, ast.Subscript):
+            node = node.value
+        else:
+            return node
+
+
+def _private_torch_uses(path: pathlib.Path, source: str, own: set[str]) -> list[str]:
+    """``file:line: expression (why)`` for each private torch access in ``source`` (see the rules above)."""
+    relative = path.relative_to(PACKAGE).as_posix()
+    tree = ast.parse(source, str(path))
+    torch_bound, other = _import_bindings(tree)
+    found: list[str] = []
+
+    def name_of(node: ast.AST) -> str | None:
+        return node.id if isinstance(node, ast.Name) else None
+
+    def report(node: ast.AST, line: int, why: str) -> None:
+        found.append(f"python/shardkit/{relative}:{line}: {ast.unparse(node) if isinstance(node, ast.AST) else node} "
+                     f"({why})")
+
+    def someone_elses(name: str, base: ast.AST, library_self: bool) -> bool:
+        """A private attribute ``name`` read from ``base``, not from torch: whose is it?"""
+        if name in own or (relative, name) in OTHER_LIBRARIES_PRIVATES:
+            return False
+        if name_of(base) in other:
+            return False  # an attribute of another library's module or object
+        return not (library_self and name_of(base) in ("self", "cls"))
+
+    def visit(node: ast.AST, library_self: bool, line: int | None = None) -> None:
+        at = line or getattr(node, "lineno", 0)
+        if (text := _private_import(node)) is not None:
+            report(text, at, "import of a private torch module or name")
+        if isinstance(node, ast.ClassDef):
+            bases = [name_of(_chain_base(b, through_calls=False)) for b in node.bases]
+            library_self = bool(bases) and all(b in other and b not in torch_bound and not _is_shardkit_import(tree, b)
+                                               for b in bases)
+        if isinstance(node, ast.Attribute) and _is_private(node.attr):
+            if name_of(_chain_base(node, through_calls=True)) in torch_bound:
+                report(node, at, "a private name reached from torch")
+                return  # the chain is reported once, at its outermost private part
+            if isinstance(node.ctx, ast.Load) and someone_elses(node.attr, _chain_base(node, through_calls=False),
+                                                                 library_self):
+                report(node, at, "a private attribute shardkit does not define: torch's")
+                return
+        if isinstance(node, ast.Call) and name_of(node.func) in ("getattr", "hasattr", "setattr", "delattr") \
+                and len(node.args) > 1 and isinstance(node.args[1], ast.Constant) \
+                and isinstance(node.args[1].value, str) and _is_private(node.args[1].value):
+            target, attribute = node.args[0], node.args[1].value
+            if name_of(_chain_base(target, through_calls=True)) in torch_bound:
+                report(node, at, "a private name reached from torch")
+            elif someone_elses(attribute, _chain_base(target, through_calls=False), library_self):
+                report(node, at, "a private attribute shardkit does not define: torch's")
+        for annotation in _string_annotations(node):
+            visit(ast.parse(annotation, mode="eval").body, library_self, at)
+        for child in ast.iter_child_nodes(node):
+            visit(child, library_self, line)
+
+    visit(tree, False)
+    return found
+
+
+def _is_shardkit_import(tree: ast.AST, name: str) -> bool:
+    """Whether ``name`` is bound by a relative import (one of shardkit's own modules or names)."""
+    return any(isinstance(n, ast.ImportFrom) and n.level and any((a.asname or a.name) == name for a in n.names)
+               for n in ast.walk(tree))
+
+
+def _string_annotations(node: ast.AST) -> list[str]:
+    annotations = []
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        annotations = [node.returns] + [a.annotation for a in (*node.args.posonlyargs, *node.args.args,
+                                                                 *node.args.kwonlyargs, node.args.vararg,
+                                                                 node.args.kwarg) if a is not None]
+    elif isinstance(node, ast.AnnAssign):
+        annotations = [node.annotation]
+    return [a.value for a in annotations if isinstance(a, ast.Constant) and isinstance(a.value, str)]
+
+
+def test_private_torch_names_are_used_in_the_compat_module_only():
+    """Every private torch interface shardkit relies on is one documented function or name of _torch_compat.py,
+    where a torch release that changes it is met in one place (docs/design.md, "Python")."""
+    own = _shardkit_names()
+    found = [use for path in sorted(PACKAGE.rglob("*.py")) if path != COMPAT
+             for use in _private_torch_uses(path, path.read_text(), own)]
+    assert not found, ("private torch names used outside python/shardkit/_torch_compat.py (give each a documented "
+                       "function there and call that):\n" + "\n".join(found))
+
+
+def test_the_private_torch_check_sees_each_kind():
+    source = '''
+import torch
+import torch._dynamo
+import torch.distributed as dist
+import os
+from torch import nn
+from torch.distributed.distributed_c10d import _get_default_group
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+from torch._C import DisableTorchFunctionSubclass
+from . import _C
+
+def f(module, state, options: "dist.distributed_c10d._DistributedBackendOptions"):
+    dist._broadcast_coalesced(None, [], 1, 0)
+    torch.empty(1)._version
+    TorchDDP._active_ddp_module = None
+    state.__class__, os._exit, _C._private_of_shardkits_extension
+    getattr(state, "_fsdp_param_groups", None)
+    getattr(state, "_mine", None)
+    return module._forward_hooks or nn.modules.module._global_forward_hooks or module._mine
+
+class Sub(nn.Module):
+    def g(self):
+        self._mine = self._compiled_call_impl
+'''
+    path = PACKAGE / "example.py"
+    found = [use.split(": ", 1)[1].rsplit(" (", 1)[0] for use in _private_torch_uses(path, source, {"_mine"})]
+    assert found == ["import torch._dynamo", "from torch.distributed.distributed_c10d import _get_default_group",
+                     "from torch._C import DisableTorchFunctionSubclass", "dist.distributed_c10d._DistributedBackendOptions",
+                     "dist._broadcast_coalesced", "torch.empty(1)._version", "TorchDDP._active_ddp_module",
+                     "getattr(state, '_fsdp_param_groups', None)", "module._forward_hooks",
+                     "nn.modules.module._global_forward_hooks", "self._compiled_call_impl"], found
+
+
+def test_every_compat_function_says_what_it_wraps():
+    tree = ast.parse(COMPAT.read_text(), str(COMPAT))
+    undocumented = [node.name for node in tree.body if isinstance(node, ast.FunctionDef) and not ast.get_docstring(node)]
+    assert not undocumented, f"_torch_compat.py functions without a docstring: {undocumented}"

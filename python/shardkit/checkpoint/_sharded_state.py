@@ -95,7 +95,7 @@ class PieceTensor(torch.Tensor):
 
     @classmethod
     def of(cls, local: torch.Tensor, shape: torch.Size, begin: int) -> "PieceTensor":
-        piece = torch.Tensor._make_subclass(cls, local.detach(), False)
+        piece = _torch_compat.make_tensor_subclass(cls, local.detach(), False)
         piece.global_shape = torch.Size(shape)
         piece.local = local.detach()
         piece.begin = begin
@@ -114,7 +114,7 @@ class PieceTensor(torch.Tensor):
                             f"copied into a tensor of shape {list(args[0].shape)}: a sharded state dict of "
                             "shardkit's FSDP1 front or ZeRO saves with shardkit.checkpoint.save or dcp.save (not "
                             "dcp.async_save); piece.local is the piece as a plain tensor")
-        with torch._C.DisableTorchFunctionSubclass():
+        with _torch_compat.torch_function_disabled():
             return func(*args, **kwargs)
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:
@@ -270,7 +270,7 @@ def sharded_entries(entries: dict[str, Any], places: dict[int, Place], offload_t
 
 
 def load_entries(where: str, entries: dict[str, Any], places: dict[int, Place],
-                 state_dict: dict[str, Any], strict: bool) -> nn.modules.module._IncompatibleKeys:
+                 state_dict: dict[str, Any], strict: bool) -> _torch_compat.IncompatibleKeys:
     """Loads a full or a sharded model state dict (the kind of each value decides) into the live tensors of
     ``entries`` (the unwrapped state dict with keep_vars=True). Each placed parameter gets its piece, or its whole
     value where this rank holds it whole; a PieceTensor value that is the piece itself (DCP loaded into this
@@ -305,7 +305,7 @@ def load_entries(where: str, entries: dict[str, Any], places: dict[int, Place],
                 place.whole.copy_(value.reshape(place.whole.shape))
             else:
                 place.local.copy_(place.space.cut(place.index, value))
-    return nn.modules.module._IncompatibleKeys(missing, unexpected)
+    return _torch_compat.IncompatibleKeys(missing, unexpected)
 
 
 # --- optimizer state ----------------------------------------------------------------------------------------

@@ -288,7 +288,7 @@ class FullyShardedDataParallel(nn.Module):
     def _make_unit(self, name: str, module: nn.Module, params: list[tuple[str, nn.Parameter]]) -> _Unit:
         occurrences: dict[int, list[tuple[nn.Module, str]]] = {}
         for sub in module.modules():
-            for attr, p in sub._parameters.items():
+            for attr, p in _torch_compat.registered_parameters(sub).items():
                 if p is not None:
                     occurrences.setdefault(id(p), []).append((sub, attr))
         keyed: dict[tuple[torch.dtype, bool], list[tuple[str, nn.Parameter]]] = {}
@@ -333,7 +333,7 @@ class FullyShardedDataParallel(nn.Module):
         # Replicas first, then inside each shard group: every rank ends with global rank 0's values.
         for group in (self._replicate_group, self._shard_group):
             if group is not None and tensors:
-                dist._broadcast_coalesced(group, tensors, _BROADCAST_BUCKET_BYTES, 0)
+                _torch_compat.broadcast_coalesced(group, tensors, _BROADCAST_BUCKET_BYTES, 0)
 
     # --- nn.Module surface ----------------------------------------------------------------------------
     @property
@@ -729,7 +729,7 @@ class FullyShardedDataParallel(nn.Module):
                 views = g.handle.views(g.handle.full_alias())
             for places, view in zip(g.occurrences, views):
                 for owner, attr in places:
-                    owner._parameters[attr] = view
+                    _torch_compat.set_registered_parameter(owner, attr, view)
 
     def _use_backward_views(self, unit: _Unit) -> None:
         """While backward runs through `unit` (gathered): its module's parameters become views of the full buffer
@@ -756,7 +756,7 @@ class FullyShardedDataParallel(nn.Module):
                 views = g.handle.views(g.handle.full_alias())
             for places, view in zip(g.occurrences, views):
                 for owner, attr in places:
-                    owner._parameters[attr] = view
+                    _torch_compat.set_registered_parameter(owner, attr, view)
 
 
 class _FullParameterViews(torch.autograd.Function):
@@ -814,7 +814,7 @@ def _restore_parameters(group: _FlatGroup) -> None:
     """The module registers the sharded parameters again (where a forward or backward put views)."""
     for p, places in zip(group.params, group.occurrences):
         for owner, attr in places:
-            owner._parameters[attr] = p
+            _torch_compat.set_registered_parameter(owner, attr, p)
 
 
 def _add_gradients(a: list[torch.Tensor | None], b: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
@@ -844,7 +844,7 @@ def _groups(strategy: ShardingStrategy, process_group):
         return _hybrid_groups(process_group)
     if isinstance(process_group, tuple):
         raise ValueError(f"a (shard, replicate) process group pair is for HYBRID_SHARD, not {strategy.name}")
-    group = process_group if process_group is not None else dist.distributed_c10d._get_default_group()
+    group = process_group if process_group is not None else _torch_compat.default_group()
     if strategy == ShardingStrategy.NO_SHARD or dist.get_world_size(group) == 1:
         return None, (group if dist.get_world_size(group) > 1 else None), group
     return group, None, group
@@ -856,7 +856,7 @@ def _hybrid_groups(process_group):
     on_host, across_hosts = host_groups("shardkit FSDP HYBRID_SHARD")
     shard = on_host if dist.get_world_size(on_host) > 1 else None
     replicate = across_hosts if dist.get_world_size(across_hosts) > 1 else None
-    return shard, replicate, dist.distributed_c10d._get_default_group()
+    return shard, replicate, _torch_compat.default_group()
 
 
 def _global_rank() -> str:

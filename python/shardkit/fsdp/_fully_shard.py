@@ -82,7 +82,7 @@ def _plug_in(fsdp_module: nn.Module, comm: Quantized | None = None) -> None:
         return
     param_group = groups[0]
     shard_group = _torch_compat.fsdp2_shard_group(param_group)
-    on_cpu = param_group.device.type == "cpu"
+    on_cpu = _torch_compat.fsdp2_device(param_group).type == "cpu"
     check_group(comm, shard_group, "shardkit.fully_shard")
     checked_by_backend = shard_group.size() == 1 or backend_checks_identity(shard_group, on_cpu)
     unit = _Unit(param_group, None if checked_by_backend else UnitLedger.for_group(shard_group), comm)

@@ -34,8 +34,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
+from .. import _torch_compat
 from ..checkpoint._front_protocol import FullStateDictConfig, ShardedStateDictConfig
 from ..checkpoint._optim_state import state_dict_of, state_dict_to_load
 from ..checkpoint._sharded_state import Place, ShardedSpace, load_entries, owned_copy, sharded_entries
@@ -94,7 +94,7 @@ def sharded_state_dict(model: "FullyShardedDataParallel", config: ShardedStateDi
     return sharded_entries(_keys_of(model, prefix), _places(model), config.offload_to_cpu)
 
 
-def load(model: "FullyShardedDataParallel", state_dict: dict[str, Any], strict: bool) -> nn.modules.module._IncompatibleKeys:
+def load(model: "FullyShardedDataParallel", state_dict: dict[str, Any], strict: bool) -> _torch_compat.IncompatibleKeys:
     """Loads a full or sharded state dict into the shards (the kind of each value decides; no communication, but
     every rank must call it with its own dict). Errors name the parameter and both shapes."""
     model._end_iteration()

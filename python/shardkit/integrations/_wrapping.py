@@ -35,6 +35,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from .. import estimate as _estimate
 from .. import hooks as _hooks
+from .. import _torch_compat
 from .. import state_dict as _state_dict
 from .. import strategy as _strategy
 from ..checkpoint import load as _checkpoint_load
@@ -106,7 +107,7 @@ def resolve(spec: WrapSpec, model: nn.Module, optimizer_classes: Iterable[type],
     the device's free memory, or the host's available memory over its ranks), the smallest over the ranks."""
     if spec.resolved_strategy is not None:
         return spec.resolved_strategy
-    group = dist.distributed_c10d._get_default_group()
+    group = _torch_compat.default_group()
     rank = dist.get_rank(group)
     kinds = {_strategy._optimizer_kind(cls) for cls in optimizer_classes}
     optimizer = "sgd" if kinds == {"sgd"} else "adam"

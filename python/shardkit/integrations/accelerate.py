@@ -67,6 +67,7 @@ except ImportError as error:  # shardkit does not depend on accelerate
     raise ImportError("shardkit.integrations.accelerate needs Hugging Face accelerate (pip install accelerate; "
                       f"tested with 1.15.0): {error}") from error
 
+from .. import _torch_compat
 from .. import state_dict as _state_dict
 from ..checkpoint import save as _checkpoint_save
 from ..fsdp import FullyShardedDataParallel, MixedPrecision
@@ -238,8 +239,9 @@ class Accelerator(accelerate.Accelerator):
         model = super().unwrap_model(model, keep_fp32_wrapper, keep_torch_compile)
         # With dynamo_backend, accelerate compiles the model before shardkit wraps it (accelerate's own DDP compiles
         # its wrapper), so the compiled module lies inside the wrapper, where accelerate's unwrapping does not look.
-        if not keep_torch_compile and isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
-            model = model._orig_mod
+        original = None if keep_torch_compile else _torch_compat.compiled_module_original(model)
+        if original is not None:
+            model = original
         return model
 
     # --- training ----------------------------------------------------------------------------------------
