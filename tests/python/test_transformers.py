@@ -1,6 +1,8 @@
 """shardkit inside the Hugging Face Trainer (python/shardkit/integrations/transformers.py), launched as its users
 launch it: ``torchrun`` of a training script whose command line transformers' ``HfArgumentParser`` reads
-(tests/python/support/trainer_script.py).
+(tests/python/support/trainer_script.py). The runs share torchrun jobs, one per backend, world size and simulated
+host layout (``_jobs``: start-up is most of a run's time); each run has its own Trainer, model, seeds, output directory
+and default process group, as when it ran alone.
 
 - Every strategy trains as transformers' own Trainer with torch's DDP on gloo (the anchor): a small GPT-2, 4 steps
   of 2 accumulated micro-batches, gradient clipping, a linear schedule; the same logged gradient norms and the same
@@ -19,7 +21,9 @@ launch it: ``torchrun`` of a training script whose command line transformers' ``
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -44,34 +48,100 @@ COMMON = ["--max_steps", "4", "--gradient_accumulation_steps", "2", "--max_grad_
 STRATEGIES = ["ddp", "zero1", "zero2", "fully_shard", "fsdp"]
 
 
-def _launch(directory: Path, world: int, *extra: str) -> tuple[dict, dict[str, np.ndarray]]:
-    """One torchrun of the script; its facts and arrays (rank 0's)."""
-    directory.mkdir(parents=True)
-    result = directory / "result.npz"
-    args = [*COMMON, "--output_dir", str(directory / "out"), "--per_device_train_batch_size", str(MICRO_BATCH // world),
-            "--result", str(result), *extra]
-    proc = run_torchrun(SCRIPT, world, *args, timeout=240, cwd=directory)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
-    with np.load(result) as data:
-        return json.loads(str(data["facts"])), {k: data[k] for k in data.files if k != "facts"}
+ANCHOR = ["--anchor", "--use_cpu", "true", "--ddp_backend", "gloo"]  # transformers' Trainer, torch DDP on gloo
+# bf16 autocast (--bf16 true; on a host without a GPU transformers asks for --use_cpu true with it, for its own
+# Trainer and so for shardkit's), with an evaluation every 2 steps and the best checkpoint loaded at the end. The best
+# is the one with the lowest evaluation loss: checkpoint-2 (on these random tokens the loss on the evaluated samples
+# rises again by step 4), so that loading it changes the model.
+BF16_BEST = ("--bf16", "true", "--use_cpu", "true", "--eval_strategy", "steps", "--eval_steps", "2",
+             "--load_best_model_at_end", "true", "--metric_for_best_model", "loss", "--with_eval", "true")
+AUTO_CHOICES = {"ddp": "ddp", "zero3": "fully_shard"}  # the memory budget that holds this choice's model states
+RESUMED = {"ddp": 3, "zero1": 1, "zero2": 3, "fully_shard": 3, "fsdp": 3}  # the world size each resumes at
+
+
+def _auto_budget(choice: str) -> float:
+    """A memory budget (GB) that just holds ``choice``'s model states at world 2 (AdamW, fp32)."""
+    from shardkit import estimate
+    from support.trainer_script import gpt2
+
+    params = sum(p.numel() for p in gpt2().parameters())  # the tied head counted once, as the plan counts
+    return estimate.model_states(params, 2, "fp32", "adam", master_weights=False)[choice].total_gb * 1.001
+
+
+@dataclasses.dataclass
+class Job:
+    """One torchrun of the script running several Trainer runs in turn (``--runs``): start-up (python, torch,
+    transformers on every rank) is most of a run's time, so runs share jobs. A job has one backend (gloo for the
+    anchor, shardkit otherwise), one world size and one environment (simulated hosts): runs that differ in these have
+    jobs of their own."""
+    world: int
+    runs: dict[str, list[str]]  # each run's name and its arguments (besides COMMON, batch size, output, result)
+    after: tuple[str, ...] = ()  # jobs whose output this one reads (checkpoints to resume), launched before it
+
+
+def _jobs(root: Path) -> dict[str, Job]:
+    shardkit = {strategy: ["--shardkit_strategy", strategy] for strategy in STRATEGIES}
+    shardkit.update({f"{strategy}-bf16": ["--shardkit_strategy", strategy, *BF16_BEST]
+                     for strategy in ("ddp", "zero2", "fully_shard", "fsdp")})
+    shardkit.update({f"auto-{choice}": ["--shardkit_strategy", "auto", "--shardkit_memory_budget_gb",
+                                        repr(_auto_budget(choice))] for choice in AUTO_CHOICES})
+    resumes = {world: {f"{strategy}-resumed": ["--shardkit_strategy", strategy, "--resume",
+                                               str(root / "shardkit" / strategy / "out" / "checkpoint-2")]
+                       for strategy, at in RESUMED.items() if at == world} for world in set(RESUMED.values())}
+    return {
+        "anchor": Job(2, {"anchor": ANCHOR, "anchor-bf16": [*ANCHOR, *BF16_BEST]}),
+        "shardkit": Job(2, shardkit),
+        "hosts": Job(2, {f"{strategy}-hosts": ["--shardkit_strategy", strategy, "--one_host_per_rank", "true"]
+                         for strategy in ("zero2", "fully_shard")}),
+        **{f"world{world}": Job(world, runs, after=("shardkit",)) for world, runs in resumes.items()},
+    }
+
+
+class Runs:
+    """Every Trainer run the module compares, in the jobs of ``_jobs``; a job is launched when one of its runs is first
+    asked for (so ``-k`` on one test launches only the jobs it needs), each once."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.jobs = _jobs(root)
+        self.launched: dict[str, subprocess.CompletedProcess] = {}
+
+    def __call__(self, strategy: str | None, *settings: str) -> tuple[Path, dict, dict[str, np.ndarray]]:
+        """The uninterrupted world-2 run of ``strategy`` (the anchor: None), plain or with ``BF16_BEST``: its
+        directory, its facts and its arrays (rank 0's)."""
+        assert settings in ((), BF16_BEST), settings
+        return self.run(f"{strategy or 'anchor'}{'-bf16' if settings else ''}")
+
+    def run(self, name: str) -> tuple[Path, dict, dict[str, np.ndarray]]:
+        (job,) = [job for job, planned in self.jobs.items() if name in planned.runs]
+        proc = self._launch(job)
+        directory = self.root / job / name
+        result = directory / "result.npz"
+        errors = "".join(path.read_text() for path in sorted(directory.glob("result.npz.rank*.error")))
+        assert result.is_file() and not errors, f"{name} (job {job}):\n{errors}\n" + proc.stdout[-2000:] + \
+            proc.stderr[-6000:]
+        with np.load(result) as data:
+            return directory, json.loads(str(data["facts"])), {k: data[k] for k in data.files if k != "facts"}
+
+    def _launch(self, job: str) -> subprocess.CompletedProcess:
+        if job not in self.launched:
+            for earlier in self.jobs[job].after:
+                self._launch(earlier)
+            world, runs = self.jobs[job].world, self.jobs[job].runs
+            directory = self.root / job
+            directory.mkdir()
+            plan = [[*COMMON, "--per_device_train_batch_size", str(MICRO_BATCH // world), *extra,
+                     "--output_dir", str(directory / name / "out"), "--result", str(directory / name / "result.npz")]
+                    for name, extra in runs.items()]
+            (directory / "runs.json").write_text(json.dumps(plan))
+            self.launched[job] = run_torchrun(SCRIPT, world, "--runs", str(directory / "runs.json"),
+                                              timeout=120 + 60 * len(plan), cwd=directory)
+        return self.launched[job]
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """The uninterrupted world-2 run of each strategy (and the anchor, None), each launched once, on first use."""
-    root = tmp_path_factory.mktemp("trainer")
-    done: dict = {}
-
-    def run(strategy: str | None, *settings: str):
-        key = (strategy, settings)
-        if key not in done:
-            extra = ["--anchor", "--use_cpu", "true", "--ddp_backend", "gloo"] if strategy is None else \
-                ["--shardkit_strategy", strategy]
-            name = f"{strategy or 'anchor'}-{len(done)}"
-            done[key] = (root / name, *_launch(root / name, 2, *extra, *settings))
-        return done[key]
-
-    return run
+def runs(tmp_path_factory) -> Runs:
+    return Runs(tmp_path_factory.mktemp("trainer"))
 
 
 def _weights(arrays: dict[str, np.ndarray], kind: str) -> dict[str, torch.Tensor]:
@@ -99,10 +169,10 @@ def test_every_strategy_trains_as_the_trainer_with_torch_ddp_on_gloo(runs, strat
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("strategy", ["zero2", "fully_shard"])
-def test_on_two_simulated_hosts_too(runs, tmp_path, strategy):
+def test_on_two_simulated_hosts_too(runs, strategy):
     """Each rank on a host of its own: the collectives go through the hierarchical engine (gloo between hosts)."""
     _, anchor_facts, anchor_arrays = runs(None)
-    facts, arrays = _launch(tmp_path / strategy, 2, "--shardkit_strategy", strategy, "--one_host_per_rank", "true")
+    _, facts, arrays = runs.run(f"{strategy}-hosts")
     assert facts["backend"] == "shardkit" and facts["hosts"] == 2, facts
     torch.testing.assert_close(torch.tensor(facts["norms"]), torch.tensor(anchor_facts["norms"]), rtol=1e-5, atol=1e-6)
     ours, theirs = _weights(arrays, "trained"), _weights(anchor_arrays, "trained")
@@ -123,15 +193,13 @@ def test_save_model_writes_a_directory_from_pretrained_loads(runs, strategy):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("strategy,load_world", [("ddp", 3), ("zero1", 1), ("zero2", 3), ("fully_shard", 3),
-                                                 ("fsdp", 3)])
-def test_resume_from_checkpoint_at_another_world_size(runs, tmp_path, strategy, load_world):
+@pytest.mark.parametrize("strategy,load_world", list(RESUMED.items()))
+def test_resume_from_checkpoint_at_another_world_size(runs, strategy, load_world):
     directory, uninterrupted, arrays = runs(strategy)
     checkpoint = directory / "out" / "checkpoint-2"
     sharded = strategy != "ddp"
     assert (checkpoint / "shardkit").is_dir() == sharded and (checkpoint / "optimizer.pt").is_file() != sharded
-    facts, resumed = _launch(tmp_path / "resumed", load_world, "--shardkit_strategy", strategy,
-                             "--resume", str(checkpoint))
+    _, facts, resumed = runs.run(f"{strategy}-resumed")
     assert facts["world"] == load_world
     # The log holds steps 1-2 from the checkpoint's trainer state and steps 3-4 as the resumed run computed them.
     torch.testing.assert_close(torch.tensor(facts["norms"]), torch.tensor(uninterrupted["norms"]), rtol=1e-5,
@@ -144,28 +212,14 @@ def test_resume_from_checkpoint_at_another_world_size(runs, tmp_path, strategy, 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("choice,expected,wrapper", [("ddp", "ddp", "DistributedDataParallel"),
                                                      ("zero3", "fully_shard", "FSDPGPT2LMHeadModel")])
-def test_auto_chooses_by_the_memory_budget_and_trains_as_the_anchor(runs, tmp_path, choice, expected, wrapper):
-    from shardkit import estimate
-    from support.trainer_script import gpt2
-
-    params = sum(p.numel() for p in gpt2().parameters())  # the tied head counted once, as the plan counts
-    budget = estimate.model_states(params, 2, "fp32", "adam", master_weights=False)[choice].total_gb * 1.001
+def test_auto_chooses_by_the_memory_budget_and_trains_as_the_anchor(runs, choice, expected, wrapper):
     _, anchor_facts, anchor_arrays = runs(None)
-    facts, arrays = _launch(tmp_path / "auto", 2, "--shardkit_strategy", "auto", "--shardkit_memory_budget_gb",
-                            repr(budget))
+    _, facts, arrays = runs.run(f"auto-{choice}")  # its budget: _auto_budget(choice)
     assert (facts["resolved"], facts["wrapper"]) == (expected, wrapper), facts
     torch.testing.assert_close(torch.tensor(facts["norms"]), torch.tensor(anchor_facts["norms"]), rtol=1e-5, atol=1e-6)
     ours, theirs = _weights(arrays, "trained"), _weights(anchor_arrays, "trained")
     for name, value in theirs.items():
         torch.testing.assert_close(ours[name], value, rtol=1e-5, atol=1e-6, msg=f"auto ({expected}): {name}")
-
-
-# bf16 autocast (--bf16 true; on a host without a GPU transformers asks for --use_cpu true with it, for its own
-# Trainer and so for shardkit's), with an evaluation every 2 steps and the best checkpoint loaded at the end. The best
-# is the one with the lowest evaluation loss: checkpoint-2 (on these random tokens the loss on the evaluated samples
-# rises again by step 4), so that loading it changes the model.
-BF16_BEST = ("--bf16", "true", "--use_cpu", "true", "--eval_strategy", "steps", "--eval_steps", "2", "--load_best_model_at_end", "true",
-             "--metric_for_best_model", "loss", "--with_eval", "true")
 
 
 @pytest.mark.timeout(600)

@@ -24,11 +24,13 @@ full state dict, what the after-training check saw).
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import itertools
 import os
 import re
 import traceback
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -118,20 +120,45 @@ def cells_for(entry: str, scope: str) -> list[dict[str, Any]]:
 
 
 # --- inside a launched job -------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def fresh_default_group(backend: str | None, rank: int, world: int, directory: str,
+                        timeout_s: float = 60.0) -> Iterator[None]:
+    """A default process group of its own for one run of a job that runs several in turn: made through a new file
+    store in ``directory`` (``backend`` None: the run makes its own, as its library does), and on leaving, once every
+    rank is done with it, destroyed, with the environment as it was before (libraries' teardowns edit it: Lightning
+    drops WORLD_SIZE). test_transformers.py's Trainer jobs run through it too."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    environment = dict(os.environ)
+    try:
+        if backend is not None:
+            dist.init_process_group(backend, init_method=f"file://{directory}/store", rank=rank, world_size=world,
+                                    timeout=timedelta(seconds=timeout_s))
+        yield
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.barrier()  # no rank tears its group down under a peer still using it
+            except Exception:  # noqa: BLE001 - a failed run may have broken the group
+                pass
+            dist.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(environment)
+
+
 def run_launch(rank: int, world: int, entry: str, cells: list[dict[str, Any]], workdir: str,
                timeout_s: float = 60.0) -> list[dict[str, Any]]:
     """Every cell on both sides, in turn. A side's exception is recorded (as text), never raised, so one cell's
     failure does not hide the others'. Each side gets a fresh default process group."""
     import time
     import warnings
-    from datetime import timedelta
 
     import torch
-    import torch.distributed as dist
 
     warnings.filterwarnings("ignore")  # torch's and the libraries' advice, repeated per cell, hides the failures
     runner = importlib.import_module(f"support.matrix_{entry}")
-    environment = dict(os.environ)
     results = []
     for index, cell in enumerate(cells):
         outcome: dict[str, Any] = {"cell": cell}
@@ -141,21 +168,11 @@ def run_launch(rank: int, world: int, entry: str, cells: list[dict[str, Any]], w
             torch._dynamo.reset()
             started = time.perf_counter()
             try:
-                dist.init_process_group(backend, init_method=f"file://{directory}/store", rank=rank, world_size=world,
-                                        timeout=timedelta(seconds=timeout_s))
-                outcome[side] = runner.run_cell(side, cell, rank, world, directory)
+                with fresh_default_group(backend, rank, world, directory, timeout_s):
+                    outcome[side] = runner.run_cell(side, cell, rank, world, directory)
             except Exception as error:  # noqa: BLE001 - the test judges every error against UNSUPPORTED
                 outcome[f"{side}_error"] = f"{type(error).__name__}: {error}"
                 outcome[f"{side}_traceback"] = traceback.format_exc()
-            finally:
-                if dist.is_initialized():
-                    try:
-                        dist.barrier()  # no rank tears its group down under a peer still using it
-                    except Exception:  # noqa: BLE001 - a failed cell may have broken the group
-                        pass
-                    dist.destroy_process_group()
-                os.environ.clear()  # libraries' teardowns edit the environment (Lightning drops WORLD_SIZE)
-                os.environ.update(environment)
             outcome[f"{side}_seconds"] = round(time.perf_counter() - started, 2)
         results.append(outcome)
     return results

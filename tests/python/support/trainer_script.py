@@ -1,13 +1,20 @@
-"""One Hugging Face Trainer run, launched by tests/python/test_transformers.py under torchrun.
+"""Hugging Face Trainer runs, launched by tests/python/test_transformers.py under torchrun.
 
-Its arguments are the Trainer's command line, parsed by transformers' own ``HfArgumentParser`` (as a training script
-of the users' guides does), plus this script's: ``--anchor`` (transformers' own Trainer and TrainingArguments,
+A run's arguments are the Trainer's command line, parsed by transformers' own ``HfArgumentParser`` (as a training
+script of the users' guides does), plus this script's: ``--anchor`` (transformers' own Trainer and TrainingArguments,
 torch's DDP on gloo), ``--one_host_per_rank`` (simulated hosts: the hierarchical engine), ``--resume <checkpoint>``,
 ``--with_eval`` (an evaluation set, the first 24 training samples, for ``--eval_strategy`` and
 ``--load_best_model_at_end``; the best checkpoint's and the last checkpoint's model files then come back too) and
 ``--result <file>``. It trains a small GPT-2 (no dropout, so
 that runs at different world sizes see the same arithmetic), then ``save_model`` to ``<output_dir>/final``; rank 0
 loads that directory with ``from_pretrained`` and writes what the test compares to ``--result`` (an .npz).
+
+``--runs <file.json>`` instead (a list of such argument lists) runs each in turn in this one job, so that the
+interpreter's and the libraries' start-up is paid once per job rather than once per run (most of a run's time). The
+first run starts its default process group as users' scripts do (the TrainingArguments start it); each later one gets
+a fresh group, its own output directory, seeds and model, and accelerate's state reset, as the matrix's Trainer entry
+point runs its cells (support/matrix.py, support/matrix_trainer.py). A run that raises leaves its traceback in
+``<result>.rank<N>.error`` and the job goes on to the next; the job then exits non-zero.
 """
 
 from __future__ import annotations
@@ -38,20 +45,26 @@ def gpt2():
     return GPT2LMHeadModel(config)
 
 
-def main() -> None:
+def place_each_rank_on_a_host_of_its_own(argv: list[str]) -> None:
+    """``--one_host_per_rank``: called before the process group starts (SHARDKIT_HOST_ID is read then). In a job of
+    several runs it holds for every later run too: simulated hosts get a job of their own."""
+    if "--one_host_per_rank" in argv:
+        import os
+
+        os.environ["SHARDKIT_HOST_ID"] = f"host{os.environ['RANK']}"
+
+
+def train(argv: list[str]) -> None:
+    """One run, ``argv`` its command line."""
     import torch.distributed as dist
     from transformers import GPT2LMHeadModel, HfArgumentParser
 
-    if "--anchor" in sys.argv:
+    if "--anchor" in argv:
         from transformers import Trainer, TrainingArguments
     else:
         from shardkit.integrations.transformers import ShardkitTrainingArguments as TrainingArguments
         from shardkit.integrations.transformers import Trainer
-    if "--one_host_per_rank" in sys.argv:  # before the process group starts: ShardkitTrainingArguments starts it
-        import os
-
-        os.environ["SHARDKIT_HOST_ID"] = f"host{os.environ['RANK']}"
-    args, case = HfArgumentParser((TrainingArguments, Case)).parse_args_into_dataclasses()
+    args, case = HfArgumentParser((TrainingArguments, Case)).parse_args_into_dataclasses(args=argv)
 
     torch.manual_seed(0)
     model = gpt2()
@@ -90,6 +103,43 @@ def main() -> None:
             arrays.update({f"{kind}/{k}": v.float().numpy() for k, v in
                            load_file(f"{directory}/model.safetensors").items()})
     np.savez(case.result, facts=np.array(json.dumps(facts)), **arrays)
+
+
+
+def main() -> None:
+    if "--runs" not in sys.argv:
+        place_each_rank_on_a_host_of_its_own(sys.argv)
+        train(sys.argv[1:])
+        return
+    import os
+    import traceback
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests' directory: support.matrix
+    from support.matrix import fresh_default_group
+    from support.matrix_trainer import _reset_accelerate
+
+    runs = json.loads(Path(sys.argv[sys.argv.index("--runs") + 1]).read_text())
+    backend = "gloo" if "--anchor" in runs[0] else "shardkit"  # a job's runs share one backend
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    failed = []
+    for index, argv in enumerate(runs):
+        result = Path(argv[argv.index("--result") + 1])
+        result.parent.mkdir(parents=True, exist_ok=True)
+        place_each_rank_on_a_host_of_its_own(argv)
+        try:
+            # The first run's TrainingArguments start the group (env://, from torchrun); later runs get a new one,
+            # through a file store of their own beside their result.
+            with fresh_default_group(None if index == 0 else backend, rank, world, str(result.parent), 120.0):
+                try:
+                    train(argv)
+                finally:
+                    _reset_accelerate()
+        except Exception:  # noqa: BLE001 - recorded for the test; the job's other runs go on
+            failed.append(str(result))
+            Path(f"{result}.rank{rank}.error").write_text(traceback.format_exc())
+    if failed:
+        sys.exit(f"rank {rank}: runs failed: {failed}")
 
 
 if __name__ == "__main__":
