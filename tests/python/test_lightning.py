@@ -12,7 +12,7 @@
 - ``trainer.save_checkpoint`` after epoch 1 at 2 ranks, ``fit(ckpt_path=...)`` at 3: ends where the uninterrupted
   2-rank run ended (zero2, fully_shard).
 - zero2 and fully_shard on two simulated hosts (the hierarchical engine).
-- Evaluation (``validate`` / ``test`` / ``predict``) for every strategy, one job per backend: on the fresh model,
+- Evaluation (``validate`` / ``test`` / ``predict``) for every strategy: on the fresh model,
   then after a fit (on the model fit left: fully_shard's stays sharded, no re-wrapping, no broadcast of its shards),
   then ``test(ckpt_path="best")`` from a ``ModelCheckpoint``; every metric and prediction is the anchor's: Lightning's
   ``DDPStrategy`` on gloo for ddp / zero, Lightning's ``ModelParallelStrategy`` (torch FSDP2) on gloo for
@@ -20,12 +20,17 @@
 - Refusals: an unknown strategy, the FSDP1 front, Lightning's torch-DDP comm hooks, another backend, a
   LightningModule already wrapped.
 - The README's Lightning section is examples/lightning_train.py, and it runs under torchrun.
+
+The script runs several runs in one launch; the runs fixture puts every script run these tests need into four launches
+(``_jobs``), most of a launch being start-up.
 """
 
 from __future__ import annotations
 
 import re
+import subprocess
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import pytest
@@ -40,28 +45,107 @@ NUM_PARAMS = 8 * 16 + 16 + 16 * 1 + 1
 FACTS = ("backend", "ranks_agree", "world", "hosts", "error", "resolved", "planned_params", "wrapper", "optimizer")
 
 
-def _fit(directory: Path, kind: str, *options: str, world: int = 2) -> dict[str, np.ndarray]:
-    directory.mkdir(parents=True, exist_ok=True)
-    result = directory / "result.npz"
-    proc = run_torchrun(SCRIPT, world, str(result), kind, *options, timeout=240, cwd=directory)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
-    with np.load(result) as data:
-        return {k: data[k] for k in data.files}
+class Job(NamedTuple):
+    """One torchrun launch of SCRIPT: its world size, the script's options for the whole job, its runs as the tests
+    ask for them (kind, then the script's options for that run), and the jobs whose files it reads (launched first).
+    """
+
+    world: int
+    options: tuple[str, ...]
+    runs: tuple[tuple[str, ...], ...]
+    after: tuple[str, ...] = ()
+
+
+def _budget(choice: str) -> str:
+    """auto's memory budget (GB, as --budget takes it) just above ``choice``'s model states at 2 ranks."""
+    from shardkit import estimate
+
+    return repr(estimate.model_states(NUM_PARAMS, 2, "fp32", "adam", master_weights=False)[choice].total_gb * 1.001)
+
+
+def _jobs() -> dict[str, Job]:
+    """Every launch the runs fixture makes. Most of a launch is start-up (python, torch and Lightning imported on
+    every rank), so the runs that can share one do: the same world size, process group backend (gloo:
+    ``gloo``, ``model_parallel``; shardkit: the rest) and placement (``--one_host_per_rank``)."""
+    ddp_budget, zero3_budget = _budget("ddp"), _budget("zero3")
+    return {
+        "shardkit": Job(2, (), (
+            ("shardkit",), ("ddp",), ("zero1",), ("zero2",), ("fully_shard",),
+            ("auto", "--budget", ddp_budget), ("auto", "--budget", zero3_budget),
+            ("zero2", "--accumulate", "2"), ("fully_shard", "--accumulate", "2"),
+            ("zero2", "--epochs", "1", "--save", "zero2_epoch1.ckpt"),
+            ("fully_shard", "--epochs", "1", "--save", "fully_shard_epoch1.ckpt"),
+            ("ddp", "--evaluate"), ("zero1", "--evaluate"), ("zero2", "--evaluate"), ("fully_shard", "--evaluate"),
+            ("auto", "--evaluate", "--budget", zero3_budget),
+            ("zero2", "--wrapped"),  # last: nothing runs after its refused fit
+        )),
+        "gloo": Job(2, (), (("gloo",), ("gloo", "--clip", "0"), ("gloo", "--accumulate", "2"),
+                            ("gloo", "--evaluate"), ("model_parallel", "--evaluate"))),
+        "two_hosts": Job(2, ("--one_host_per_rank",), (("shardkit",), ("zero2",), ("fully_shard",))),
+        "resumed_at_3": Job(3, (), (("zero2", "--resume", "zero2_epoch1.ckpt"),
+                                    ("fully_shard", "--resume", "fully_shard_epoch1.ckpt")), after=("shardkit",)),
+    }
+
+
+FLAGS = ("--wrapped", "--evaluate")  # the script's options that take no value
+
+
+def _run_spec(kind: str, *options: str) -> str:
+    """(kind, "--accumulate", "2", "--evaluate") -> the script's run "kind:accumulate=2:evaluate"."""
+    parts, rest = [kind], list(options)
+    while rest:
+        name = rest.pop(0)
+        parts.append(name[2:] if name in FLAGS else f"{name[2:]}={rest.pop(0)}")
+    return ":".join(parts)
+
+
+class Runs:
+    """``runs(kind, *options, world=2)``: that run's result. Its job (see _jobs) is launched when a test first asks
+    for any of its runs, so a test run alone launches only the jobs it needs; results (or a job's failure) are kept.
+    Every job runs in ``root``, where the saves' and resumes' relative paths point."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.jobs = _jobs()
+        self.place = {(job.world, run[0], *job.options, *run[1:]): (name, index)
+                      for name, job in self.jobs.items() for index, run in enumerate(job.runs)}
+        assert len(self.place) == sum(len(job.runs) for job in self.jobs.values()), "a run in two jobs"
+        self.done: dict[str, list[dict[str, np.ndarray]] | str] = {}
+
+    def __call__(self, kind: str, *options: str, world: int = 2) -> dict[str, np.ndarray]:
+        key = (world, kind, *options)
+        assert key in self.place, f"no job in _jobs() holds the run {key}"
+        name, index = self.place[key]
+        return self.launch(name)[index]
+
+    def launch(self, name: str) -> list[dict[str, np.ndarray]]:
+        if name not in self.done:
+            job = self.jobs[name]
+            for earlier in job.after:
+                self.launch(earlier)
+            runs = ",".join(_run_spec(*run) for run in job.runs)
+            try:  # 30 s a run leaves room on a loaded 2-core machine (a run takes a few seconds)
+                proc = run_torchrun(SCRIPT, job.world, str(self.root / name), runs, *job.options,
+                                    timeout=120 + 30 * len(job.runs), cwd=self.root)
+            except subprocess.TimeoutExpired as timeout:
+                self.done[name] = f"timed out: {timeout}"
+            else:
+                if proc.returncode != 0:
+                    self.done[name] = proc.stdout[-2000:] + proc.stderr[-6000:]
+                else:
+                    results = []
+                    for index in range(len(job.runs)):
+                        with np.load(self.root / f"{name}.{index}.npz") as data:
+                            results.append({k: data[k] for k in data.files})
+                    self.done[name] = results
+        outcome = self.done[name]
+        assert not isinstance(outcome, str), f"job {name} ({self.jobs[name].runs}) failed:\n{outcome}"
+        return outcome
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """Each (kind, options) run at world 2 launched once, on first use."""
-    root = tmp_path_factory.mktemp("lightning")
-    done: dict = {}
-
-    def run(kind: str, *options: str) -> dict[str, np.ndarray]:
-        key = (kind, *options)
-        if key not in done:
-            done[key] = _fit(root / "_".join(key).replace("-", "").replace(".", "p"), kind, *options)
-        return done[key]
-
-    return run
+def runs(tmp_path_factory) -> Runs:
+    return Runs(tmp_path_factory.mktemp("lightning"))
 
 
 def _assert_same_weights(ours: dict, theirs: dict, exact: bool, what: str) -> None:
@@ -111,10 +195,7 @@ def test_clipping_is_active_so_parity_covers_the_global_norm(runs):
 @pytest.mark.timeout(500)
 @pytest.mark.parametrize("choice,expected", [("ddp", "ddp"), ("zero3", "fully_shard")])
 def test_auto_chooses_by_the_memory_budget_and_trains_as_the_anchor(runs, choice, expected):
-    from shardkit import estimate
-
-    budget = estimate.model_states(NUM_PARAMS, 2, "fp32", "adam", master_weights=False)[choice].total_gb * 1.001
-    ours, theirs = runs("auto", "--budget", repr(budget)), runs("gloo")
+    ours, theirs = runs("auto", "--budget", _budget(choice)), runs("gloo")
     assert (str(ours["resolved"]), int(ours["planned_params"])) == (expected, NUM_PARAMS)
     assert (str(ours["wrapper"]), str(ours["optimizer"])) == EXPECTED[expected]
     _assert_same_weights(ours, theirs, exact=expected == "ddp", what=f"auto ({expected})")
@@ -138,16 +219,16 @@ def test_on_two_simulated_hosts(runs, strategy):
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("strategy", ["zero2", "fully_shard"])
-def test_save_checkpoint_then_fit_resumes_at_another_world_size(runs, tmp_path, strategy):
-    checkpoint = tmp_path / "epoch1.ckpt"
-    _fit(tmp_path / "first", strategy, "--epochs", "1", "--save", str(checkpoint))
+def test_save_checkpoint_then_fit_resumes_at_another_world_size(runs, strategy):
+    runs(strategy, "--epochs", "1", "--save", f"{strategy}_epoch1.ckpt")
+    checkpoint = runs.root / f"{strategy}_epoch1.ckpt"
     assert checkpoint.is_file()  # one Lightning file, the whole state
     import torch
 
     saved = torch.load(checkpoint, weights_only=False)
     assert sorted(saved["state_dict"]) == sorted(WEIGHTS) and saved["global_step"] == 4
     assert sorted(saved["optimizer_states"][0]["state"]) == [0, 1, 2, 3]  # unsharded, keyed by index
-    resumed = _fit(tmp_path / "resumed", strategy, "--resume", str(checkpoint), world=3)
+    resumed = runs(strategy, "--resume", checkpoint.name, world=3)
     assert int(resumed["world"]) == 3
     _assert_same_weights(resumed, runs(strategy), exact=False, what=f"{strategy} resumed at 3 ranks")
 
@@ -159,30 +240,15 @@ ANCHOR = {"ddp": "gloo", "zero1": "gloo", "zero2": "gloo", "fully_shard": "model
 METRICS = ("fresh_val_loss", "val_loss", "test_loss", "val_loss_again", "best_score", "best_test_loss")
 
 
-@pytest.fixture(scope="module")
-def evaluations(tmp_path_factory):
-    """Every kind's --evaluate run: shardkit's five strategies in one job, the two anchors on gloo in another."""
-    from shardkit import estimate
-
-    root = tmp_path_factory.mktemp("lightning_evaluate")
-    budget = estimate.model_states(NUM_PARAMS, 2, "fp32", "adam", master_weights=False)["zero3"].total_gb * 1.001
-    done = {}
-    for kinds, options in ((OURS, ("--budget", repr(budget))), (("gloo", "model_parallel"), ())):
-        directory = root / kinds[0]
-        directory.mkdir()
-        proc = run_torchrun(SCRIPT, 2, str(directory / "result"), ",".join(kinds), "--evaluate", *options,
-                            timeout=480, cwd=directory)
-        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
-        for kind in kinds:
-            with np.load(directory / f"result.{kind}.npz") as data:
-                done[kind] = {k: data[k] for k in data.files}
-    return done
+def _evaluated(runs: Runs, kind: str) -> dict[str, np.ndarray]:
+    """kind's --evaluate run (shardkit's five strategies in the shardkit job, the two anchors in the gloo one)."""
+    return runs(kind, "--evaluate", *(("--budget", _budget("zero3")) if kind == "auto" else ()))
 
 
 @pytest.mark.timeout(1000)
 @pytest.mark.parametrize("strategy", OURS)
-def test_validate_test_predict_fresh_and_after_fit_as_lightnings_own_strategy(evaluations, strategy):
-    ours, theirs = evaluations[strategy], evaluations[ANCHOR[strategy]]
+def test_validate_test_predict_fresh_and_after_fit_as_lightnings_own_strategy(runs, strategy):
+    ours, theirs = _evaluated(runs, strategy), _evaluated(runs, ANCHOR[strategy])
     assert str(ours["backend"]) == "shardkit" and str(theirs["backend"]) == "gloo"
     assert str(ours["resolved"]) == ("fully_shard" if strategy == "auto" else strategy)
     exact = strategy == "ddp"  # two ranks' sums in one order; ZeRO and fully_shard clip from shards (see above)
@@ -207,8 +273,8 @@ def test_validate_test_predict_fresh_and_after_fit_as_lightnings_own_strategy(ev
 
 
 @pytest.mark.timeout(1000)
-def test_the_fully_shard_anchor_is_lightnings_fsdp2_and_trains_as_its_ddp(evaluations):
-    fsdp2, ddp = evaluations["model_parallel"], evaluations["gloo"]
+def test_the_fully_shard_anchor_is_lightnings_fsdp2_and_trains_as_its_ddp(runs):
+    fsdp2, ddp = _evaluated(runs, "model_parallel"), _evaluated(runs, "gloo")
     assert str(fsdp2["wrapper"]) == "Regression" and str(fsdp2["optimizer"]) == "AdamW"
     _assert_same_weights(fsdp2, ddp, exact=False, what="ModelParallelStrategy vs DDPStrategy on gloo")
 
@@ -233,9 +299,9 @@ def test_strategy_refuses_what_it_cannot_do():
         ShardkitStrategy(process_group_backend="gloo")
 
 
-@pytest.mark.timeout(300)
-def test_fit_refuses_a_module_already_wrapped(tmp_path):
-    result = _fit(tmp_path, "zero2", "--wrapped")
+@pytest.mark.timeout(500)
+def test_fit_refuses_a_module_already_wrapped(runs):
+    result = runs("zero2", "--wrapped")
     assert ("ShardkitStrategy (rank 0): a submodule is already wrapped (DistributedDataParallel)"
             in str(result["error"])), str(result["error"])
 

@@ -1,25 +1,35 @@
-"""One Lightning run, launched by tests/python/test_lightning.py under torchrun, as a Lightning user writes it.
+"""Lightning runs, launched by tests/python/test_lightning.py under torchrun, each as a Lightning user writes it.
 
-    lightning_script.py RESULT KIND [options]
+    lightning_script.py RESULT RUNS [options]
+
+RUNS is one run or several, comma-separated (``shardkit,zero2:accumulate=2,auto:budget=0.0012``); they run in turn
+in this one job, run i (from 0) writing RESULT.i.npz, each from the same start (``seed_everything``, a new model,
+data, strategy and Trainer; the process group the first Trainer set up stays for the next). A run is KIND, then
+optionally its own options, each ``:NAME=VALUE`` or, for a flag, ``:NAME`` (``gloo:clip=0``, ``zero2:wrapped``),
+NAME one of the options below but ``one_host_per_rank``; a VALUE holds no ``,`` or ``:``. An option on the command
+line is every run's default; a run's own overrides it.
 
 KIND ``gloo`` or ``shardkit``: Lightning's own ``DDPStrategy(process_group_backend=KIND)``; ``model_parallel``:
 Lightning's own ``ModelParallelStrategy`` (torch FSDP2) on gloo, the LightningModule's ``configure_model`` sharding
 each ``Linear`` as a unit, then ``net``; ``ddp``, ``zero1``, ``zero2``, ``fully_shard`` or ``auto``:
 ``shardkit.integrations.lightning.ShardkitStrategy(KIND)`` (fully_shard shards each ``Linear`` as a unit; auto
-without auto_wrap, so a fully_shard it chooses has one unit, the root). With ``--evaluate``, KIND may list several
-kinds of one process group backend (``ddp,zero1,...``): each runs in turn in this job, writing RESULT.KIND.npz.
+without auto_wrap, so a fully_shard it chooses has one unit, the root). A job has one process group, so one
+backend: its runs are all gloo and model_parallel, or all of the shardkit kinds.
 Options: ``--budget GB`` (auto's memory_budget_gb), ``--accumulate N``, ``--epochs N``, ``--clip V`` (0: none),
 ``--save CKPT`` (``trainer.save_checkpoint`` after fit), ``--resume CKPT`` (``fit(ckpt_path=CKPT)``),
-``--one_host_per_rank`` (simulated hosts), ``--wrapped`` (the LightningModule wraps its net in torch's DDP in
-``configure_model``; fit must refuse it), ``--evaluate``: the evaluation sequence below.
+``--wrapped`` (the LightningModule wraps its net in torch's DDP in ``configure_model``; fit must refuse it),
+``--evaluate``: the evaluation sequence below; and the job's alone, ``--one_host_per_rank`` (every rank on a
+simulated host of its own, for the whole job).
 
 ``--evaluate``: ``validate`` on the fresh model, then ``fit`` with a validation loader and a ``ModelCheckpoint``
-keeping the epoch of the highest ``val_loss`` (the first, not the weights fit ends with), then ``validate``, ``test``, ``predict`` on the model fit left, then
-``test(ckpt_path="best")``; RESULT holds each metric (logged with ``sync_dist``) and rank 0's predictions.
+(in RESULT.i.checkpoints) keeping the epoch of the highest ``val_loss`` (the first, not the weights fit ends with),
+then ``validate``, ``test``, ``predict`` on the model fit left, then ``test(ckpt_path="best")``; the result holds
+each metric (logged with ``sync_dist``) and rank 0's predictions.
 
 The data's global batch is 12 samples at any world size (DistributedSampler's split), 4 batches per epoch, so runs
-at different world sizes see the same arithmetic. Rank 0 writes RESULT (an .npz): the weights after fit (whole,
-gathered from fully_shard's DTensors) and before, what the job ran on, what the strategy chose and wrapped with.
+at different world sizes see the same arithmetic. Rank 0 writes each run's result (an .npz): the weights after fit
+(whole, gathered from fully_shard's DTensors) and before, what the job ran on, what the strategy chose and wrapped
+with.
 """
 
 from __future__ import annotations
@@ -35,10 +45,17 @@ GLOBAL_BATCH = 12
 SAMPLES = 48
 
 
+GLOO_KINDS = ("gloo", "model_parallel")
+SHARDKIT_KINDS = ("shardkit", "ddp", "zero1", "zero2", "fully_shard", "auto")
+# A run's own options (``:NAME=VALUE``, a flag ``:NAME``): the type each VALUE converts to, bool for a flag.
+RUN_OPTIONS = {"budget": float, "accumulate": int, "epochs": int, "clip": float, "save": str, "resume": str,
+               "wrapped": bool, "evaluate": bool}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("result")
-    parser.add_argument("kind")
+    parser.add_argument("runs")
     parser.add_argument("--budget", type=float)
     parser.add_argument("--accumulate", type=int, default=1)
     parser.add_argument("--epochs", type=int, default=2)
@@ -49,18 +66,21 @@ def main() -> None:
     parser.add_argument("--wrapped", action="store_true")
     parser.add_argument("--evaluate", action="store_true")
     args = parser.parse_args()
+    runs = [parse_run(spec, args) for spec in args.runs.split(",")]
+    kinds = [kind for kind, _ in runs]
+    if not (set(kinds) <= set(GLOO_KINDS) or set(kinds) <= set(SHARDKIT_KINDS)):
+        # the first Trainer sets up the process group and the later ones reuse it, whatever backend they ask for
+        raise SystemExit(f"runs {args.runs!r}: one job has one process group backend; gloo kinds "
+                         f"{', '.join(GLOO_KINDS)} and shardkit kinds {', '.join(SHARDKIT_KINDS)} go in separate jobs")
     if args.one_host_per_rank:  # each rank on a simulated host of its own: the hierarchical engine
         os.environ["SHARDKIT_HOST_ID"] = f"host{os.environ['RANK']}"
     import torch.distributed as dist
 
     import shardkit  # noqa: F401 - registers the "shardkit" backend
 
-    kinds = args.kind.split(",")
-    if len(kinds) > 1 and not args.evaluate:
-        raise SystemExit("several kinds in one job: only with --evaluate")
     world = int(os.environ["WORLD_SIZE"])  # read once: a Trainer's teardown may clear it
-    for kind in kinds:
-        run(kind, args, world, f"{args.result}.{kind}.npz" if len(kinds) > 1 else args.result)
+    for index, (kind, options) in enumerate(runs):
+        run(kind, options, world, f"{args.result}.{index}")
     # Torch asks scripts to end with this; Lightning does not do it. Without it, fully_shard runs (DTensor's
     # functional collectives above) sometimes aborted at interpreter exit, after everything here had finished
     # ("terminate called without an active exception", SIGABRT on one rank): an open bug in shardkit's teardown
@@ -68,7 +88,29 @@ def main() -> None:
     dist.destroy_process_group()
 
 
+def parse_run(spec: str, job: argparse.Namespace) -> tuple[str, argparse.Namespace]:
+    """``KIND[:NAME=VALUE|:NAME]...`` -> (KIND, the job's options with the run's own in their place)."""
+    kind, *settings = spec.split(":")
+    if kind not in GLOO_KINDS + SHARDKIT_KINDS:
+        raise SystemExit(f"run {spec!r}: kind must be one of {', '.join(GLOO_KINDS + SHARDKIT_KINDS)}, got {kind!r}")
+    options = vars(job).copy()
+    for setting in settings:
+        name, has_value, value = setting.partition("=")
+        convert = RUN_OPTIONS.get(name)
+        if convert is None:
+            raise SystemExit(f"run {spec!r}: a run's option is one of {', '.join(RUN_OPTIONS)}, got {name!r}"
+                             + (" (the whole job's: give it as --one_host_per_rank)"
+                                if name == "one_host_per_rank" else ""))
+        if (convert is bool) == bool(has_value):
+            raise SystemExit(f"run {spec!r}: {name} " + ("is a flag, given without a value" if convert is bool
+                                                          else "needs a value, as :NAME=VALUE"))
+        options[name] = True if convert is bool else convert(value)
+    return kind, argparse.Namespace(**options)
+
+
 def run(kind: str, args: argparse.Namespace, world: int, result: str) -> None:
+    """One run with its own options ``args``: rank 0 writes ``{result}.npz``; an evaluation's checkpoints go in
+    ``{result}.checkpoints``."""
     import lightning.pytorch as pl
     import torch.distributed as dist
     from lightning.pytorch.callbacks import ModelCheckpoint
@@ -139,8 +181,7 @@ def run(kind: str, args: argparse.Namespace, world: int, result: str) -> None:
     callbacks: list = [Record()]
     if args.evaluate:
         # keeps the epoch of the highest val_loss, the first: so test(ckpt_path="best") must load other weights
-        best = ModelCheckpoint(dirpath=os.path.join(os.getcwd(), f"checkpoints_{kind}"), monitor="val_loss",
-                               mode="max", save_top_k=1)
+        best = ModelCheckpoint(dirpath=f"{result}.checkpoints", monitor="val_loss", mode="max", save_top_k=1)
         callbacks.append(best)
     trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_epochs=args.epochs,
                          accumulate_grad_batches=args.accumulate, gradient_clip_val=args.clip or None,
@@ -180,7 +221,7 @@ def run(kind: str, args: argparse.Namespace, world: int, result: str) -> None:
     plan = getattr(getattr(strategy, "spec", None), "auto_plan", None)
     if dist.get_rank() == 0:
         same = all(np.array_equal(w[k], weights[k]) for w in gathered for k in weights)
-        np.savez(result, backend=np.array(dist.get_backend()), ranks_agree=np.array(same),
+        np.savez(f"{result}.npz", backend=np.array(dist.get_backend()), ranks_agree=np.array(same),
                  world=np.array(dist.get_world_size()), hosts=np.array(hosts), error=np.array(error),
                  resolved=np.array(str(getattr(strategy, "resolved_strategy", None))),
                  planned_params=np.array(plan.num_params if plan else 0),
