@@ -61,7 +61,11 @@ cpp-test: apt-deps
 py-test: build
 	$(VENV)/bin/python -m pytest tests/python -ra --durations=25
 
-test: cpp-test py-test
+# The C++ tests build and run while pip downloads into .venv and the extension compiles (two jobs: the download is
+# mostly waiting on the network), then pytest.
+test:
+	$(MAKE) --no-print-directory -j2 cpp-test build
+	$(MAKE) --no-print-directory py-test
 
 # The everyday matrix whole (every combination of front x settings, per entry point; make test runs its pairwise
 # cover): tests/python/test_matrix.py with SHARDKIT_MATRIX=whole; compile cells use inductor here.
