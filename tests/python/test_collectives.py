@@ -391,7 +391,7 @@ dist.init_process_group("shardkit")
 for _ in range(64):  # never waited for, never destroyed: the Works alone hold these tensors
     dist.all_reduce(torch.ones(1 << 16), async_op=True)
 # One write per line: two ranks share the pipe, and print("issued", rank) writes its pieces separately.
-sys.stdout.write(f"issued {dist.get_rank()}\n"); sys.stdout.flush()
+sys.stdout.write(f"issued {dist.get_rank()}\\n"); sys.stdout.flush()
 """
 
 
