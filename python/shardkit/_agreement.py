@@ -46,7 +46,10 @@ def describe_groups(process_group: Any) -> str:
 
 def pair_members(process_group: Any) -> tuple[list[int], list[int]] | None:
     """The global ranks of a (shard, replicate) pair's groups, for mismatched_pairs; None for anything else."""
-    return tuple(dist.get_process_group_ranks(g) for g in process_group) if _is_group_pair(process_group) else None
+    if not _is_group_pair(process_group):
+        return None
+    shard, replicate = process_group
+    return dist.get_process_group_ranks(shard), dist.get_process_group_ranks(replicate)
 
 
 def mismatched_pairs(everyone: dict[int, tuple[list[int], list[int]] | None]) -> list[str]:

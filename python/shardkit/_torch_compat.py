@@ -12,6 +12,8 @@ tests/python/test_torch_compat.py.
 
 from __future__ import annotations
 
+import functools
+import weakref
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterable
 
@@ -24,7 +26,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 if TYPE_CHECKING:
     # What c10d hands a backend creator registered with extended_api=True (store, group_rank, group_size, timeout,
     # group_id, global_ranks_in_group): shardkit.backend's creator reads it. Named for annotations only.
-    from torch.distributed.distributed_c10d import _DistributedBackendOptions as BackendOptions
+    from torch.distributed.distributed_c10d import _DistributedBackendOptions as BackendOptions  # noqa: F401
 
 
 def flatten_state_dict(state_dict: dict[str, Any]) -> tuple[dict[str, Any], dict[str, tuple]]:
@@ -62,7 +64,7 @@ def fsdp2_fully_shard():
     return fully_shard
 
 
-def fsdp2_comm_interfaces() -> tuple[type, type]:
+def fsdp2_comm_interfaces() -> tuple[Any, Any]:
     """FSDP2's custom-collective interfaces ``(AllGather, ReduceScatter)``: an ``allocate(size, *, dtype, device)``
     for the buffers FSDP2 hands the collective, and a ``__call__`` that issues it."""
     try:
@@ -251,7 +253,8 @@ def set_registered_parameter(module: nn.Module, name: str, tensor: torch.Tensor)
     """Puts ``tensor`` (a plain tensor, e.g. a view of a gathered buffer) in ``module``'s parameter slot ``name``
     (``module._parameters[name] = tensor``, as FSDP2's ``unsafe_setattr_param`` does): ``nn.Module.__setattr__``
     accepts only a Parameter or None there, and the module's forward reads the slot."""
-    module._parameters[name] = tensor
+    slots: dict[str, Any] = module._parameters
+    slots[name] = tensor
 
 
 def make_tensor_subclass(cls: type, data: torch.Tensor, requires_grad: bool = False) -> Any:
@@ -309,10 +312,11 @@ def set_active_ddp_module(module: nn.Module | None) -> None:
     """Sets the DDP module whose forward runs (see ``active_ddp_module``)."""
     from torch.nn.parallel import DistributedDataParallel
 
-    DistributedDataParallel._active_ddp_module = module
+    ddp_class: Any = DistributedDataParallel
+    ddp_class._active_ddp_module = module
 
 
-def present_as_torch_ddp(ddp: nn.Module) -> None:
+def present_as_torch_ddp(ddp: Any) -> None:
     """Gives ``ddp`` (a torch DDP subclass whose torch constructor does not run) the attributes torch DDP's own
     methods read that its constructor would have set: no Python reducer (``_use_python_reducer``), no delayed
     all-reduce of all parameters (``_delay_all_reduce_all_params``)."""
@@ -333,9 +337,29 @@ def join_enabled(joinable: Any) -> bool:
     return joinable._join_config.enable
 
 
-def record_comm_hook(ddp_model: nn.Module, name: str, state: Any) -> None:
+def record_comm_hook(ddp_model: Any, name: str, state: Any) -> None:
     """Adds ``(name, state)`` to torch DDP's record of the comm hooks registered on ``ddp_model``
     (``DistributedDataParallel._comm_hooks``, the list torch's ``register_comm_hook`` appends each hook to) where
     it keeps one, so that record names shardkit's native hooks too."""
     if isinstance(getattr(ddp_model, "_comm_hooks", None), list):
         ddp_model._comm_hooks.append((name, state))
+
+
+def track_steps_for_lr_scheduler(optimizer: torch.optim.Optimizer) -> None:
+    """Wraps ``optimizer.step`` as torch's LRScheduler wraps the step of the optimizer it is built over (the wrapper
+    is marked ``_wrapped_by_lr_sched`` and sets ``optimizer._opt_called``), for a scheduler moved to ``optimizer``
+    after its construction: else the scheduler warns that ``optimizer.step()`` was overridden. Once per optimizer."""
+    step = optimizer.step
+    if hasattr(step, "_wrapped_by_lr_sched"):
+        return
+    optimizer_ref = weakref.ref(optimizer)
+
+    @functools.wraps(step)
+    def tracked(*args: Any, **kwargs: Any) -> Any:
+        owner: Any = optimizer_ref()
+        owner._opt_called = True
+        return type(owner).step(owner, *args, **kwargs)
+
+    tracked.__dict__["_wrapped_by_lr_sched"] = True
+    wrapped: Any = optimizer
+    wrapped.step = tracked

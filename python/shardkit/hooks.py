@@ -19,7 +19,7 @@ feedback, P, Q, the generator), so a resumed run continues bit-identically.
 # No `from __future__ import annotations`: torch DDP checks the hooks' annotations as objects (dist.GradBucket).
 
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import torch
 import torch.distributed as dist
@@ -45,6 +45,12 @@ def _group(process_group: dist.ProcessGroup | None) -> dist.ProcessGroup:
 
 def _value(future: torch.futures.Future) -> torch.Tensor:
     return future.value()
+
+
+def _tensor_future(native: Any) -> "torch.futures.Future[torch.Tensor]":
+    """What a hook returns to torch: the C++ hook's future (its value the bucket's tensor list) as a future of the
+    bucket's tensor."""
+    return cast("torch.futures.Future[torch.Tensor]", native.then(_value))
 
 
 class PowerSGDState:
@@ -135,7 +141,7 @@ class PowerSGDState:
     def __setstate__(self, state: dict[str, Any]) -> None:
         logger.warning("NOTE: Process group will be set to a default group (i.e. the world size). If a different "
                        "group is desired, please set `self.process_group` after PowerSGD state is loaded.")
-        self.__init__(None, **state["options"],
+        self.__init__(None, **state["options"],  # type: ignore[misc]  # as torch's: a subclass's own __init__
                       compression_stats_logging_frequency=state["compression_stats_logging_frequency"])
         self.load_state_dict(state)
 
@@ -152,24 +158,24 @@ class PowerSGDState:
 
 def powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """torch's powerSGD_hook, in C++ (csrc/compress/powersgd.cpp)."""
-    return state._impl.powersgd_hook(bucket).then(_value)
+    return _tensor_future(state._impl.powersgd_hook(bucket))
 
 
 def batched_powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """torch's batched_powerSGD_hook (the whole bucket as one square matrix), in C++."""
-    return state._impl.batched_powersgd_hook(bucket).then(_value)
+    return _tensor_future(state._impl.batched_powersgd_hook(bucket))
 
 
 def fp16_compress_hook(process_group: dist.ProcessGroup | None,
                        bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """torch's fp16_compress_hook in C++: cast to float16, divide by the world size, allreduce, cast back."""
-    return _C.cast_compress_hook(_group(process_group), bucket, torch.float16).then(_value)
+    return _tensor_future(_C.cast_compress_hook(_group(process_group), bucket, torch.float16))
 
 
 def bf16_compress_hook(process_group: dist.ProcessGroup | None,
                        bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """torch's bf16_compress_hook in C++ (bfloat16)."""
-    return _C.cast_compress_hook(_group(process_group), bucket, torch.bfloat16).then(_value)
+    return _tensor_future(_C.cast_compress_hook(_group(process_group), bucket, torch.bfloat16))
 
 
 def _cast_wrapper(dtype: torch.dtype, hook: Callable) -> Callable:
@@ -219,7 +225,7 @@ def check_state_group(state: Any, model_group: dist.ProcessGroup | None, what: s
                          f"differs from the DDP model's (ranks {mine})")
 
 
-def register(ddp_model: torch.nn.Module, state: Any, kind: str) -> None:
+def register(ddp_model: Any, state: Any, kind: str) -> None:
     """Installs shardkit's C++ hook ``kind`` into ``ddp_model``'s reducer (torch's DDP or shardkit's): no
     Python runs per bucket. ``state``: a PowerSGDState for "powersgd"/"batched_powersgd", a process group or
     None (the default group) for "fp16"/"bf16". Like register_comm_hook, once per model."""

@@ -42,7 +42,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -110,7 +110,7 @@ def plan(num_params: int, world_size: int, budget_gb: float, precision: str = "f
                     report)
 
 
-def agreed_plan(trainable: list[torch.Tensor], optimizer: str, memory_budget_gb: float | None,
+def agreed_plan(trainable: Sequence[torch.Tensor], optimizer: str, memory_budget_gb: float | None,
                 group: dist.ProcessGroup, *, headroom_gb: float = 0.0, activation_gb: float = 0.0,
                 who: str = "shardkit.auto") -> AutoPlan:
     """The plan every rank of ``group`` agrees on (steps 1-3 of the module docstring): ``trainable`` are the model's
@@ -171,7 +171,7 @@ def auto(model: nn.Module, optimizer_class: type[torch.optim.Optimizer], memory_
         wrapped = FullyShardedDataParallel(model, process_group=group, auto_wrap_policy=policy,
                                            cpu_offload=CPUOffload(offload_params=True))
         optimizer = optimizer_class(wrapped.parameters(), **optimizer_kwargs)
-    wrapped.shardkit_plan = decided
+    wrapped.shardkit_plan = decided  # type: ignore[assignment]  # nn.Module's __setattr__ is typed for tensors
     return wrapped, optimizer
 
 
@@ -210,7 +210,7 @@ def module_list_blocks(model: nn.Module) -> set[type[nn.Module]]:
             if any(True for _ in child.parameters())}
 
 
-def _precision(params: list[torch.Tensor]) -> str:
+def _precision(params: Sequence[torch.Tensor]) -> str:
     dtypes = {p.dtype for p in params}
     if dtypes == {torch.bfloat16}:
         return "bf16"

@@ -117,17 +117,17 @@ class PieceTensor(torch.Tensor):
         with _torch_compat.torch_function_disabled():
             return func(*args, **kwargs)
 
-    def __repr__(self, *, tensor_contents: Any = None) -> str:
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
         return (f"PieceTensor(elements {self.begin}..{self.begin + self.local.numel()} of shape "
                 f"{list(self.global_shape)}: {self.local!r})")
 
     def __deepcopy__(self, memo: dict) -> "PieceTensor":
         return PieceTensor.of(self.local.clone(), self.global_shape, self.begin)
 
-    def __reduce_ex__(self, protocol: int):
+    def __reduce_ex__(self, protocol: Any):
         return (_piece_tensor, (self.local, tuple(self.global_shape), self.begin))
 
-    def size(self, dim: int | None = None):  # type: ignore[override]
+    def size(self, dim: int | None = None):
         return self.global_shape if dim is None else self.global_shape[dim]
 
     @property

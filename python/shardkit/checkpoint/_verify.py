@@ -45,7 +45,9 @@ def verify(checkpoint_id: str | Path) -> dict[str, Any]:
         raise CheckpointIntegrityError(f"shardkit checkpoint verify: {directory} failed verification: "
                                        + "; ".join(problems))
     if manifest is None:
-        sizes = _sizes_needed(_read_metadata_bytes(directory)[0])
+        metadata = _read_metadata_bytes(directory)[0]
+        assert metadata is not None, "_plan reports an unreadable .metadata as a problem"
+        sizes = _sizes_needed(metadata)
         return {"save_id": None, "world_size": None, "files": len(sizes) + 1, "checksums": False,
                 "bytes": sum((directory / name).stat().st_size for name in [METADATA_NAME, *sizes])}
     return {"save_id": manifest.save_id, "world_size": manifest.world_size, "files": len(manifest.files),

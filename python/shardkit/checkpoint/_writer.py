@@ -167,15 +167,15 @@ class ChecksummingFileSystem(FileSystem):
         self.ledger = ledger
 
     @contextmanager
-    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
         if "w" not in mode and "a" not in mode and "+" not in mode:
-            with super().create_stream(path, mode) as stream:
-                yield stream
+            with super().create_stream(path, mode) as plain:
+                yield plain
             return
         with super().create_stream(path, mode) as raw:
             stream = _ChecksummedStream(raw, str(path), self.ledger)
             try:
-                yield stream  # type: ignore[misc]
+                yield stream
             except BaseException:
                 stream.abandon()
                 raise

@@ -45,6 +45,8 @@ from ..backend import shared_buffer, warn_zero_copy_unavailable, zero_copy_unava
 from ..quantized import Quantized, check_group, inter_host_format
 
 _torch_fully_shard = _torch_compat.fsdp2_fully_shard()
+_AllGather: Any
+_ReduceScatter: Any
 _AllGather, _ReduceScatter = _torch_compat.fsdp2_comm_interfaces()
 
 
@@ -70,7 +72,7 @@ fully_shard.__doc__ = ("shardkit's ``fully_shard``: torch FSDP2's, with its coll
                        "bytes between hosts. torch's documentation follows.\n\n" + (fully_shard.__doc__ or ""))
 
 
-def _plug_in(fsdp_module: nn.Module, comm: Quantized | None = None) -> None:
+def _plug_in(fsdp_module: Any, comm: Quantized | None = None) -> None:
     """Gives the unit ``fsdp_module`` shardkit's all-gather and reduce-scatter (see the module docstring), where
     it has exactly one parameter group (none: it manages no parameters; several: per-parameter meshes, which
     FSDP2's custom collectives refuse, and so does ``comm``)."""
@@ -118,9 +120,12 @@ class _Unit:
 
 class _OnePerGroup:
     """One instance per process group, shared by the units sharded over it (held weakly: it goes with them).
-    A subclass keeps its group in ``self.group``."""
+    A subclass is made with its group alone."""
 
-    group: dist.ProcessGroup
+    _by_group: "weakref.WeakValueDictionary[str, Any]"
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
 
     def __init_subclass__(cls) -> None:
         super().__init_subclass__()
@@ -144,9 +149,9 @@ class UnitLedger(_OnePerGroup):
     too. One per group (``for_group``)."""
 
     def __init__(self, group: dist.ProcessGroup) -> None:
-        self.group = group
+        super().__init__(group)
         self.ledger = CollectiveLedger(group, "shard group", "shardkit.fully_shard")
-        self._graph_task = None  # the backward pass whose check is queued
+        self._graph_task: int | None = None  # the backward pass whose check is queued
         self.checks = 0  # backwards that ended with the check
 
     def record(self, kind: int, identity: int) -> None:
@@ -196,7 +201,7 @@ class SharedReduceInput(_OnePerGroup):
     rank at the same reduce-scatter. One per group (``for_group``)."""
 
     def __init__(self, group: dist.ProcessGroup) -> None:
-        self.group = group
+        super().__init__(group)
         self._memory: ResidentSharedMemory | None = None
         self._sizes: dict[int, int] = {}  # id(unit) -> bytes of its input: the same values on every rank
         self._lent: torch.Tensor | None = None
@@ -242,6 +247,7 @@ class SharedReduceInput(_OnePerGroup):
             self.retire()
             return
         self.zero_copy_calls += 1
+        assert self._memory is not None, "a lent block belongs to the current memory (retire drops both)"
         self._memory.release()
 
 

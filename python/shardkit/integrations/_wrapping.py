@@ -184,10 +184,11 @@ def wrap(model: nn.Module, spec: WrapSpec, owner: str, device: torch.device,
         options = dict(ddp_options or {})
         if on_cuda:
             options.setdefault("device_ids", [device.index or 0])
-        wrapped: nn.Module = DistributedDataParallel(model, zero_stage=ZERO_STAGES[strategy], **options)
-        register_comm_hook(wrapped, spec)
+        ddp = DistributedDataParallel(model, zero_stage=ZERO_STAGES[strategy], **options)
+        register_comm_hook(ddp, spec)
+        wrapped: nn.Module = ddp
     else:
-        auto_wrap = spec.auto_wrap
+        auto_wrap = tuple(spec.auto_wrap) if spec.auto_wrap is not None else None
         if auto_wrap is None and spec.strategy == AUTO:
             auto_wrap = tuple(_strategy.module_list_blocks(model)) or None
         blocks = block_classes(model, auto_wrap, owner)
@@ -308,7 +309,7 @@ def load_into(pairs: list[tuple[nn.Module, torch.optim.Optimizer | None]], direc
 
 def own_storage(state: dict[str, Any]) -> dict[str, Any]:
     """``state`` (an OrderedDict, as torch's) with every tensor that is a view into a larger buffer copied out."""
-    out = type(state)()
+    out: Any = type(state)()
     for name, value in state.items():
         shares = isinstance(value, torch.Tensor) and value.untyped_storage().nbytes() > value.nbytes
         out[name] = value.detach().clone() if shares else value

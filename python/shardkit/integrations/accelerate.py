@@ -49,6 +49,7 @@ offload would fit.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import os
@@ -137,6 +138,10 @@ class Accelerator(accelerate.Accelerator):
     """accelerate's ``Accelerator`` on shardkit (see the module docstring). Takes accelerate's arguments, plus
     ``shardkit_plugin`` (default: ``ShardkitPlugin()``, shardkit's DDP)."""
 
+    # accelerate's attributes as this class uses them (accelerate's own types are not read by the type check).
+    native_amp: bool
+    _optimizers: list[Any]
+
     def __init__(self, *args: Any, shardkit_plugin: ShardkitPlugin | None = None, **kwargs: Any) -> None:
         for name in ("deepspeed_plugin", "fsdp_plugin", "megatron_lm_plugin"):
             if kwargs.get(name) is not None:
@@ -191,6 +196,7 @@ class Accelerator(accelerate.Accelerator):
                                f"the model otherwise than 1.15 does ({type(model).__name__}); shardkit cannot wrap it")
         self._set_mixed_precision_policy(strategy)
         options = self.ddp_handler.to_kwargs() if self.ddp_handler is not None else {}
+        wrapped: Any
         wrapped, replaced = _wrapping.wrap(model, self.shardkit_plugin, "ShardkitPlugin", self.device, options)
         self._replaced_parameters.update(replaced)
         wrapped._is_accelerate_prepared = True
@@ -305,7 +311,8 @@ class Accelerator(accelerate.Accelerator):
             return super().load_state(input_dir, load_kwargs, **kwargs)
 
     @contextlib.contextmanager
-    def _shardkit_handles_models_and_optimizers(self, hook_registry: dict, hook: Any) -> Iterator[None]:
+    def _shardkit_handles_models_and_optimizers(self, hook_registry: collections.OrderedDict,
+                                                hook: Any) -> Iterator[None]:
         """Around accelerate's save_state / load_state: ``hook`` runs first among the model-state pre-hooks
         (accelerate passes it the resolved directory) and saves or loads the models and optimizers; accelerate
         sees no optimizers and no model weights, and does the rest (schedulers, RNG, samplers, objects)."""

@@ -89,6 +89,7 @@ except ImportError as error:  # shardkit does not depend on Lightning
     raise ImportError("shardkit.integrations.lightning needs Lightning (pip install lightning; tested with 2.6.6): "
                       f"{error}") from error
 
+from .. import _torch_compat
 from .. import state_dict as _state_dict
 from ..ddp import DistributedDataParallel
 from ..zero import ZeroRedundancyOptimizer
@@ -106,6 +107,10 @@ class ShardkitStrategy(DDPStrategy):
     docstring). ``strategy``: ``"ddp"``, ``"zero1"``, ``"zero2"``, ``"fully_shard"`` or ``"auto"``."""
 
     strategy_name = "shardkit"
+    # Lightning's Strategy attributes as this class uses them (Lightning's own types are not read by the type check).
+    model: Any
+    optimizers: list[Any]
+    _precision_plugin: Precision | None
 
     def __init__(self, strategy: str = "ddp", comm_hook: str | None = None, powersgd_rank: int = 1,
                  auto_wrap: Any = None, mixed_precision: Any = None, reshard_after_forward: bool | int = True,
@@ -188,7 +193,7 @@ class ShardkitStrategy(DDPStrategy):
     def _sharded_here(self, model: nn.Module) -> bool:
         """Whether ``model`` is a LightningModule this strategy sharded (fully_shard wraps in place: after fit, and
         after an evaluation that sharded it, the module Lightning hands back is the sharded one)."""
-        return isinstance(model, FSDPModule) and model in self._sharded
+        return _fully_sharded(model) and model in self._sharded
 
     def _wrap(self) -> None:
         """Wraps the model as the (resolved) strategy says; the optimizers follow (ZeRO, fully_shard's
@@ -199,7 +204,7 @@ class ShardkitStrategy(DDPStrategy):
         _wrapping.refuse_wrapped(self.model, _OWNER, "ShardkitStrategy(strategy=...)")
         _wrapping.resolve(self.spec, self.model, [type(o) for o in self.optimizers], _OWNER)
         self.model, replaced = _wrapping.wrap(self.model, self.spec, _OWNER, self.root_device, self._ddp_kwargs)
-        if isinstance(self.model, FSDPModule):
+        if _fully_sharded(self.model):
             self._sharded.add(self.model)
         optimizers = []
         for optimizer in self.optimizers:
@@ -223,22 +228,22 @@ class ShardkitStrategy(DDPStrategy):
             return self._forward_redirection(self.model, self.lightning_module, name, *args, **kwargs)
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if not isinstance(self.model, FSDPModule):
+        if not _fully_sharded(self.model):
             return super().training_step(*args, **kwargs)
         return self._step("training_step", self.precision_plugin.train_step_context, *args, **kwargs)
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        if not isinstance(self.model, FSDPModule):
+        if not _fully_sharded(self.model):
             return super().validation_step(*args, **kwargs)
         return self._step("validation_step", self.precision_plugin.val_step_context, *args, **kwargs)
 
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        if not isinstance(self.model, FSDPModule):
+        if not _fully_sharded(self.model):
             return super().test_step(*args, **kwargs)
         return self._step("test_step", self.precision_plugin.test_step_context, *args, **kwargs)
 
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        if not isinstance(self.model, FSDPModule):
+        if not _fully_sharded(self.model):
             return super().predict_step(*args, **kwargs)
         return self._step("predict_step", self.precision_plugin.predict_step_context, *args, **kwargs)
 
@@ -258,7 +263,7 @@ class ShardkitStrategy(DDPStrategy):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The LightningModule's whole weights on rank 0 (a collective under fully_shard: every rank calls it, as
         Lightning's ``save_checkpoint`` does)."""
-        if isinstance(self.model, FSDPModule):
+        if _fully_sharded(self.model):
             options = _state_dict.StateDictOptions(full_state_dict=True, cpu_offload=True)
             return _state_dict.get_model_state_dict(self.model, options=options)
         return super().lightning_module_state_dict()
@@ -267,7 +272,7 @@ class ShardkitStrategy(DDPStrategy):
         """The checkpoint's whole weights into the LightningModule; a sharded one (``ckpt_path`` after a fully_shard
         fit: Lightning restores before ``setup``) keeps its share of each (a collective: every rank restores)."""
         module = self.lightning_module
-        if not isinstance(module, FSDPModule) and self.spec.resolved_strategy != "fully_shard":
+        if not _fully_sharded(module) and self.spec.resolved_strategy != "fully_shard":
             return super().load_model_state_dict(checkpoint, strict)
         # fully_shard's files hold torch's canonical names (get_model_state_dict's: a compiled submodule's without
         # ``_orig_mod.``), so a module not sharded yet (Lightning restores before setup) loads them by that mapping.
@@ -279,7 +284,7 @@ class ShardkitStrategy(DDPStrategy):
         """The optimizer's unsharded state keyed by parameter index, on rank 0 (``{}`` elsewhere for the sharded
         strategies; a collective for them)."""
         optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer's
-        if not isinstance(self.model, FSDPModule):
+        if not _fully_sharded(self.model):
             return super().optimizer_state(optimizer)  # ZeRO: consolidate_state_dict to rank 0 (Lightning's way)
         options = _state_dict.StateDictOptions(full_state_dict=True, cpu_offload=True)
         state = _state_dict.get_optimizer_state_dict(self.model, optimizer, options=options)
@@ -287,7 +292,7 @@ class ShardkitStrategy(DDPStrategy):
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         """Each optimizer keeps its share of the unsharded state (any world size, any strategy's checkpoint)."""
-        if not isinstance(self.model, FSDPModule):
+        if not _fully_sharded(self.model):
             return super().load_optimizer_state_dict(checkpoint)  # ZeroRedundancyOptimizer.load_state_dict cuts it
         options = _state_dict.StateDictOptions(full_state_dict=True)
         for optimizer, saved in zip(self.optimizers, checkpoint["optimizer_states"]):
@@ -298,6 +303,11 @@ class ShardkitStrategy(DDPStrategy):
 
 
 # --- helpers ---------------------------------------------------------------------------------------------------
+
+def _fully_sharded(model: Any) -> bool:
+    """Whether ``model`` is sharded with fully_shard (an FSDPModule)."""
+    return isinstance(model, FSDPModule)
+
 def _evaluate_under_no_grad(trainer: pl.Trainer, model: nn.Module) -> None:
     """Under fully_shard, validate / test / predict run under ``torch.no_grad`` instead of ``torch.inference_mode``
     (Lightning's default, ``Trainer(inference_mode=True)``), as Lightning does for its FSDPStrategy (torch issue
@@ -309,7 +319,7 @@ def _evaluate_under_no_grad(trainer: pl.Trainer, model: nn.Module) -> None:
             loop.inference_mode = False
 
 
-class _ClippingFromShards:
+class _ClippingFromShards(Precision):
     """Mixed into the strategy's precision plugin (whichever Lightning chose), where Lightning clips: by norm through
     ``_wrapping.sharded_clip`` (a ZeroRedundancyOptimizer's global norm from its shards) or torch's function."""
 
@@ -342,16 +352,17 @@ class _ClippingFromShards:
 
 
 @functools.cache
-def _with_clipping(cls: type) -> type:
+def _with_clipping(cls: Any) -> type:
     return type(cls.__name__, (_ClippingFromShards, cls), {"__module__": cls.__module__,
                                                             "__qualname__": cls.__qualname__})
 
 
-def _clipping_from_shards(plugin: Precision) -> Precision:
+def _clipping_from_shards(plugin: Any) -> Any:
     """``plugin``, its class given the clipping above (Lightning builds the plugin; the strategy only receives
     it, so its class is extended in place rather than the plugin rebuilt)."""
     if not isinstance(plugin, _ClippingFromShards):
-        plugin.__class__ = _with_clipping(type(plugin))
+        plugin_class: Any = type(plugin)
+        plugin.__class__ = _with_clipping(plugin_class)
     return plugin
 
 
@@ -360,19 +371,7 @@ def _point_scheduler_at(scheduler: Any, optimizer: torch.optim.Optimizer) -> Non
     replaced it), and marks ``optimizer.step`` as torch's LRScheduler marks the optimizer it is built over (else it
     warns that ``optimizer.step()`` was overridden)."""
     scheduler.optimizer = optimizer
-    step = optimizer.step
-    if hasattr(step, "_wrapped_by_lr_sched"):
-        return
-    optimizer_ref = weakref.ref(optimizer)
-
-    @functools.wraps(step)
-    def tracked(*args: Any, **kwargs: Any) -> Any:
-        owner = optimizer_ref()
-        owner._opt_called = True
-        return type(owner).step(owner, *args, **kwargs)
-
-    tracked._wrapped_by_lr_sched = True
-    optimizer.step = tracked
+    _torch_compat.track_steps_for_lr_scheduler(optimizer)
 
 
 def _keyed_by_index(state: dict[str, Any]) -> dict[str, Any]:
