@@ -65,19 +65,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benchmarks folder is not a package
 from _common import format_table, synthetic_token_batches  # noqa: E402  (the benchmarks folder is not a package)
-from _harness import (  # noqa: E402
-    RESULTS_DIR,
-    RanksFailed,
-    add_target,
-    launch_ranks,
-    machine_info,
-    paired_summary,
-    rotated,
-    save_results,
-    wrote,
-)
+from _harness import (RESULTS_DIR, RanksFailed, add_target, launch_ranks, machine_info, paired_summary,  # noqa: E402
+                      rotated, save_results, wrote)
 from _gpt import GPT, Block, ModelConfig, n_params  # noqa: E402
 
 SETS = 4  # buffer sets rotated between runs (together well beyond H100's 50 MB L2)
