@@ -113,7 +113,7 @@ def _rank(rank: int, world: int, store: str, rounds: int, warmup: int) -> dict[s
     progress(f"built {len(names)} configurations; {warmup} warm-up + {rounds} timed rounds")
     worst_diff = {"shardkit": 0.0, "native": 0.0, "shardkit_b": 0.0}
     gloo = dist.new_group(backend="gloo")
-    for round_index, order, timed in interleaved_rounds(names, warmup, rounds, progress, label="round"):
+    for round_index, order, timed_round in interleaved_rounds(names, warmup, rounds, progress, label="round"):
         g = torch.Generator().manual_seed(1000 * rank + round_index)
         x, y = torch.randn(BATCH, 1024, generator=g), torch.randn(BATCH, 1024, generator=g)
         for name in order:
@@ -128,7 +128,7 @@ def _rank(rank: int, world: int, store: str, rounds: int, warmup: int) -> dict[s
                 "torch", "torch_b") else None
             c["opt"].step()
             elapsed = time.perf_counter() - t0
-            if timed:
+            if timed_round:
                 c["step_s"].append(elapsed)
                 c["hook_s"].append(sum(hook_times.get(name, [])))
             c["grads"] = grads
