@@ -16,13 +16,13 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Sequence
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from _common import add_target, format_size, format_table, format_us, time_interleaved
+from _common import format_size, format_table, format_us
+from _harness import add_target, init_groups, time_interleaved
 
 # The hierarchical allreduce must beat flat gloo by this factor at every size of at least LARGE_BYTES.
 TARGET_SPEEDUP = 3.0
@@ -47,11 +47,7 @@ def topology_name(hosts: int, per_host: int) -> str:
 def hosts_rank_main(rank: int, world: int, store: str, cfg: Any, per_host: int) -> list[dict[str, Any]] | None:
     """One rank of the simulated-hosts job; rank 0 returns the rows (f32 allreduce, both backends)."""
     os.environ["SHARDKIT_HOST_ID"] = f"bench-host-{rank // per_host}"  # read when the group is created
-    import shardkit  # noqa: F401  (registers the backend in this process)
-
-    dist.init_process_group("shardkit", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=cfg.pg_timeout_s))
-    gloo = dist.new_group(backend="gloo")
+    gloo = init_groups(rank, world, store, cfg.pg_timeout_s)
     topology = topology_name(world // per_host, per_host)
     rows = []
     for size in cfg.sizes:

@@ -1,36 +1,24 @@
-"""Shared pieces of the shardkit benchmarks: rank launcher, timing loop, formatting, JSON and plots.
+"""Measurement helpers shared by the shardkit benchmarks: sizes and formatting, synthetic tokens, filesystems,
+memory (tensor bytes, RSS, PSS) and plots.
 
-Every benchmark compares shardkit with an anchor (gloo, torch DDP, ...) measured in the same job on the
-same machine, so the numbers that matter are ratios; absolute numbers are recorded with the machine they
-came from (:func:`machine_info`).
+How a benchmark runs (launching ranks, interleaved rounds, medians and ratios, the results file) is in
+``_harness``.
 """
 
 from __future__ import annotations
 
 import ctypes
 import dataclasses
-import datetime as _dt
-import json
-import multiprocessing as _mp
 import os
-import platform
-import queue
 import resource
-import statistics
-import subprocess
-import sys
-import tempfile
 import threading
-import time
-import traceback
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+MiB = 1 << 20
 
 _SIZE_SUFFIXES = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
                   "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
@@ -78,6 +66,11 @@ def format_us(seconds: float) -> str:
     return f"{us:.2f}" if us < 10 else f"{us:.1f}" if us < 1000 else f"{us:,.0f}"
 
 
+def mib(nbytes: float | None) -> str:
+    """Bytes as MiB with one decimal ("-" for None)."""
+    return "-" if nbytes is None else f"{nbytes / MiB:,.1f}"
+
+
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]], left: int = 1) -> str:
     """Plain-text table; the first ``left`` columns are left-aligned, the rest right-aligned (numbers)."""
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
@@ -87,97 +80,6 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]], left: in
 
     rule = "  ".join("-" * w for w in widths)
     return "\n".join([line(headers), rule, *(line(r) for r in rows)])
-
-
-# --- machine description ----------------------------------------------------------------------------------
-
-def _cpu_model() -> str:
-    try:
-        for entry in Path("/proc/cpuinfo").read_text().splitlines():
-            if entry.startswith("model name"):
-                return entry.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-def _mem_total_gib() -> float | None:
-    try:
-        for entry in Path("/proc/meminfo").read_text().splitlines():
-            if entry.startswith("MemTotal:"):
-                return round(int(entry.split()[1]) / (1 << 20), 1)
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def _git_commit() -> str | None:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             cwd=Path(__file__).resolve().parent, timeout=5)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return (out.stdout.strip() or None) if out.returncode == 0 else None
-
-
-def machine_info() -> dict[str, Any]:
-    """What the numbers depend on: CPU, usable cores, memory, software versions, date."""
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except AttributeError:
-        usable = os.cpu_count() or 1
-    return {
-        "cpu_model": _cpu_model(),
-        "cpu_count": os.cpu_count(),
-        "usable_cores": usable,
-        "mem_total_gib": _mem_total_gib(),
-        "load_avg_1m": os.getloadavg()[0],  # other work on the machine skews every number
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "git_commit": _git_commit(),
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-    }
-
-
-class ForeignLoad:
-    """How much CPU other processes used while a block ran, in cores (e.g. 0.8 of 2).
-
-    Benchmarks here run on small shared machines; a number measured while a compiler ran next to it is
-    not comparable with a quiet one. Measured as the machine's busy time (/proc/stat) minus this process's
-    and its reaped children's (the ranks, once joined). Linux only; None elsewhere.
-
-        with ForeignLoad() as load: ...
-        load.cores
-    """
-
-    def __init__(self) -> None:
-        self.cores: float | None = None
-
-    @staticmethod
-    def _machine_busy_s() -> float | None:
-        try:
-            fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-        except (OSError, ValueError):
-            return None
-        busy = sum(fields[:8]) - fields[3] - fields[4]  # user..steal without idle and iowait
-        return busy / os.sysconf("SC_CLK_TCK")
-
-    @staticmethod
-    def _own_s() -> float:
-        usage = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
-        return sum(u.ru_utime + u.ru_stime for u in usage)
-
-    def __enter__(self) -> "ForeignLoad":
-        self._start = (time.monotonic(), self._machine_busy_s(), self._own_s())
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        wall0, busy0, own0 = self._start
-        busy1 = self._machine_busy_s()
-        wall = time.monotonic() - wall0
-        if busy0 is not None and busy1 is not None and wall > 0:
-            self.cores = max(0.0, ((busy1 - busy0) - (self._own_s() - own0)) / wall)
 
 
 def filesystem_of(path: str) -> str:
@@ -192,229 +94,6 @@ def filesystem_of(path: str) -> str:
     except (OSError, ValueError):
         pass
     return f"{best[1]} on {best[2]} (mounted at {best[0] or '?'})"
-
-
-# --- launching ranks --------------------------------------------------------------------------------------
-
-def rank0_progress(rank: int, prefix: str = "") -> Callable[..., None]:
-    """``progress(text, end="\\n")``: on rank 0, ``prefix + text`` to stderr at once (stdout keeps the results, and a
-    run of minutes shows where it is); on the other ranks nothing."""
-
-    def progress(text: str, end: str = "\n") -> None:
-        if rank == 0:
-            print(prefix + text, end=end, file=sys.stderr, flush=True)
-
-    return progress
-
-
-class RanksFailed(RuntimeError):
-    """A rank raised, crashed or did not finish in time."""
-
-
-def _rank_entry(fn: Callable[..., Any], rank: int, world: int, store: str, env: Mapping[str, str],
-                args: tuple[Any, ...], results: Any) -> None:
-    os.environ.update(env)
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-                       "LOCAL_WORLD_SIZE": str(world)})
-    try:
-        torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
-        results.put((rank, True, fn(rank, world, store, *args)))
-    except BaseException:  # noqa: BLE001 - reported to the parent, which decides
-        results.put((rank, False, traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:  # noqa: BLE001 - a broken group may refuse a clean shutdown
-                pass
-
-
-def launch_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 600.0,
-                 env: Mapping[str, str] | None = None) -> list[Any]:
-    """Run ``fn(rank, world, store_path, *args)`` in ``world`` fresh processes; return their values by rank.
-
-    ``store_path`` names a file in a private temp dir for ``init_method=f"file://{store_path}"`` (no ports).
-    Processes are spawned (not forked) so each rank starts clean; the environment gets
-    ``OMP_NUM_THREADS=1`` unless ``env`` says otherwise. A rank that raises, dies or overruns ``timeout``
-    fails the whole launch with every failing rank's story.
-    """
-    ctx = _mp.get_context("spawn")
-    full_env = {"OMP_NUM_THREADS": "1", **(env or {})}
-    with tempfile.TemporaryDirectory(prefix="shardkit-bench-") as tmp:
-        store = str(Path(tmp) / "store")
-        results = ctx.Queue()
-        procs = [ctx.Process(target=_rank_entry, args=(fn, r, world, store, full_env, args, results), daemon=True)
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-        values: dict[int, Any] = {}
-        errors: dict[int, str] = {}
-        deadline = time.monotonic() + timeout
-        while len(values) + len(errors) < world and time.monotonic() < deadline:
-            try:
-                rank, ok, payload = results.get(timeout=0.2)
-            except queue.Empty:
-                if all(not p.is_alive() for p in procs) and results.empty():
-                    break
-                continue
-            (values if ok else errors)[rank] = payload
-        for rank, p in enumerate(procs):
-            p.join(timeout=10.0 if rank in values or rank in errors else 0.1)
-            if p.is_alive():
-                p.kill()
-                p.join()
-            if rank not in values and rank not in errors:
-                errors[rank] = (f"no result (exit code {p.exitcode}"
-                                f"{', killed after the timeout' if time.monotonic() >= deadline else ''})")
-        results.close()
-    if errors:
-        story = "\n".join(f"--- rank {r} ---\n{errors[r]}" for r in sorted(errors))
-        raise RanksFailed(f"{len(errors)} of {world} ranks failed:\n{story}")
-    return [values[r] for r in range(world)]
-
-
-# --- timing -----------------------------------------------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class TimingConfig:
-    max_iters: int = 1000     # calls per repetition for small, fast ops
-    reps: int = 5             # repetitions; the reported time is their median
-    point_s: float = 0.5      # target time of all repetitions of one point together
-    warmup_s: float = 0.05    # minimum warm-up time (at least one call) before the repetitions
-
-
-@dataclasses.dataclass(frozen=True)
-class Timing:
-    seconds: float            # median over repetitions of (loop time / iters), max over ranks
-    iters: int                # calls per repetition
-    samples: list[float]      # per-repetition seconds per call, each the max over ranks
-
-
-def agree_max(values: Sequence[float], group: Any) -> list[float]:
-    """Element-wise max over the ranks of ``group`` (all ranks pass equally long lists)."""
-    t = torch.tensor(list(values), dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return t.tolist()
-
-
-def time_collective(call: Callable[[], Any], barrier: Callable[[], Any], sync_group: Any,
-                    cfg: TimingConfig) -> Timing:
-    """Time ``call`` (one blocking collective) on every rank of the job; all ranks must call this together.
-
-    Every decision that changes how many collectives run (warm-up length, iterations) is taken from
-    times agreed with ``agree_max`` over ``sync_group``, so all ranks issue the same sequence and none
-    waits forever. ``barrier`` belongs to the backend being measured, so the timed loop starts with that
-    backend's ranks lined up rather than with one backend waiting on the other.
-    """
-    # Warm-up and estimate: run batches of 1, 4, 16, ... calls until a batch takes long enough to time.
-    batch, per_call, warmed = 1, 0.0, 0.0
-    while True:
-        start = time.perf_counter()
-        for _ in range(batch):
-            call()
-        elapsed = agree_max([time.perf_counter() - start], sync_group)[0]
-        per_call, warmed = elapsed / batch, warmed + elapsed
-        if warmed >= cfg.warmup_s or batch >= cfg.max_iters:
-            break
-        batch *= 4
-    iters = max(1, min(cfg.max_iters, int(cfg.point_s / cfg.reps / max(per_call, 1e-9))))
-
-    samples = []
-    for _ in range(cfg.reps):
-        barrier()
-        start = time.perf_counter()
-        for _ in range(iters):
-            call()
-        samples.append((time.perf_counter() - start) / iters)
-    # A collective is as slow as its slowest rank.
-    samples = agree_max(samples, sync_group)
-    return Timing(seconds=statistics.median(samples), iters=iters, samples=samples)
-
-
-def time_interleaved(calls: Mapping[str, Callable[[], Any]], barriers: Mapping[str, Callable[[], Any]],
-                     sync_group: Any, cfg: TimingConfig) -> dict[str, Timing]:
-    """Time several collectives against each other: repetition r of every call runs before r + 1 of any.
-
-    For ratios between calls (one dtype against another, one backend against another) on a machine whose
-    load drifts: each call's samples are spread over the same stretch of time, so a busy spell slows all of
-    them rather than whichever happened to run then. The order rotates from one repetition to the next, so
-    no call always runs first (measured: a 1-2% edge on a 2-core VM). ``barriers[name]`` lines up that
-    call's ranks before each of its repetitions. Iterations per call are chosen as in :func:`time_collective`.
-    """
-    iters: dict[str, int] = {}
-    for name, call in calls.items():  # warm-up and per-call estimate, as time_collective does
-        batch, warmed = 1, 0.0
-        while True:
-            start = time.perf_counter()
-            for _ in range(batch):
-                call()
-            elapsed = agree_max([time.perf_counter() - start], sync_group)[0]
-            warmed += elapsed
-            if warmed >= cfg.warmup_s or batch >= cfg.max_iters:
-                break
-            batch *= 4
-        iters[name] = max(1, min(cfg.max_iters, int(cfg.point_s / cfg.reps / max(elapsed / batch, 1e-9))))
-
-    own: dict[str, list[float]] = {name: [] for name in calls}
-    names = list(calls)
-    for rep in range(cfg.reps):
-        for name in names[rep % len(names):] + names[:rep % len(names)]:
-            barriers[name]()
-            start = time.perf_counter()
-            for _ in range(iters[name]):
-                calls[name]()
-            own[name].append((time.perf_counter() - start) / iters[name])
-    timings = {}
-    for name in calls:
-        samples = agree_max(own[name], sync_group)
-        timings[name] = Timing(seconds=statistics.median(samples), iters=iters[name], samples=samples)
-    return timings
-
-
-# --- results ----------------------------------------------------------------------------------------------
-
-def add_target(checks: list[dict[str, Any]], name: str, value: float | None, limit: float,
-               higher_is_better: bool, unit: str) -> None:
-    """Print one target and append it to ``checks``: PASS or MISS against ``limit``, SKIP if not measured."""
-    if value is None:
-        status, shown = "SKIP", "not measured"
-    else:
-        ok = value >= limit if higher_is_better else value <= limit
-        status, shown = ("PASS" if ok else "MISS"), f"{value:.3g}{unit}"
-    checks.append({"target": name, "status": status, "value": value, "limit": limit})
-    print(f"[{status}] {name}: {shown}")
-
-
-def write_json(path: Path, payload: Mapping[str, Any]) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n")
-    return path
-
-
-def merge_results(path: Path, new: Mapping[str, Any], row_keys: Mapping[str, Callable[[dict[str, Any]], Any]]
-                  ) -> dict[str, Any]:
-    """``new`` laid over the results already in ``path``, so a partial run does not drop other series.
-
-    Top-level values of ``new`` replace the old ones, except: a list named in ``row_keys`` keeps the old
-    entries whose key (``row_keys[name](entry)``) no new entry has, then adds the new ones; a dict merges
-    key by key (e.g. per world size). A missing or unreadable file counts as empty.
-    """
-    try:
-        old = json.loads(path.read_text())
-    except (OSError, ValueError):
-        old = {}
-    merged: dict[str, Any] = dict(old) if isinstance(old, dict) else {}
-    for name, value in new.items():
-        previous = merged.get(name)
-        if name in row_keys and isinstance(previous, list):
-            key = row_keys[name]
-            fresh = {key(entry) for entry in value}
-            merged[name] = [entry for entry in previous if key(entry) not in fresh] + list(value)
-        elif isinstance(value, dict) and isinstance(previous, dict):
-            merged[name] = {**previous, **value}
-        else:
-            merged[name] = value
-    return merged
 
 
 @dataclasses.dataclass(frozen=True)
@@ -628,13 +307,3 @@ def _save_figure(fig, path: Path, suptitle: str | None) -> Path:
     plt.close(fig)
     return path
 
-
-@dataclasses.dataclass(frozen=True)
-class RunConfig:
-    """One benchmark job: the model (the benchmark's own ModelConfig), rounds, and the configurations (keys)."""
-
-    model: Any
-    warmup: int
-    rounds: int
-    keys: tuple[str, ...]
-    pg_timeout_s: float = 300.0

@@ -3,7 +3,7 @@
 Runs in a venv holding torch and DeepSpeed but not shardkit (``make bench-peers`` makes it): one job of
 ``--world`` spawned ranks, DeepSpeed initialised on gloo with its CPU accelerator (``DS_ACCELERATOR=cpu``), which
 builds its shm op (``torch.ops.deepspeed.inference_all_reduce_``) at init. Measured per size (f32, SUM), with
-``_common.time_collective`` as shardkit's side is:
+``_harness.time_collective`` as shardkit's side is:
   ds_raw     torch.ops.deepspeed.inference_all_reduce_(t): the shm kernel, no Python wrapper
   ds_comm    deepspeed.comm.inference_all_reduce(t): DeepSpeed's Python entry to the same kernel
   gloo       torch.distributed.all_reduce on gloo, the anchor both jobs share
@@ -21,7 +21,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import TimingConfig, launch_ranks, parse_size, time_collective  # noqa: E402
+from _common import parse_size  # noqa: E402
+from _harness import TimingConfig, launch_ranks, time_collective  # noqa: E402
 
 
 def _rank(rank: int, world: int, store: str, sizes: list[int], cfg: TimingConfig) -> list[dict]:

@@ -28,6 +28,8 @@ import shardkit
 from shardkit.backend import host_topology, inter_host_bytes
 from shardkit.quantized import inter_host_format
 
+from _harness import agree_max, rotated  # the benchmarks folder, the script's own (not a package)
+
 OPS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
 # The quantized column: the default (rails) group, every op inside this wire format.
 INT8 = shardkit.Quantized(weights="int8", grads="int8", block=256)
@@ -74,8 +76,7 @@ def main() -> None:
     seconds = {f"{op}/{backend}": [] for op, backend in pairs}
     sent = {f"{op}/{backend}": [] for op, backend in pairs if backend in counted}  # this rank's bytes per rep
     for rep in range(args.reps):
-        shift = rep % len(pairs)
-        for op, backend in pairs[shift:] + pairs[:shift]:
+        for op, backend in rotated(pairs, rep):
             dist.barrier(group=gloo)
             before = inter_host_bytes(groups[backend]) if backend in counted else 0
             start = time.perf_counter()
@@ -83,14 +84,13 @@ def main() -> None:
             seconds[f"{op}/{backend}"].append(time.perf_counter() - start)
             if backend in counted:
                 sent[f"{op}/{backend}"].append(inter_host_bytes(groups[backend]) - before)
-    flat = torch.tensor([s for key in seconds for s in seconds[key]], dtype=torch.float64)
-    dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=gloo)  # the slowest rank's time
+    flat = agree_max([s for key in seconds for s in seconds[key]], gloo)  # the slowest rank's time
     # Every rank's bytes per op: the largest of its repetitions (they are equal: the op's sizes fix them).
     mine = torch.tensor([max(sent[key]) for key in sent] + [min(sent[key]) for key in sent], dtype=torch.int64)
     everyone = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(everyone, mine, group=gloo)
     if rank == 0:
-        values = iter(flat.tolist())
+        values = iter(flat)
         wire = {}
         for i, key in enumerate(sent):
             by_rank = [int(t[i]) for t in everyone]

@@ -49,7 +49,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import rank0_progress  # noqa: E402  (the benchmarks folder is not a package)
+from _harness import rank0_progress, rotated  # noqa: E402  (the benchmarks folder is not a package)
 from _gpt import GPT, ModelConfig, n_params  # noqa: E402
 
 LR = 1e-3
@@ -173,8 +173,7 @@ def main() -> None:
     link: dict[str, list[int]] = {c.key: [] for c in configs}            # this host's link tx bytes (first rank)
     for r in range(steps):
         # Time mode rotates the order per round; loss mode keeps it (the losses do not depend on it).
-        shift = r % len(configs) if args.mode == "time" else 0
-        for config in configs[shift:] + configs[:shift]:
+        for config in rotated(configs, r) if args.mode == "time" else configs:
             if config.key not in built:
                 built[config.key] = build(config, cfg, meshes)
             b = built[config.key]

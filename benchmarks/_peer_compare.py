@@ -4,7 +4,7 @@ DeepSpeed lives in its own venv (``make bench-peers``: torch pinned as here, Dee
 so the two cannot share processes. Instead each round runs one job of shardkit ranks (here) and one job of
 DeepSpeed ranks (``_deepspeed_peer.py`` under the peer venv's Python), alternately, ``--rounds`` times; every
 series keeps its best round (the least disturbed by foreign load, which is printed per round). Both jobs time with
-``_common.time_collective`` (median of repetitions, slowest rank) and both measure gloo's ``dist.all_reduce``, so
+``_harness.time_collective`` (median of repetitions, slowest rank) and both measure gloo's ``dist.all_reduce``, so
 a drift between jobs shows. f32, SUM, per-rank sizes as in the main table.
 
   shardkit    torch.distributed.all_reduce on the shardkit backend (what users call)
@@ -25,8 +25,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from _common import (ForeignLoad, RESULTS_DIR, TimingConfig, add_target, format_size, format_table, format_us,
-                     launch_ranks, machine_info, time_collective, write_json)
+from _common import format_size, format_table, format_us
+from _harness import (RESULTS_DIR, ForeignLoad, TimingConfig, add_target, header, init_groups, launch_ranks,
+                      machine_info, time_collective, write_json, wrote)
 
 ROOT = Path(__file__).resolve().parent.parent
 PEER_PYTHON = ROOT / ".venv-peers" / "bin" / "python"
@@ -35,8 +36,7 @@ PEER_PYTHON = ROOT / ".venv-peers" / "bin" / "python"
 def _shardkit_rank(rank: int, world: int, store: str, sizes: list[int], cfg: TimingConfig) -> list[dict]:
     import shardkit
 
-    dist.init_process_group("shardkit", init_method=f"file://{store}", rank=rank, world_size=world)
-    gloo = dist.new_group(backend="gloo")
+    gloo = init_groups(rank, world, store)
     rows = []
     for nbytes in sizes:
         t = torch.ones(nbytes // 4, dtype=torch.float32)
@@ -63,9 +63,8 @@ def run(worlds: list[int], sizes: list[int], cfg: TimingConfig, rounds: int, out
         print(f"--peer deepspeed: no peer venv at {PEER_PYTHON.parent.parent}; run `make bench-peers` first")
         return 2
     machine = machine_info()
-    print(f"shardkit vs DeepSpeed CPU shm allreduce — {machine['cpu_model']}, {machine['usable_cores']} cores, "
-          f"torch {machine['torch']}; worlds {worlds}, sizes {' '.join(format_size(s) for s in sizes)}, "
-          f"{rounds} interleaved rounds (best round per series)")
+    print(header("shardkit vs DeepSpeed CPU shm allreduce", machine, f"worlds {worlds}, sizes "
+                 f"{' '.join(format_size(s) for s in sizes)}, {rounds} interleaved rounds (best round per series)"))
     results: list[dict[str, Any]] = []
     checks: list[dict[str, Any]] = []
     ds_version = "?"
@@ -115,5 +114,5 @@ def run(worlds: list[int], sizes: list[int], cfg: TimingConfig, rounds: int, out
     path = write_json(out / "deepspeed_allreduce.json", {"benchmark": "deepspeed_allreduce", "machine": machine,
                                                           "deepspeed": ds_version, "rounds": rounds,
                                                           "rows": results, "targets": checks})
-    print(f"\nwrote {path}")
+    print("\n" + wrote(path))
     return 0

@@ -69,7 +69,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime as dt
 import functools
 import gc
 import os
@@ -81,7 +80,6 @@ import time
 import traceback
 import warnings
 from collections.abc import Callable, Sequence
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -90,30 +88,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (  # noqa: E402  (the benchmarks folder is not a package)
-    RESULTS_DIR,
-    ForeignLoad,
-    RanksFailed,
-    RunConfig,
-    add_target,
-    filesystem_of,
-    agree_max,
-    format_table,
-    launch_ranks,
-    live_rss_bytes,
-    machine_info,
-    merge_results,
-    peak_rss_bytes,
-    plot_bar_panels,
-    rank0_progress,
-    return_large_frees_to_os,
-    synthetic_token_batches,
-    write_json,
-)
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benchmarks folder is not a package
+from _common import (MiB, filesystem_of, format_table, live_rss_bytes, mib, peak_rss_bytes,  # noqa: E402
+                     plot_bar_panels, return_large_frees_to_os, synthetic_token_batches)
 from _gpt import QUICK_MODEL, GPT, Block, ModelConfig, n_params  # noqa: E402
+from _harness import (RESULTS_DIR, ForeignLoad, RunConfig, add_target, agree_max, header, init_groups,  # noqa: E402
+                      interleaved_rounds, launch_attempts, load_note, machine_info, probe, rank0_progress,
+                      round_ratios, save_results, utc_now, warn_if_busy, wrote)
 
-MiB = 1 << 20
 LR = 1e-3
 LOSS_RTOL = 1e-4
 KINDS = ("sharded", "full")
@@ -381,14 +363,11 @@ def reset_peak_rss() -> bool:
 
 def setup_groups(rank: int, world: int, store: str, timeout_s: float) -> dict[str, Any]:
     """Default group shardkit (the one both wrappers and DCP use), a gloo group for agreeing, FSDP2's mesh."""
-    import shardkit  # noqa: F401  (registers the backend)
     from torch.distributed.device_mesh import init_device_mesh
 
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=UserWarning, module="torch.distributed.checkpoint")
-    dist.init_process_group("shardkit", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=timeout_s))
-    return {"gloo": dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)),
+    return {"gloo": init_groups(rank, world, store, timeout_s, gloo_timeout=True),
             "mesh": init_device_mesh("cpu", (world,))}
 
 
@@ -462,9 +441,8 @@ def rank_main(rank: int, world: int, store: str, run: RunConfig, scratch: str) -
     samples: dict[str, dict[str, list[list[float]]]] = {s: {op: [] for op in OPERATIONS} for s in systems}
     disk: dict[str, dict[str, int]] = {s: {} for s in systems}
     active = [s for s in systems if s in built]
-    for r in range(run.warmup + run.rounds):
-        order = active if r % 2 == 0 else active[::-1]
-        timed_round = r >= run.warmup
+    alternate = lambda keys, r: list(keys) if r % 2 == 0 else list(keys)[::-1]  # noqa: E731
+    for r, order, timed_round in interleaved_rounds(active, run.warmup, run.rounds, progress, order=alternate):
         for kind in kinds:
             save, load = f"{kind}_save", f"{kind}_load"
             paths = {s: Path(scratch) / f"round{r}-{kind}-{s}" for s in order}
@@ -508,7 +486,6 @@ def rank_main(rank: int, world: int, store: str, run: RunConfig, scratch: str) -
             if rank == 0:
                 for path in paths.values():
                     shutil.rmtree(path, ignore_errors=True)
-        progress(f"  round {r + 1}/{run.warmup + run.rounds}{' (warm-up)' if not timed_round else ''}")
     # Every rank's pre-save loss, for the check that both systems hold the same model.
     losses = {s: [0.0] * world for s in loss_before}
     for s in loss_before:
@@ -574,10 +551,6 @@ def rss_probe(rank: int, world: int, store: str, run: RunConfig, scratch: str, k
 
 # --- reporting ---------------------------------------------------------------------------------------------
 
-def mib(nbytes: float | None) -> str:
-    return "-" if nbytes is None else f"{nbytes / MiB:,.1f}"
-
-
 def summarize(raw: list[dict[str, Any]], run: RunConfig) -> dict[tuple[str, str], dict[str, Any]]:
     """One row per (system, operation): status, time statistics (slowest rank), phases, bytes on disk."""
     head = raw[0]
@@ -620,7 +593,7 @@ def paired(rows: dict[tuple[str, str], dict[str, Any]], op: str) -> list[float]:
     ours, anchor = ok(rows, "shardkit", op), ok(rows, ANCHOR, op)
     if ours is None or anchor is None:
         return []
-    return [x / y for x, y in zip(ours["time_s_samples"], anchor["time_s_samples"])]
+    return round_ratios(ours["time_s_samples"], anchor["time_s_samples"])
 
 
 def growth(row: dict[str, Any] | None, rank: int | None = None) -> float | None:
@@ -767,32 +740,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     machine = machine_info()
     scratch = tempfile.mkdtemp(prefix="shardkit-ckpt-bench-", dir=args.scratch)
     fs = filesystem_of(scratch)
-    print(f"shardkit checkpoint benchmark — {machine['cpu_model']}, {machine['usable_cores']} cores, torch "
-          f"{machine['torch']}; world {world}, 1 thread per rank, default group shardkit"
-          f"{' (--quick)' if args.quick else ''}")
+    print(header("shardkit checkpoint benchmark", machine, f"world {world}, 1 thread per rank, default group "
+                 f"shardkit{' (--quick)' if args.quick else ''}"))
     print(f"model: GPT, vocab {cfg.vocab}, d_model {cfg.d_model}, {cfg.heads} heads, {cfg.layers} blocks, tied LM "
           f"head: Ψ = {psi:,} parameters; model + AdamW state = {mib(12 * psi)} MiB in fp32")
     print(f"checkpoints under {scratch} ({fs}); {warmup} warm-up + {rounds} timed rounds")
-    if machine["load_avg_1m"] > 0.5 * machine["usable_cores"]:
-        print(f"warning: the machine is busy before the run (1-minute load {machine['load_avg_1m']:.1f}): "
-              f"expect noisy numbers")
+    warn_if_busy(machine)
 
     try:
         attempts = [keys]
         if "shardkit" in args.systems and len(args.systems) > 1:  # a shardkit path that kills the job: keep FSDP2's
             attempts.append(tuple(k for k in keys if not k.startswith("shardkit:")))
-        job_error = None
         with ForeignLoad() as load:
-            for n, attempt in enumerate(attempts):
-                try:
-                    raw = launch_ranks(rank_main, world, dataclasses.replace(run, keys=attempt), scratch,
-                                       timeout=1800.0)
-                    break
-                except RanksFailed as error:
-                    if n + 1 == len(attempts):
-                        raise
-                    job_error = str(error)
-                    print(f"the job failed; again without shardkit's rows:\n{error}", file=sys.stderr, flush=True)
+            raw, _, job_error = launch_attempts(rank_main, world, attempts,
+                                                lambda keys: (dataclasses.replace(run, keys=keys), scratch),
+                                                timeout=1800.0,
+                                                retry_note=lambda keys: "the job failed; again without shardkit's rows")
         if job_error is not None:
             raw[0]["status"]["shardkit"] = {f"{kind}_{what}": f"failed: the job died with it ({job_error[-1500:]})"
                                             for kind in args.kinds for what in ("save", "load")}
@@ -805,18 +768,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             for (key, op), row in rows.items():
                 if row["status"] != "ok" or (args.quick and op != "full_save"):
                     continue
-                print(f"RSS probe ({key} {op_label(op)}) …", file=sys.stderr, flush=True)
-                try:
-                    row["rss_by_rank"] = launch_ranks(rss_probe, world, run, scratch, key, op, timeout=600.0)
-                except RanksFailed as error:  # the timed job ran it, so this is unexpected: report, go on
-                    row["rss_error"] = str(error)
-                    print(f"RSS probe ({key} {op_label(op)}) failed:\n{error}", file=sys.stderr)
+                probe(row, f"{key} {op_label(op)}", rss_probe, world, run, scratch, key, op, timeout=600.0)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
-    if load.cores is not None:
-        print(f"\nother processes used {load.cores:.2f} of {machine['usable_cores']} cores on average during the "
-              f"timed job" + (" — numbers are noisy" if load.cores > 0.1 else ""))
+    if (note := load_note(load.cores, machine, "the timed job")):
+        print("\n" + note)
     print_tables(rows, run)
     print("\n=== targets ===")
     checks = check_targets(rows)
@@ -842,17 +799,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                "results": list(rows.values()),
                "runs": {"warmup_rounds": warmup, "timed_rounds": rounds, "foreign_load_cores": load.cores,
                         "machine_load_avg_1m": machine["load_avg_1m"], "git_commit": machine["git_commit"],
-                        "finished": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")},
+                        "finished": utc_now()},
                "targets": checks, "seconds": elapsed}
-    path = args.out / f"{stem}.json"
+    json_path = args.out / f"{stem}.json"
     # A run of some kinds or systems keeps the others' rows, if they are of the same model.
-    merged = merge_results(path, payload, {"results": lambda r: (r["system"], r["operation"]),
-                                           "targets": lambda t: t["target"]})
-    if merged.get("config") == config:
-        payload = merged
-    json_path = write_json(path, payload)
+    payload = save_results(json_path, payload, {"results": lambda r: (r["system"], r["operation"]),
+                                                "targets": lambda t: t["target"]}, same_if="config")
     png_path = plot({(r["system"], r["operation"]): r for r in payload["results"]}, args.out / f"{stem}.png", cfg, psi)
-    print(f"\nwrote {json_path}" + (f" and {png_path}" if png_path else "") + f"; total {elapsed:.0f} s")
+    print("\n" + wrote(json_path, png_path) + f"; total {elapsed:.0f} s")
     return 0
 
 

@@ -37,25 +37,17 @@ import statistics
 import sys
 import tempfile
 import time
-from datetime import timedelta
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (  # noqa: E402  (the benchmarks folder is not a package)
-    RESULTS_DIR,
-    ForeignLoad,
-    agree_max,
-    filesystem_of,
-    format_table,
-    launch_ranks,
-    machine_info,
-    rank0_progress,
-    write_json,
-)
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benchmarks folder is not a package
+from _common import filesystem_of, format_table  # noqa: E402  (the benchmarks folder is not a package)
+from _harness import (RESULTS_DIR, ForeignLoad, agree_max, init_groups, interleaved_rounds,  # noqa: E402
+                      launch_ranks, machine_info, rank0_progress, rotated, round_ratios, write_json, wrote)
 
 OPERATIONS = ("save", "dcp save", "load", "load verify=False", "dcp load")
 
@@ -86,8 +78,7 @@ def _rank(rank: int, world: int, store: str, scratch: str, total_bytes: int, ten
 
     from shardkit import checkpoint
 
-    dist.init_process_group("shardkit", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=600))
+    init_groups(rank, world, store, 600, gloo=False)
     progress = rank0_progress(rank, "checkpoint_integrity: ")
     state = _state(rank, world, total_bytes, tensors)
     skeleton = _skeleton(state)
@@ -110,12 +101,13 @@ def _rank(rank: int, world: int, store: str, scratch: str, total_bytes: int, ten
         "load verify=False": (nan_skeleton, lambda: checkpoint.load(skeleton, a, strict=False, verify=False)),
         "dcp load": (nan_skeleton, lambda: dcp.load(skeleton, checkpoint_id=b)),
     }
+    def saves_alternate_loads_rotate(names: Sequence[str], r: int) -> list[str]:
+        saves = list(names[:2]) if r % 2 == 0 else list(reversed(names[:2]))
+        return saves + rotated(names[2:], r)
+
     times: dict[str, list[float]] = {name: [] for name in OPERATIONS}
-    for round_index in range(warmup + rounds):
-        order = list(OPERATIONS[:2]) if round_index % 2 == 0 else list(reversed(OPERATIONS[:2]))
-        loads = list(OPERATIONS[2:])
-        shift = round_index % len(loads)
-        order += loads[shift:] + loads[:shift]
+    for round_index, order, timed_round in interleaved_rounds(OPERATIONS, warmup, rounds, progress, label="round",
+                                                              done=" done", order=saves_alternate_loads_rotate):
         for name in order:
             before, timed = ops[name]
             before()
@@ -127,9 +119,8 @@ def _rank(rank: int, world: int, store: str, scratch: str, total_bytes: int, ten
             seconds = time.perf_counter() - start
             if "load" in name and not _same(skeleton, state):
                 raise RuntimeError(f"rank {rank}: {name} did not load the saved values")
-            if round_index >= warmup:
+            if timed_round:
                 times[name].append(seconds)
-        progress(f"round {round_index + 1}/{warmup + rounds} done")
     agreed = {name: agree_max(samples, None) for name, samples in times.items()}
     return {"times": agreed, "bytes_per_rank": sum(v.to_local().nbytes for v in state["model"].values())}
 
@@ -173,8 +164,8 @@ def main(argv: list[str] | None = None) -> int:
              "load verify=False / dcp load": ("load verify=False", "dcp load")}
     ratios = {label: medians[ours] / medians[anchor] for label, (ours, anchor) in pairs.items()}
     # The rounds interleave, so a round's pair ran under the same load: the median of per-round ratios too.
-    round_ratios = {label: statistics.median(o / a for o, a in zip(times[ours], times[anchor]))
-                    for label, (ours, anchor) in pairs.items()}
+    per_round = {label: statistics.median(round_ratios(times[ours], times[anchor]))
+                 for label, (ours, anchor) in pairs.items()}
     checkpoint_bytes = sum(r["bytes_per_rank"] for r in per_rank)
     rows = [[name, f"{medians[name] * 1e3:.0f} ms", f"{min(times[name]) * 1e3:.0f} ms",
              f"{checkpoint_bytes / medians[name] / 1e9:.2f} GB/s"] for name in OPERATIONS]
@@ -182,14 +173,14 @@ def main(argv: list[str] | None = None) -> int:
           f"{filesystem_of(str(args.scratch))}; other load {load.cores or 0:.2f} cores)")
     print(format_table(["operation", "median", "best", "GB/s (median)"], rows))
     for name, ratio in ratios.items():
-        print(f"{name}: {ratio:.2f}x (median of per-round ratios {round_ratios[name]:.2f}x)")
+        print(f"{name}: {ratio:.2f}x (median of per-round ratios {per_round[name]:.2f}x)")
     print(f"CRC32C ({crc['isa']}): {crc['gb_per_s']:.1f} GB/s on one core")
     write_json(args.out, {"machine": machine, "scratch_filesystem": filesystem_of(str(args.scratch)),
                           "foreign_load_cores": load.cores, "world": 2, "checkpoint_bytes": checkpoint_bytes,
                           "tensors": args.tensors, "rounds": args.rounds, "warmup": args.warmup,
                           "seconds": times, "median_s": medians, "ratios": ratios,
-                          "median_of_round_ratios": round_ratios, "crc32c": crc})
-    print(f"wrote {args.out}")
+                          "median_of_round_ratios": per_round, "crc32c": crc})
+    print(wrote(args.out))
     return 0
 
 

@@ -32,42 +32,23 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime as dt
 import os
 import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benchmarks folder is not a package
 from _collectives_hosts import hosts_rank_main, hosts_targets, parse_hosts, print_hosts  # noqa: E402
-from _common import (  # noqa: E402  (the benchmarks folder is not a package)
-    RESULTS_DIR,
-    ForeignLoad,
-    Series,
-    Timing,
-    TimingConfig,
-    agree_max,
-    format_size,
-    format_table,
-    format_us,
-    add_target,
-    launch_ranks,
-    machine_info,
-    merge_results,
-    parse_size,
-    plot_panels,
-    rank0_progress,
-    time_collective,
-    time_interleaved,
-    write_json,
-)
+from _common import Series, format_size, format_table, format_us, parse_size, plot_panels  # noqa: E402
+from _harness import (RESULTS_DIR, ForeignLoad, Timing, TimingConfig, add_target, agree_max, announce,  # noqa: E402
+                      init_groups, launch_ranks, load_note, machine_info, rank0_progress, merge_results,
+                      time_collective, time_interleaved, utc_now, write_json, wrote)
 
 OPS = ("allreduce", "allgather", "reduce_scatter", "broadcast")
 DTYPES: dict[str, torch.dtype] = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
@@ -221,16 +202,14 @@ def allreduce_bound(size: int, world: int, aggregate_GBps: float) -> dict[str, f
 # --- one rank ----------------------------------------------------------------------------------------------
 
 def rank_main(rank: int, world: int, store: str, cfg: BenchConfig) -> dict[str, Any] | None:
-    import shardkit  # registers the backend in this process
+    import shardkit
 
     if cfg.pin:
         # Before init, so the backend's worker thread and gloo's threads inherit the mask.
         cores = sorted(os.sched_getaffinity(0))
         os.sched_setaffinity(0, {cores[rank % len(cores)]})
 
-    dist.init_process_group("shardkit", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=cfg.pg_timeout_s))
-    gloo = dist.new_group(backend="gloo")
+    gloo = init_groups(rank, world, store, cfg.pg_timeout_s)
     barriers: dict[str, Callable[[], None]] = {"shardkit": lambda: dist.barrier(),
                                                "gloo": lambda: dist.barrier(group=gloo)}
     groups = {"shardkit": None, "gloo": gloo}
@@ -532,9 +511,8 @@ def run_worlds(args: argparse.Namespace, cfg: BenchConfig, machine: dict[str, An
         print_dtype_compare(world, result["dtype_compare"], isa)
         zero_copies.extend(result["zero_copy"])
         print_zero_copy(world, result["zero_copy"], bounds[world])
-        if load.cores is not None:
-            print(f"other processes used {load.cores:.2f} of {machine['usable_cores']} cores on average during "
-                  f"this world's run" + (" — numbers are noisy" if load.cores > 0.1 else ""))
+        if (note := load_note(load.cores, machine, "this world's run")):
+            print(note)
 
     print("\n=== targets (2-core machine class) ===")
     checks = check_targets(rows, bounds, compares, zero_copies)
@@ -562,8 +540,8 @@ def run_hosts(args: argparse.Namespace, cfg: BenchConfig, hosts: int, per_host: 
         rows = launch_ranks(hosts_rank_main, world, cfg, per_host, timeout=900.0)[0]
     elapsed = time.monotonic() - t0
     print_hosts(rows, hosts, per_host, cfg.sizes)
-    if load.cores is not None:
-        print(f"other processes used {load.cores:.2f} cores on average during the run")
+    if (note := load_note(load.cores, None, "the run", noisy="")):
+        print(note)
     print("\n=== targets (simulated hosts) ===")
     checks = hosts_targets(rows, hosts, per_host, cfg.sizes)
     topology = f"{hosts}x{per_host}"
@@ -612,11 +590,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     machine = machine_info()
     what = f"{args.hosts} simulated hosts" if hosts else f"worlds {args.world}"
-    print(f"shardkit collectives benchmark — {machine['cpu_model']}, {machine['usable_cores']} cores, "
-          f"torch {machine['torch']}; {what}, sizes {' '.join(format_size(s) for s in sizes)}")
-    if machine["load_avg_1m"] > 0.5 * machine["usable_cores"]:
-        print(f"warning: the machine is busy before the run (1-minute load {machine['load_avg_1m']:.1f} on "
-              f"{machine['usable_cores']} cores): expect noisy numbers")
+    announce("shardkit collectives benchmark", machine, f"{what}, sizes {' '.join(format_size(s) for s in sizes)}",
+             cores_in_warning=True)
     part = run_hosts(args, cfg, *hosts) if hosts else run_worlds(args, cfg, machine)
     elapsed = time.monotonic() - started
     for entry in (*part["rows"], *part.get("dtype_compare", ()), *part.get("zero_copy", ())):
@@ -630,15 +605,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "runs": {machine["date"]: {"git_commit": machine["git_commit"], "cpu_model": machine["cpu_model"],
                                    "load_avg_1m": machine["load_avg_1m"], "argv": list(argv or sys.argv[1:]),
                                    "reduce_isa_env": os.environ.get("SHARDKIT_REDUCE_ISA"), "seconds": elapsed}},
-        "finished": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "finished": utc_now(),
     }, row_keys={"rows": row_key, "dtype_compare": lambda e: (e["world"], e["size_bytes"]),
                  "zero_copy": lambda e: (e["world"], e["size_bytes"]),
                  "targets": lambda t: t["target"]})
     merged.get("seconds", {}).pop("total", None)  # from files before per-run totals; each run's is in "runs"
-    json_path = write_json(path, merged)
+    write_json(path, merged)
     png_path = plot(merged["rows"], args.out / "collectives.png")
-    print(f"\nwrote {json_path}" + (f" and {png_path}" if png_path else "")
-          + " (this run's series replaced, the others kept)")
+    print("\n" + wrote(path, png_path) + " (this run's series replaced, the others kept)")
     print(f"total {elapsed:.0f} s")
     return 0
 

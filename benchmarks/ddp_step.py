@@ -61,13 +61,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime as dt
 import resource
 import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -77,26 +75,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (  # noqa: E402  (the benchmarks folder is not a package)
-    RESULTS_DIR,
-    ForeignLoad,
-    RunConfig,
-    agree_max,
-    format_table,
-    launch_ranks,
-    machine_info,
-    peak_rss_bytes,
-    live_rss_bytes,
-    plot_bar_panels,
-    rank0_progress,
-    return_large_frees_to_os,
-    synthetic_token_batches,
-    unique_storage_bytes,
-    write_json,
-)
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benchmarks folder is not a package
+from _common import (MiB, format_table, live_rss_bytes, mib, peak_rss_bytes, plot_bar_panels,  # noqa: E402
+                     return_large_frees_to_os, synthetic_token_batches, unique_storage_bytes)
+from _harness import (RESULTS_DIR, ForeignLoad, RunConfig, agree_max, agree_max_rows, agree_outcome,  # noqa: E402
+                      announce, describe_paired, init_groups, interleaved_rounds, launch_ranks, load_note,
+                      machine_info, quartiles, rank0_progress, round_ratios, row_ratio, utc_now, write_json, wrote)
 
-MiB = 1 << 20
 MEMORY_FIELDS = ("params", "grads", "ddp_buffers", "opt_state", "opt_params")
 
 
@@ -314,11 +299,7 @@ def measure_memory(built: Built, batch: tuple[torch.Tensor, torch.Tensor]) -> di
 # --- the ranks -------------------------------------------------------------------------------------------------
 
 def setup_groups(rank: int, world: int, store: str, timeout_s: float) -> dict[str, Any]:
-    import shardkit  # noqa: F401  (registers the backend)
-
-    dist.init_process_group("shardkit", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=timeout_s))
-    return {"shardkit": None, "gloo": dist.new_group(backend="gloo")}
+    return {"shardkit": None, "gloo": init_groups(rank, world, store, timeout_s)}
 
 
 def try_build(variant: Variant, cfg: ModelConfig, groups: dict[str, Any]) -> Built | str:
@@ -327,12 +308,7 @@ def try_build(variant: Variant, cfg: ModelConfig, groups: dict[str, Any]) -> Bui
         result: Built | str = build(variant, cfg, groups)
     except NotImplementedError as error:
         result = f"not implemented: {error}"
-    flag = torch.tensor([isinstance(result, str)], dtype=torch.int32)
-    dist.all_reduce(flag, op=dist.ReduceOp.SUM, group=groups["gloo"])
-    if int(flag) not in (0, dist.get_world_size()):
-        raise RuntimeError(f"rank {dist.get_rank()}: ranks disagree on whether {variant.label} can be built "
-                           f"(here: {result if isinstance(result, str) else 'built'})")
-    return result
+    return agree_outcome(result, variant.label, groups["gloo"])
 
 
 def rank_main(rank: int, world: int, store: str, run: RunConfig) -> dict[str, Any]:
@@ -358,16 +334,14 @@ def rank_main(rank: int, world: int, store: str, run: RunConfig) -> dict[str, An
     batches = make_batches(run.model, rank, run.warmup + run.rounds + 1)
     # samples[key] = per timed round [forward, backward, optimizer, total seconds, minor page faults] on this rank
     samples: dict[str, list[list[float]]] = {k: [] for k in active}
-    for r in range(run.warmup + run.rounds):
-        shift = r % max(1, len(active))
-        for key in active[shift:] + active[:shift]:
+    for r, order, timed in interleaved_rounds(active, run.warmup, run.rounds, progress):
+        for key in order:
             dist.barrier()
             faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             fwd, bwd, opt = train_step(built[key], batches[r])
             faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
-            if r >= run.warmup:
+            if timed:
                 samples[key].append([fwd, bwd, opt, fwd + bwd + opt, float(faults)])
-        progress(f"  round {r + 1}/{run.warmup + run.rounds}{' (warm-up)' if r < run.warmup else ''}")
 
     memory = {key: measure_memory(built[key], batches[-1]) for key in active}
 
@@ -395,14 +369,7 @@ def rank_main(rank: int, world: int, store: str, run: RunConfig) -> dict[str, An
     phases = profile_phases(built, batches, [k for k in PHASE_KEYS if k in built], gloo)
     floors = communication_floor(built, [k for k in FLOOR_KEYS if k in built], gloo)
 
-    # Slowest rank per round and phase; the order of the flattened list is the same on every rank.
-    flat_samples = [x for k in active for row in samples[k] for x in row]
-    maxed = agree_max(flat_samples, gloo)
-    timing: dict[str, list[list[float]]] = {}
-    i = 0
-    for k in active:
-        timing[k] = [maxed[i + 5 * j: i + 5 * j + 5] for j in range(run.rounds)]
-        i += 5 * run.rounds
+    timing = agree_max_rows(samples, gloo)  # slowest rank per round and phase
     return {"status": status, "timing": timing if rank == 0 else None, "memory": memory, "parity": parity,
             "phases": phases, "floors": floors,
             "optimizer": {k: built[k].optimizer_name for k in active}, "n_params": n_params}
@@ -551,10 +518,6 @@ def rss_probe(rank: int, world: int, store: str, run: RunConfig, key: str) -> di
 
 # --- reporting -------------------------------------------------------------------------------------------------
 
-def mib(nbytes: float | None) -> str:
-    return "-" if nbytes is None else f"{nbytes / MiB:,.1f}"
-
-
 def per_rank(values: Sequence[float]) -> str:
     """One number when the ranks agree, else all of them."""
     return mib(values[0]) if len(set(values)) == 1 else " / ".join(mib(v) for v in values)
@@ -572,10 +535,10 @@ def summarize(results: list[dict[str, Any]], run: RunConfig) -> dict[str, dict[s
         if row["status"] == "ok":
             t = head["timing"][v.key]
             totals = [s[3] for s in t]
-            q = statistics.quantiles(totals, n=4) if len(totals) > 1 else [totals[0]] * 3
+            p25, median, p75 = quartiles(totals)
             row.update({
                 "optimizer": head["optimizer"][v.key],
-                "step_s": statistics.median(totals), "step_s_p25": q[0], "step_s_p75": q[2],
+                "step_s": median, "step_s_p25": p25, "step_s_p75": p75,
                 "forward_s": statistics.median(s[0] for s in t), "backward_s": statistics.median(s[1] for s in t),
                 "optimizer_s": statistics.median(s[2] for s in t), "step_s_samples": totals,
                 "page_faults_per_step": statistics.median(s[4] for s in t),
@@ -590,15 +553,7 @@ def paired_ratios(rows: dict[str, dict[str, Any]], num: str, den: str) -> list[f
     """num/den of each round (the interleaving makes a round's steps comparable)."""
     if rows.get(num, {}).get("status") != "ok" or rows.get(den, {}).get("status") != "ok":
         return None
-    return [x / y for x, y in zip(rows[num]["step_s_samples"], rows[den]["step_s_samples"])]
-
-
-def describe_paired(values: list[float] | None) -> str:
-    """"; per-round ratio median 0.98×, middle half 0.95–1.01×" — whether a ratio near a limit is noise."""
-    if not values:
-        return ""
-    q = statistics.quantiles(values, n=4) if len(values) > 1 else [values[0]] * 3
-    return f"; per-round ratio median {statistics.median(values):.3f}×, middle half {q[0]:.3f}–{q[2]:.3f}×"
+    return round_ratios(rows[num]["step_s_samples"], rows[den]["step_s_samples"])
 
 
 def paired_excess(rows: dict[str, dict[str, Any]], key: str, base: str = "z") -> float | None:
@@ -606,12 +561,6 @@ def paired_excess(rows: dict[str, dict[str, Any]], key: str, base: str = "z") ->
     if rows.get(key, {}).get("status") != "ok" or rows.get(base, {}).get("status") != "ok" or key == base:
         return None
     return statistics.median(x - y for x, y in zip(rows[key]["step_s_samples"], rows[base]["step_s_samples"]))
-
-
-def ratio(rows: dict[str, dict[str, Any]], num: str, den: str) -> float | None:
-    if rows.get(num, {}).get("status") != "ok" or rows.get(den, {}).get("status") != "ok":
-        return None
-    return rows[num]["step_s"] / rows[den]["step_s"]
 
 
 def print_tables(rows: dict[str, dict[str, Any]], rss: dict[str, list[dict[str, Any]]], run: RunConfig) -> None:
@@ -622,7 +571,7 @@ def print_tables(rows: dict[str, dict[str, Any]], rss: dict[str, list[dict[str, 
             timing_rows.append([name, row["status"].split(":")[0]] + [""] * 9)
             memory_rows.append([name, row["status"].split(":")[0]] + [""] * 8)
             continue
-        rb, ra, over = ratio(rows, key, "b"), ratio(rows, key, "a"), paired_excess(rows, key)
+        rb, ra, over = row_ratio(rows, key, "b"), row_ratio(rows, key, "a"), paired_excess(rows, key)
         parity = row["parity"]
         check = ("n/a" if parity is None else "bitwise" if parity["bitwise_vs_anchor"] else
                  "allclose" if parity["allclose_vs_anchor"] else "DIFFERS")
@@ -667,10 +616,10 @@ def check_targets(rows: dict[str, dict[str, Any]], world: int,
     def status_of(key: str) -> str:
         return rows.get(key, {}).get("status", "not run")
 
-    add("shardkit DDP / shardkit ≤ 1.0× torch DDP on the same backend (c ÷ b)", ratio(rows, "c", "b"), 1.0,
-        extra=describe_paired(paired_ratios(rows, "c", "b")))
-    add("shardkit DDP on shardkit ≤ 0.7× torch DDP + gloo (c ÷ a)", ratio(rows, "c", "a"), 0.7,
-        extra=describe_paired(paired_ratios(rows, "c", "a")))
+    add("shardkit DDP / shardkit ≤ 1.0× torch DDP on the same backend (c ÷ b)", row_ratio(rows, "c", "b"), 1.0,
+        extra=describe_paired(paired_ratios(rows, "c", "b"), "per-round ratio median"))
+    add("shardkit DDP on shardkit ≤ 0.7× torch DDP + gloo (c ÷ a)", row_ratio(rows, "c", "a"), 0.7,
+        extra=describe_paired(paired_ratios(rows, "c", "a"), "per-round ratio median"))
     for key in ("c", "i"):
         excess = paired_excess(rows, key)
         over_z = None if excess is None or rows["z"]["step_s"] <= 0 else 1 + excess / rows["z"]["step_s"]
@@ -682,7 +631,7 @@ def check_targets(rows: dict[str, dict[str, Any]], world: int,
         checks.append({"target": f"({key}) overhead over (z) <= 15 ms", "value": excess, "limit": 0.015,
                        "status": "SKIP" if excess is None else "PASS" if excess <= 0.015 else "MISS",
                        "communication_floor_s": None if comm_floor is None else floor_ms(comm_floor) / 1e3})
-    floor = ratio(rows, "z", "a")
+    floor = row_ratio(rows, "z", "a")
     if floor is not None:
         print(f"       floor: the local step alone (z, no communication at all) is {floor:.3f}× of (a), so no DDP "
               f"can beat that ratio on this model and machine")
@@ -776,11 +725,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     keys=tuple(args.only or [v.key for v in VARIANTS]))
     machine = machine_info()
     m = run.model
-    print(f"shardkit DDP step benchmark — {machine['cpu_model']}, {machine['usable_cores']} cores, "
-          f"torch {machine['torch']}; world {world}, 1 thread per rank")
-    if machine["load_avg_1m"] > 0.5 * machine["usable_cores"]:
-        print(f"warning: the machine is busy before the run (1-minute load {machine['load_avg_1m']:.1f}): "
-              f"expect noisy numbers")
+    announce("shardkit DDP step benchmark", machine, f"world {world}, 1 thread per rank")
 
     with ForeignLoad() as load:
         results = launch_ranks(rank_main, world, run, timeout=1200.0)
@@ -794,9 +739,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"data: synthetic tokens, batch {m.batch} × seq {m.seq} per rank, seeded per rank and step; AdamW lr {LR}; "
           f"{run.warmup} warm-up + {run.rounds} timed rounds, each round one step of every configuration in "
           f"rotated order")
-    if load.cores is not None:
-        print(f"other processes used {load.cores:.2f} of {machine['usable_cores']} cores on average during the "
-              f"timed job" + (" — numbers are noisy" if load.cores > 0.1 else ""))
+    if (note := load_note(load.cores, machine, "the timed job")):
+        print(note)
 
     rss: dict[str, list[dict[str, Any]]] = {}
     if not args.no_rss:
@@ -839,10 +783,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "targets": checks,
         "foreign_load_cores": load.cores,
         "seconds": {"total": elapsed, "timed_job": train_s},
-        "finished": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "finished": utc_now(),
     })
     png_path = plot(rows, args.out / "ddp_step.png")
-    print(f"\nwrote {json_path}" + (f" and {png_path}" if png_path else ""))
+    print("\n" + wrote(json_path, png_path))
     print(f"total {elapsed:.0f} s (timed job {train_s:.0f} s, RSS probes {elapsed - train_s:.0f} s)")
     return 0
 

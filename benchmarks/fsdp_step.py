@@ -58,14 +58,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime as dt
 import functools
 import statistics
 import sys
 import time
 import warnings
 from collections.abc import Sequence
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -74,31 +72,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (  # noqa: E402  (the benchmarks folder is not a package)
-    RESULTS_DIR,
-    ForeignLoad,
-    PeakPss,
-    RanksFailed,
-    RunConfig,
-    agree_max,
-    format_table,
-    launch_ranks,
-    live_rss_bytes,
-    machine_info,
-    merge_results,
-    peak_rss_bytes,
-    plot_bar_panels,
-    pss_bytes,
-    rank0_progress,
-    return_large_frees_to_os,
-    synthetic_token_batches,
-    unique_storage_bytes,
-    write_json,
-)
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benchmarks folder is not a package
+from _common import (MiB, PeakPss, format_table, live_rss_bytes, mib, peak_rss_bytes, plot_bar_panels,  # noqa: E402
+                     pss_bytes, return_large_frees_to_os, synthetic_token_batches, unique_storage_bytes)
 from _gpt import QUICK_MODEL, GPT, Block, ModelConfig, n_params  # noqa: E402
+from _harness import (RESULTS_DIR, ForeignLoad, RunConfig, agree_max_rows, agree_outcome,  # noqa: E402
+                      describe_paired, init_groups, interleaved_rounds, launch_attempts, load_note, machine_info,
+                      header, probe, rank0_progress, round_ratios, row_ratio, save_results, utc_now, warn_if_busy,
+                      wrote)
 
-MiB = 1 << 20
 LR = 1e-3
 PRECISIONS = ("fp32", "bf16")
 LOSS_RTOL = {"fp32": 1e-4, "bf16": 3e-2}
@@ -241,13 +223,10 @@ def model_state_bytes(built: Built, batch: tuple[torch.Tensor, torch.Tensor]) ->
 
 def setup_groups(rank: int, world: int, store: str, timeout_s: float, keys: Sequence[str]) -> dict[str, Any]:
     """Default group shardkit, a gloo group over the same ranks, and what the configurations need of them."""
-    import shardkit  # noqa: F401  (registers the backend)
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
     warnings.filterwarnings("ignore", category=FutureWarning)  # torch FSDP1's deprecation notice, per wrap
-    dist.init_process_group("shardkit", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=timeout_s))
-    groups: dict[str, Any] = {"shardkit": None, "gloo": dist.new_group(backend="gloo")}
+    groups: dict[str, Any] = {"shardkit": None, "gloo": init_groups(rank, world, store, timeout_s)}
     if any(variant(k).wrapper in ("fsdp2", "fully_shard") for k in keys):
         groups["mesh:shardkit"] = init_device_mesh("cpu", (world,))
         groups["mesh:gloo"] = DeviceMesh.from_group(groups["gloo"], "cpu")
@@ -270,12 +249,7 @@ def try_build(v: Variant, cfg: ModelConfig, precision: str, groups: dict[str, An
     except Exception as error:  # noqa: BLE001 - a row that cannot run is reported, the others run
         kind = "not implemented" if isinstance(error, NotImplementedError) else "failed"
         result = f"{kind}: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-    flag = torch.tensor([isinstance(result, str)], dtype=torch.int32)
-    dist.all_reduce(flag, op=dist.ReduceOp.SUM, group=groups["gloo"])
-    if int(flag) not in (0, dist.get_world_size()):
-        raise RuntimeError(f"rank {dist.get_rank()}: ranks disagree on whether {v.label} can be built "
-                           f"(here: {result if isinstance(result, str) else 'built'})")
-    return result
+    return agree_outcome(result, v.label, groups["gloo"])
 
 
 def rank_main(rank: int, world: int, store: str, run: RunConfig, precision: str) -> dict[str, Any]:
@@ -301,27 +275,23 @@ def rank_main(rank: int, world: int, store: str, run: RunConfig, precision: str)
              f"{run.rounds} timed rounds")
 
     samples: dict[str, list[list[float]]] = {k: [] for k in active}   # per timed round: fwd, bwd, opt, total
-    for r in range(1, run.warmup + run.rounds):
-        shift = r % max(1, len(active))
-        for key in active[shift:] + active[:shift]:
+    for r, order, timed in interleaved_rounds(active, run.warmup, run.rounds, progress, first=1):
+        for key in order:
             dist.barrier()
             fwd, bwd, opt, loss = train_step(built[key], batches[r])
             losses[key].append(loss)
-            if r >= run.warmup:
+            if timed:
                 samples[key].append([fwd, bwd, opt, fwd + bwd + opt])
-        progress(f"  round {r + 1}/{run.warmup + run.rounds}{' (warm-up)' if r < run.warmup else ''}")
 
     memory = {key: model_state_bytes(built[key], batches[-1]) for key in active}
 
     # Slowest rank per round and phase, mean loss over ranks; the flattened order is the same on every rank.
-    maxed = agree_max([x for k in active for row in samples[k] for x in row], gloo)
+    timing = agree_max_rows(samples, gloo)
     loss_t = torch.tensor([x for k in active for x in losses[k]], dtype=torch.float64)
     dist.all_reduce(loss_t, group=gloo)
     loss_t /= world
-    timing, mean_loss, i, j = {}, {}, 0, 0
+    mean_loss, j = {}, 0
     for k in active:
-        timing[k] = [maxed[i + 4 * n: i + 4 * n + 4] for n in range(run.rounds)]
-        i += 4 * run.rounds
         mean_loss[k] = loss_t[j: j + len(losses[k])].tolist()
         j += len(losses[k])
     return {"status": status, "timing": timing, "memory": memory, "loss": mean_loss}
@@ -362,10 +332,6 @@ def rss_probe(rank: int, world: int, store: str, run: RunConfig, precision: str,
 
 # --- reporting -------------------------------------------------------------------------------------------------
 
-def mib(nbytes: float | None) -> str:
-    return "-" if nbytes is None else f"{nbytes / MiB:,.1f}"
-
-
 def summarize(result: list[dict[str, Any]], run: RunConfig, ideal: float) -> dict[str, dict[str, Any]]:
     """Per configuration: status, step-time statistics, memory of every rank, losses."""
     head = result[0]
@@ -388,20 +354,12 @@ def summarize(result: list[dict[str, Any]], run: RunConfig, ideal: float) -> dic
     return rows
 
 
-def ratio(rows: dict[str, dict[str, Any]], num: str, den: str, field: str = "step_s") -> float | None:
-    if rows.get(num, {}).get("status") != "ok" or rows.get(den, {}).get("status") != "ok":
-        return None
-    return rows[num][field] / rows[den][field]
-
-
 def paired(rows: dict[str, dict[str, Any]], num: str, den: str) -> str:
     """Per-round ratios (the interleaving makes a round's steps comparable): whether a ratio near a limit is
     noise."""
-    if ratio(rows, num, den) is None:
+    if row_ratio(rows, num, den) is None:
         return ""
-    values = [x / y for x, y in zip(rows[num]["step_s_samples"], rows[den]["step_s_samples"])]
-    q = statistics.quantiles(values, n=4) if len(values) > 1 else values * 3
-    return f"; per-round median {statistics.median(values):.3f}×, middle half {q[0]:.3f}–{q[2]:.3f}×"
+    return describe_paired(round_ratios(rows[num]["step_s_samples"], rows[den]["step_s_samples"]))
 
 
 def peak_growth(row: dict[str, Any]) -> float | None:
@@ -416,7 +374,7 @@ def print_tables(precision: str, rows: dict[str, dict[str, Any]], run: RunConfig
         if row["status"] != "ok":
             table.append([name, row["status"].split(":")[0]] + [""] * 12)
             continue
-        ra, rb = ratio(rows, key, "a"), ratio(rows, key, "b")
+        ra, rb = row_ratio(rows, key, "a"), row_ratio(rows, key, "b")
         probes = row.get("rss_by_rank")
         loss_a = rows["a"]["final_loss"] if rows.get("a", {}).get("status") == "ok" else None
         table.append([
@@ -454,10 +412,10 @@ def check_targets(precision: str, rows: dict[str, dict[str, Any]]) -> list[dict[
         print(f"[{status}] {precision}: {name}: {skip if value is None else shown or f'{value:.3f}×'}")
 
     why = rows.get("e", {}).get("status", "not run")
-    add("shardkit FULL_SHARD / shardkit ≤ 0.9× torch FSDP2 / shardkit (e ÷ b, medians)", ratio(rows, "e", "b"), 0.9,
-        shown=f"{ratio(rows, 'e', 'b') or 0:.3f}×{paired(rows, 'e', 'b')}", skip=why)
-    add("shardkit FULL_SHARD / shardkit ≤ 0.7× torch FSDP2 / gloo (e ÷ a, medians)", ratio(rows, "e", "a"), 0.7,
-        shown=f"{ratio(rows, 'e', 'a') or 0:.3f}×{paired(rows, 'e', 'a')}", skip=why)
+    add("shardkit FULL_SHARD / shardkit ≤ 0.9× torch FSDP2 / shardkit (e ÷ b, medians)", row_ratio(rows, "e", "b"), 0.9,
+        shown=f"{row_ratio(rows, 'e', 'b') or 0:.3f}×{paired(rows, 'e', 'b')}", skip=why)
+    add("shardkit FULL_SHARD / shardkit ≤ 0.7× torch FSDP2 / gloo (e ÷ a, medians)", row_ratio(rows, "e", "a"), 0.7,
+        shown=f"{row_ratio(rows, 'e', 'a') or 0:.3f}×{paired(rows, 'e', 'a')}", skip=why)
     pe, pb = peak_growth(rows.get("e", {})), peak_growth(rows.get("b", {}))
     add("shardkit FULL_SHARD peak RSS growth ≤ torch FSDP2's on shardkit (e ÷ b, fuller rank)",
         None if pe is None or pb is None else pe / pb, 1.0,
@@ -466,10 +424,10 @@ def check_targets(precision: str, rows: dict[str, dict[str, Any]]) -> list[dict[
     add("shardkit FULL_SHARD model-state bytes within 1% of 16Ψ/N (fuller rank)", state, 1.01,
         ok=state is not None and abs(state - 1) <= 0.01, shown=f"{state or 0:.4f}× of 16Ψ/N", skip=why)
     why_k = rows.get("k", {}).get("status", "not run")
-    add("shardkit.fully_shard / shardkit ≤ 0.75× torch FSDP2 / shardkit (k ÷ b, medians)", ratio(rows, "k", "b"),
-        0.75, shown=f"{ratio(rows, 'k', 'b') or 0:.3f}×{paired(rows, 'k', 'b')}", skip=why_k)
-    add("shardkit.fully_shard / shardkit ≤ 0.5× torch FSDP2 / gloo (k ÷ a, medians)", ratio(rows, "k", "a"), 0.5,
-        shown=f"{ratio(rows, 'k', 'a') or 0:.3f}×{paired(rows, 'k', 'a')}", skip=why_k)
+    add("shardkit.fully_shard / shardkit ≤ 0.75× torch FSDP2 / shardkit (k ÷ b, medians)", row_ratio(rows, "k", "b"),
+        0.75, shown=f"{row_ratio(rows, 'k', 'b') or 0:.3f}×{paired(rows, 'k', 'b')}", skip=why_k)
+    add("shardkit.fully_shard / shardkit ≤ 0.5× torch FSDP2 / gloo (k ÷ a, medians)", row_ratio(rows, "k", "a"), 0.5,
+        shown=f"{row_ratio(rows, 'k', 'a') or 0:.3f}×{paired(rows, 'k', 'a')}", skip=why_k)
     pk = peak_growth(rows.get("k", {}))
     add("shardkit.fully_shard peak RSS growth ≤ torch FSDP2's on shardkit (k ÷ b, fuller rank)",
         None if pk is None or pb is None else pk / pb, 1.0,
@@ -548,15 +506,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     psi = n_params(cfg)
     ideal = 16 * psi / world
     machine = machine_info()
-    print(f"shardkit FSDP step benchmark — {machine['cpu_model']}, {machine['usable_cores']} cores, torch "
-          f"{machine['torch']}; world {world}, 1 thread per rank{' (--quick)' if args.quick else ''}")
+    print(header("shardkit FSDP step benchmark", machine,
+                 f"world {world}, 1 thread per rank{' (--quick)' if args.quick else ''}"))
     print(f"model: GPT, vocab {cfg.vocab}, d_model {cfg.d_model}, {cfg.heads} heads, {cfg.layers} blocks (MLP 4×), "
           f"positions {cfg.seq}, tied LM head: Ψ = {psi:,} parameters; 16Ψ/N = {mib(ideal)} MiB")
     print(f"data: synthetic tokens, batch {cfg.batch} × seq {cfg.seq} per rank; AdamW lr {LR}; {warmup} warm-up + "
           f"{rounds} timed rounds per precision")
-    if machine["load_avg_1m"] > 0.5 * machine["usable_cores"]:
-        print(f"warning: the machine is busy before the run (1-minute load {machine['load_avg_1m']:.1f}): "
-              f"expect noisy numbers")
+    warn_if_busy(machine)
 
     results: dict[str, dict[str, dict[str, Any]]] = {}
     loads: dict[str, float | None] = {}
@@ -571,19 +527,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             if keys and keys not in attempts:
                 attempts.append(keys)
         with ForeignLoad() as load:
-            for n, keys in enumerate(attempts):
-                try:
-                    raw = launch_ranks(rank_main, world, dataclasses.replace(run, keys=keys), precision,
-                                       timeout=2400.0)
-                    break
-                except RanksFailed as error:
-                    if n + 1 == len(attempts):
-                        raise
-                    print(f"[{precision}] the job failed; again with rows {' '.join(attempts[n + 1])}:"
-                          f"\n{error}", file=sys.stderr, flush=True)
-                    raw_error = str(error).splitlines()[-1][:200]
-            raw[0]["status"].update({k: f"failed: the job died with this row in it ({raw_error})"
-                                     for k in run.keys if k not in keys})
+            raw, keys, job_error = launch_attempts(
+                rank_main, world, attempts, lambda keys: (dataclasses.replace(run, keys=keys), precision),
+                timeout=2400.0, retry_note=lambda keys: f"[{precision}] the job failed; again with rows {' '.join(keys)}")
+            if job_error is not None:
+                raw_error = job_error.splitlines()[-1][:200]
+                raw[0]["status"].update({k: f"failed: the job died with this row in it ({raw_error})"
+                                         for k in run.keys if k not in keys})
         loads[precision] = load.cores
         rows = summarize(raw, run, ideal)
         results[precision] = rows
@@ -592,15 +542,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 # --quick probes only the rows the targets read: each probe is a fresh launch (~7 s)
                 if row["status"] != "ok" or (args.quick and key not in ("a", "b", "e", "k")):
                     continue
-                print(f"[{precision}] RSS probe ({key}) …", file=sys.stderr, flush=True)
-                try:
-                    row["rss_by_rank"] = launch_ranks(rss_probe, world, run, precision, key, timeout=900.0)
-                except RanksFailed as error:  # the timed job ran it, so this is unexpected: report, go on
-                    row["rss_error"] = str(error)
-                    print(f"RSS probe ({key}) failed:\n{error}", file=sys.stderr)
-        if load.cores is not None:
-            print(f"\n[{precision}] other processes used {load.cores:.2f} of {machine['usable_cores']} cores on "
-                  f"average during the timed job" + (" — numbers are noisy" if load.cores > 0.1 else ""))
+                probe(row, key, rss_probe, world, run, precision, key, timeout=900.0, prefix=f"[{precision}] ")
+        if (note := load_note(load.cores, machine, "the timed job")):
+            print(f"\n[{precision}] {note}")
         print_tables(precision, rows, run, ideal)
         print(f"\n=== {precision}: targets ===")
         checks += check_targets(precision, rows)
@@ -619,18 +563,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         "results": {p: list(rows.values()) for p, rows in results.items()},
         "runs": {p: {"warmup_rounds": warmup, "timed_rounds": rounds, "foreign_load_cores": loads[p],
                      "machine_load_avg_1m": machine["load_avg_1m"], "git_commit": machine["git_commit"],
-                     "finished": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
+                     "finished": utc_now()}
                  for p in results},
         "targets": checks, "seconds": elapsed}
-    path = args.out / f"{stem}.json"
+    json_path = args.out / f"{stem}.json"
     # A run of one precision keeps the other's results, if they are of the same model.
-    merged = merge_results(path, payload, {"targets": lambda t: (t["precision"], t["target"])})
-    if merged.get("config") == config:
-        payload = merged
-    json_path = write_json(path, payload)
+    payload = save_results(json_path, payload, {"targets": lambda t: (t["precision"], t["target"])}, same_if="config")
     png_path = plot({p: {r["key"]: r for r in rows} for p, rows in payload["results"].items()},
                     args.out / f"{stem}.png", cfg, psi)
-    print(f"\nwrote {json_path}" + (f" and {png_path}" if png_path else "") + f"; total {elapsed:.0f} s")
+    print("\n" + wrote(json_path, png_path) + f"; total {elapsed:.0f} s")
     return 0
 
 

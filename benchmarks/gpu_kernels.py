@@ -65,18 +65,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (  # noqa: E402  (the benchmarks folder is not a package)
-    RESULTS_DIR,
-    RanksFailed,
-    add_target,
-    format_table,
-    launch_ranks,
-    machine_info,
-    merge_results,
-    synthetic_token_batches,
-    write_json,
-)
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benchmarks folder is not a package
+from _common import format_table, synthetic_token_batches  # noqa: E402  (the benchmarks folder is not a package)
+from _harness import (RESULTS_DIR, RanksFailed, add_target, launch_ranks, machine_info, paired_summary,  # noqa: E402
+                      rotated, save_results, wrote)
 from _gpt import GPT, Block, ModelConfig, n_params  # noqa: E402
 
 SETS = 4  # buffer sets rotated between runs (together well beyond H100's 50 MB L2)
@@ -228,25 +220,9 @@ class Marks:
         return [(b - a) * 1e3 for a, b in zip(self.points, self.points[1:])]
 
 
-def rotated(keys: Sequence[str], r: int) -> list[str]:
-    """Round r starts at configuration r mod K, so no configuration always runs first."""
-    shift = r % max(1, len(keys))
-    return list(keys[shift:]) + list(keys[:shift])
-
-
 def short_error(error: BaseException) -> str:
     text = str(error).strip().splitlines()
     return f"{type(error).__name__}: {text[0][:300] if text else ''}"
-
-
-def paired_ratios(num: Sequence[float], den: Sequence[float]) -> dict[str, float] | None:
-    """Per-round ratios (the rounds are interleaved, so a round's two samples saw the same machine): median and
-    middle half, to tell a ratio near its limit from noise."""
-    values = [a / b for a, b in zip(num, den) if b > 0]
-    if not values:
-        return None
-    q = statistics.quantiles(values, n=4) if len(values) > 1 else values * 3
-    return {"median": statistics.median(values), "q1": q[0], "q3": q[2]}
 
 
 def fmt_ratio(value: float | None) -> str:
@@ -466,7 +442,7 @@ def summarize_psgd(raw: dict[str, Any]) -> dict[str, dict[str, Any]]:
         anchor = rows.get(c.anchor or "", {})
         if "hook_ms" in row and "hook_ms" in anchor:
             row["hook_vs_anchor"] = row["hook_ms"] / anchor["hook_ms"]
-            row["hook_vs_anchor_paired"] = paired_ratios(row["hook_ms_samples"], anchor["hook_ms_samples"])
+            row["hook_vs_anchor_paired"] = paired_summary(row["hook_ms_samples"], anchor["hook_ms_samples"])
         if "step_ms" in row and "step_ms" in anchor:
             row["step_vs_anchor"] = row["step_ms"] / anchor["step_ms"]
     return rows
@@ -645,7 +621,7 @@ def summarize_fsdp(raw: dict[str, Any], sec: Section) -> dict[str, dict[str, Any
     if "step_ms" in ours and "step_ms" in anchor:
         ours["vs_fsdp2"] = ours["step_ms"] / anchor["step_ms"]
         ours["vs_fsdp2_best"] = ours["step_ms_best"] / anchor["step_ms_best"]
-        ours["vs_fsdp2_paired"] = paired_ratios(ours["step_ms_samples"], anchor["step_ms_samples"])
+        ours["vs_fsdp2_paired"] = paired_summary(ours["step_ms_samples"], anchor["step_ms_samples"])
         ours["final_loss_rel_diff"] = abs(ours["final_loss"] - anchor["final_loss"]) / abs(anchor["final_loss"])
     return rows
 
@@ -801,8 +777,8 @@ def main(argv: list[str] | None = None) -> int:
         payload["fsdp"] = fsdp
     payload["targets"] = checks
     # A run of some sections keeps the other sections' results (and their targets) in the file.
-    write_json(args.out, merge_results(args.out, payload, {"targets": lambda t: t["target"]}))
-    print(f"wrote {args.out}")
+    save_results(args.out, payload, {"targets": lambda t: t["target"]})
+    print(wrote(args.out))
     if failed:
         print(f"gpu_kernels: section(s) failed: {', '.join(failed)} (see above)", file=sys.stderr)
         return 1

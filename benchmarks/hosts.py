@@ -41,8 +41,6 @@ Results: ``benchmarks/results/hosts.json``.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
 import tempfile
@@ -50,8 +48,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "python"))
-from _common import RESULTS_DIR, ForeignLoad, add_target, format_table, machine_info, write_json  # noqa: E402
-from support.hostbed import HostBed, unavailable  # noqa: E402
+from _common import format_table  # noqa: E402
+from _harness import RESULTS_DIR, ForeignLoad, add_target, bed_run, machine_info, write_json, wrote  # noqa: E402
+from support.hostbed import unavailable  # noqa: E402
 
 RANK_SCRIPT = Path(__file__).resolve().parent / "_hosts_rank.py"
 OPS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
@@ -74,18 +73,9 @@ def link_bound_s(op: str, nbytes: int, hosts: int, rate_mbit: float) -> float:
 
 def run_rate(rate: float, args: argparse.Namespace, work: Path) -> dict:
     out = work / f"rate{rate:g}.json"
-    env = {k: v for k, v in os.environ.items() if k not in ("SHARDKIT_HOST_ID", "GLOO_SOCKET_IFNAME")}
-    env["OMP_NUM_THREADS"] = "1"
-    with HostBed(args.hosts, rate) as bed:
-        script = [str(RANK_SCRIPT), str(out), "--bytes", str(args.mbytes << 20), "--reps", str(args.reps)]
-        commands = [bed.torchrun(h, args.ranks_per_host, script) for h in range(args.hosts)]
-        result = bed.launch(commands, env=env, timeout=args.timeout, logs=work / f"logs-{rate:g}")
-        described = bed.describe()
-    if not result.ok:
-        raise RuntimeError(f"hosts.py: the launch at {rate:g} Mbit/s failed:\n{result.story()}")
-    data = json.loads(out.read_text())
-    data["bed"] = described
-    return data
+    script = [str(RANK_SCRIPT), str(out), "--bytes", str(args.mbytes << 20), "--reps", str(args.reps)]
+    return bed_run(script, out, hosts=args.hosts, ranks_per_host=args.ranks_per_host, rate_mbit=rate,
+                   timeout=args.timeout, logs=work / f"logs-{rate:g}", what=f"hosts.py: the launch at {rate:g} Mbit/s")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -142,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     path = write_json(args.out / "hosts.json", {"benchmark": "hosts", "machine": machine_info(),
                                                 "config": vars(args) | {"out": str(args.out)},
                                                 "runs": runs, "targets": targets})
-    print(f"wrote {path}")
+    print(wrote(path))
     return 0
 
 

@@ -52,21 +52,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benchmarks folder is not a package
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "python"))
-from _common import (  # noqa: E402  (the benchmarks folder is not a package)
-    RESULTS_DIR,
-    add_target,
-    ForeignLoad,
-    Series,
-    format_table,
-    machine_info,
-    merge_results,
-    plot_panels,
-    write_json,
-)
+from _common import Series, format_table, plot_panels  # noqa: E402  (the benchmarks folder is not a package)
 from _gpt import ModelConfig, n_params  # noqa: E402
-from support.hostbed import HostBed, unavailable  # noqa: E402
+from _harness import (RESULTS_DIR, ForeignLoad, add_target, bed_run, header, load_note, machine_info,  # noqa: E402
+                      merge_results, round_ratios, write_json, wrote)
+from support.hostbed import unavailable  # noqa: E402
 
 RANK_SCRIPT = Path(__file__).resolve().parent / "_hosts_train_rank.py"
 KEYS = ("a", "b", "c")
@@ -82,18 +74,9 @@ def rank_command(out: Path, mode: str, cfg: ModelConfig, extra: list[str]) -> li
 def run_bed(args: argparse.Namespace, cfg: ModelConfig, work: Path) -> dict[str, Any]:
     """The timed run on a fresh bed; the rank script's JSON."""
     out = work / "bed.json"
-    env = {k: v for k, v in os.environ.items() if k not in ("SHARDKIT_HOST_ID", "GLOO_SOCKET_IFNAME")}
-    env["OMP_NUM_THREADS"] = "1"
-    with HostBed(args.hosts, args.rate) as bed:
-        script = rank_command(out, "time", cfg, ["--warmup", str(args.warmup), "--rounds", str(args.rounds)])
-        commands = [bed.torchrun(h, args.ranks_per_host, script) for h in range(args.hosts)]
-        result = bed.launch(commands, env=env, timeout=args.timeout, logs=work / "logs-bed")
-        described = bed.describe()
-    if not result.ok:
-        raise RuntimeError(f"hosts_train.py: the bed run failed:\n{result.story()}")
-    data = json.loads(out.read_text())
-    data["bed"] = described
-    return data
+    script = rank_command(out, "time", cfg, ["--warmup", str(args.warmup), "--rounds", str(args.rounds)])
+    return bed_run(script, out, hosts=args.hosts, ranks_per_host=args.ranks_per_host, rate_mbit=args.rate,
+                   timeout=args.timeout, logs=work / "logs-bed", what="hosts_train.py: the bed run")
 
 
 def run_loss(args: argparse.Namespace, cfg: ModelConfig, work: Path) -> dict[str, Any]:
@@ -136,7 +119,7 @@ def summarize_bed(data: dict[str, Any], args: argparse.Namespace) -> dict[str, A
                    "final_loss": d["loss"][-1], "loss": d["loss"]}
 
     def paired(num: str, den: str) -> float:
-        return statistics.median(x / y for x, y in zip(rows[num]["step_s_samples"], rows[den]["step_s_samples"]))
+        return statistics.median(round_ratios(rows[num]["step_s_samples"], rows[den]["step_s_samples"]))
 
     ratios = {f"{n}/{d}": {"medians": rows[n]["step_s"] / rows[d]["step_s"], "per_round_median": paired(n, d)}
               for n, d in (("c", "a"), ("c", "b"), ("b", "a"))}
@@ -214,9 +197,8 @@ def plot_loss(summary: dict[str, Any], data: dict[str, Any], path: Path) -> Path
 
 def report_load(what: str, cores: float | None, machine: dict[str, Any]) -> None:
     """Other processes' CPU during a run: on 2 cores, a compiler beside the ranks shows in every step time."""
-    if cores is not None:
-        print(f"other processes used {cores:.2f} of {machine['usable_cores']} cores on average during the {what}"
-              + (" — its times are noisy" if cores > 0.1 else ""))
+    if (note := load_note(cores, machine, f"the {what}", noisy=" — its times are noisy")):
+        print(note)
 
 
 def targets_of(results: dict[str, Any]) -> list[dict[str, Any]]:
@@ -270,8 +252,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"hosts_train.py: cannot make namespace hosts here: {why}", file=sys.stderr)
             return 2
     machine = machine_info()
-    print(f"hosts_train — {machine['cpu_model']}, {machine['usable_cores']} cores, torch {machine['torch']}; "
-          f"{args.hosts} hosts x {args.ranks_per_host} ranks, 1 thread per rank")
+    print(header("hosts_train", machine, f"{args.hosts} hosts x {args.ranks_per_host} ranks, 1 thread per rank"))
     payload: dict[str, Any] = {"benchmark": "hosts_train", "machine": machine}
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="shardkit-hosts-train-") as tmp:
@@ -310,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     merged = merge_results(path, payload, {})
     merged["targets"] = targets_of(merged)
     json_path = write_json(path, merged)
-    print(f"\nwrote {json_path}; total {payload['seconds']:.0f} s")
+    print("\n" + wrote(json_path) + f"; total {payload['seconds']:.0f} s")
     return 0
 
 

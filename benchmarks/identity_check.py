@@ -17,15 +17,14 @@ import functools
 import os
 import sys
 from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from _common import (ForeignLoad, TimingConfig, format_size, format_table, format_us, launch_ranks, machine_info,
-                     parse_size, time_interleaved, write_json)
+from _common import format_size, format_table, format_us, parse_size
+from _harness import ForeignLoad, TimingConfig, init_groups, launch_ranks, machine_info, time_interleaved, write_json
 
 RESULTS = Path(__file__).parent / "results" / "identity_check.json"
 # torch 2.13 renamed them (the old names warn); 2.11 has only the old ones.
@@ -38,12 +37,10 @@ DEFAULT_SIZES = ("64K", "1M", "16M")  # bytes per rank: a small unit to a large 
 def _rank_main(rank: int, world: int, store: str, per_host: int, sizes: list[int], timing: TimingConfig
                ) -> list[dict[str, Any]] | None:
     os.environ["SHARDKIT_HOST_ID"] = f"bench-host-{rank // per_host}"
-    import shardkit  # noqa: F401 - registers the backend
+    init_groups(rank, world, store, 300, gloo=False)
     from shardkit._collective_identity import collectives_for
     from shardkit.backend import compare_identities_across_hosts
 
-    dist.init_process_group("shardkit", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=300))
     checking = dist.new_group(list(range(world)))  # the same ranks, comparing identities across hosts
     compare_identities_across_hosts(checking)
     rows = []

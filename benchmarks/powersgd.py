@@ -33,7 +33,6 @@ import argparse
 import copy
 import statistics
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +42,9 @@ import torch.nn as nn
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_psgd
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-from _common import RESULTS_DIR, format_table, launch_ranks, machine_info, plot_bar_panels, rank0_progress, write_json
+from _common import format_table, plot_bar_panels
+from _harness import (RESULTS_DIR, header, init_groups, interleaved_rounds, launch_ranks, machine_info, rank0_progress,
+                      write_json, wrote)
 
 RANK = 2
 START = 2
@@ -81,11 +82,9 @@ def timed(hook, times: list[float]):
 
 
 def _rank(rank: int, world: int, store: str, rounds: int, warmup: int) -> dict[str, Any]:
-    import shardkit
     import shardkit.hooks as H
 
-    dist.init_process_group("shardkit", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=300))
+    init_groups(rank, world, store, 300, gloo=False)
     original = torch_psgd._orthogonalize
     torch_psgd._orthogonalize = lambda m, epsilon=0: original(m.unsqueeze(0) if m.dim() == 2 else m, epsilon)
     base = model()
@@ -114,10 +113,9 @@ def _rank(rank: int, world: int, store: str, rounds: int, warmup: int) -> dict[s
     progress(f"built {len(names)} configurations; {warmup} warm-up + {rounds} timed rounds")
     worst_diff = {"shardkit": 0.0, "native": 0.0, "shardkit_b": 0.0}
     gloo = dist.new_group(backend="gloo")
-    for round_index in range(warmup + rounds):
+    for round_index, order, timed_round in interleaved_rounds(names, warmup, rounds, progress, label="round"):
         g = torch.Generator().manual_seed(1000 * rank + round_index)
         x, y = torch.randn(BATCH, 1024, generator=g), torch.randn(BATCH, 1024, generator=g)
-        order = names[round_index % len(names):] + names[:round_index % len(names)]
         for name in order:
             c = configs[name]
             if name in hook_times:
@@ -130,14 +128,13 @@ def _rank(rank: int, world: int, store: str, rounds: int, warmup: int) -> dict[s
                 "torch", "torch_b") else None
             c["opt"].step()
             elapsed = time.perf_counter() - t0
-            if round_index >= warmup:
+            if timed_round:
                 c["step_s"].append(elapsed)
                 c["hook_s"].append(sum(hook_times.get(name, [])))
             c["grads"] = grads
         for ours, ref in (("shardkit", "torch"), ("native", "torch"), ("shardkit_b", "torch_b")):
             diff = max((a - b).abs().max().item() for a, b in zip(configs[ours]["grads"], configs[ref]["grads"]))
             worst_diff[ours] = max(worst_diff[ours], diff)
-        progress(f"round {round_index + 1}/{warmup + rounds}{' (warm-up)' if round_index < warmup else ''}")
     stats = configs["shardkit"]["state"].compression_stats()
     steps_compressed = warmup + rounds - START
     out = {"step_s": {n: c["step_s"] for n, c in configs.items()},
@@ -165,8 +162,7 @@ def main() -> None:
     if args.warmup < START or args.rounds < 1:
         raise SystemExit(f"--warmup must be ≥ {START} (PowerSGD starts at iteration {START}) and --rounds ≥ 1")
     info = machine_info()
-    print(f"PowerSGD hook benchmark — {info['cpu_model']}, {info['usable_cores']} cores, torch {info['torch']}; "
-          f"rank {RANK}, model 10.5M parameters, batch {BATCH}/rank")
+    print(header("PowerSGD hook benchmark", info, f"rank {RANK}, model 10.5M parameters, batch {BATCH}/rank"))
     results: dict[str, Any] = {"machine": info, "matrix_approximation_rank": RANK, "worlds": {}}
     checks = []
     rows = []
@@ -200,7 +196,7 @@ def main() -> None:
               for w, r in results["worlds"].items()}
     plot_bar_panels(args.out / "powersgd.png", panels, ylabels={k: "hook ms / step" for k in panels},
                     suptitle="PowerSGD hook time per step")
-    print(f"wrote {path}")
+    print(wrote(path))
 
 
 if __name__ == "__main__":
