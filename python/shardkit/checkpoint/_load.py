@@ -18,11 +18,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from .. import _torch_compat
 from ._sharded_state import SHAPES_KEY
 from ._ranks import Ranks
+from ._safe_pickle import SafeFileSystemReader, SafeLoadPlanner, unsafe_in
 from ._reader import read_metadata, saved_paths, saved_shapes
 from ._verify import check_for_load
 
@@ -56,7 +58,14 @@ def load(state_dict: dict[str, Any], checkpoint_id: str | Path, *, strict: bool 
             told = problems or [f"rank {first}'s state dict does not: " + "; ".join(everyone[first])]
             raise RuntimeError(_message(directory, told))
     with ranks.quiet_single_process():
-        dcp.load(state_dict, checkpoint_id=str(directory), process_group=process_group)
+        try:
+            dcp.load(state_dict, checkpoint_id=str(directory), storage_reader=SafeFileSystemReader(str(directory)),
+                     planner=SafeLoadPlanner(directory), process_group=process_group)
+        except CheckpointException as error:  # every rank holds every rank's failures: the same raise on each
+            refused = unsafe_in(error)
+            if refused is None:
+                raise
+            raise refused from error
 
 
 def check_matches(state_dict: dict[str, Any], directory: Path, held_by_some_rank: set[str] | None = None) -> None:
