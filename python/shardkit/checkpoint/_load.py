@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from .. import _torch_compat
 from ._sharded_state import SHAPES_KEY
 from ._ranks import Ranks
-from ._safe_pickle import SafeFileSystemReader, SafeLoadPlanner, unsafe_in
+from ._safe_pickle import SafeFileSystemReader, SafeLoadPlanner, refusal
 from ._reader import read_metadata, saved_paths, saved_shapes
 from ._verify import check_for_load
 
@@ -58,11 +58,12 @@ def load(state_dict: dict[str, Any], checkpoint_id: str | Path, *, strict: bool 
             told = problems or [f"rank {first}'s state dict does not: " + "; ".join(everyone[first])]
             raise RuntimeError(_message(directory, told))
     with ranks.quiet_single_process():
+        reader = SafeFileSystemReader(str(directory))
         try:
-            dcp.load(state_dict, checkpoint_id=str(directory), storage_reader=SafeFileSystemReader(str(directory)),
+            dcp.load(state_dict, checkpoint_id=str(directory), storage_reader=reader,
                      planner=SafeLoadPlanner(directory), process_group=process_group)
-        except CheckpointException as error:  # every rank holds every rank's failures: the same raise on each
-            refused = unsafe_in(error)
+        except CheckpointException as error:  # every rank reads .metadata and holds every rank's failures
+            refused = refusal(error, reader)
             if refused is None:
                 raise
             raise refused from error

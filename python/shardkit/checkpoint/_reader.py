@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from ._sharded_state import SHAPES_KEY
 from ._errors import UnsafeCheckpointError
 from ._manifest import read_manifest
-from ._safe_pickle import SafeFileSystemReader, SafeLoadPlanner, unsafe_in
+from ._safe_pickle import SafeFileSystemReader, SafeLoadPlanner, refusal
 
 
 def read_metadata(directory: Path) -> Metadata:
@@ -51,15 +51,16 @@ def saved_paths(metadata: Metadata) -> dict[str, tuple]:
 
 def _load_one(directory: Path, key: str, value: Any) -> Any:
     holder = {key: value}
+    reader = SafeFileSystemReader(str(directory))
     try:
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
             warnings.simplefilter("ignore", UserWarning)
-            dcp.load(holder, checkpoint_id=str(directory), storage_reader=SafeFileSystemReader(str(directory)),
-                     planner=SafeLoadPlanner(directory), no_dist=True)
+            dcp.load(holder, checkpoint_id=str(directory), storage_reader=reader, planner=SafeLoadPlanner(directory),
+                     no_dist=True)
     except (Exception, CheckpointException) as error:  # noqa: BLE001 - CheckpointException is a BaseException
-        refused = unsafe_in(error) if isinstance(error, CheckpointException) else None
-        if refused is not None or isinstance(error, UnsafeCheckpointError):
-            raise (refused or error) from error
+        refused = refusal(error, reader)
+        if refused is not None:
+            raise refused from error
         files = sorted({info.relative_path for index, info in _storage(directory).items() if index.fqn == key})
         raise RuntimeError(f"checkpoint {directory}: reading {key!r} from {files} failed: {error}") from error
     return holder[key]

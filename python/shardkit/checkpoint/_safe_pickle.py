@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import re
 from typing import Any
 
 import torch
@@ -58,14 +59,22 @@ def load_metadata(raw: bytes, source: Any) -> Any:
 
 
 class SafeFileSystemReader(FileSystemReader):
-    """FileSystemReader whose ``read_metadata`` unpickles with ``load_metadata``, as torch's does otherwise."""
+    """FileSystemReader whose ``read_metadata`` unpickles with ``load_metadata``, as torch's does otherwise. A
+    refusal is kept in ``refused`` too: dcp.load folds a failed metadata read into an AssertionError's text."""
+
+    refused: UnsafeCheckpointError | None = None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = _torch_compat.dcp_metadata_path(self, kwargs.get("rank"))
         with self.fs.create_stream(path, "rb") as stream:
-            metadata = load_metadata(stream.read(), path)
-        if not isinstance(metadata, Metadata):
-            raise UnsafeCheckpointError(f"{path}: holds a {type(metadata).__name__}, not checkpoint metadata")
+            raw = stream.read()
+        try:
+            metadata = load_metadata(raw, path)
+            if not isinstance(metadata, Metadata):
+                raise UnsafeCheckpointError(f"{path}: holds a {type(metadata).__name__}, not checkpoint metadata")
+        except UnsafeCheckpointError as error:
+            self.refused = self.refused or error
+            raise
         storage_meta = getattr(metadata, "storage_meta", None) or StorageMeta()
         storage_meta.load_id = self.load_id
         metadata.storage_meta = storage_meta
@@ -96,18 +105,29 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             self.state_dict[key] = loaded
 
 
-def unsafe_in(error: CheckpointException) -> UnsafeCheckpointError | None:
-    """The UnsafeCheckpointError among the failures a DCP call gathered from the ranks, if any (the first rank's)."""
-    for _, (failure, _trace) in sorted(error.failures.items(), key=lambda item: item[0]):
-        if isinstance(failure, UnsafeCheckpointError):
-            return failure
-    return None
+def refusal(error: BaseException, reader: SafeFileSystemReader) -> UnsafeCheckpointError | None:
+    """What a failed dcp.load with ``reader`` and a SafeLoadPlanner refused, if anything: ``reader``'s refusal of
+    the metadata, else the first rank's refusal of a value among the failures DCP gathered from the ranks (every
+    rank holds every rank's), else ``error`` itself where it is one."""
+    if reader.refused is not None:
+        return reader.refused
+    if isinstance(error, CheckpointException):
+        for _, (failure, _trace) in sorted(error.failures.items(), key=lambda item: item[0]):
+            if isinstance(failure, UnsafeCheckpointError):
+                return failure
+    return error if isinstance(error, UnsafeCheckpointError) else None
 
 
 def _reason(error: Exception) -> str:
-    """What weights_only refused, without its page of advice (its first line, the plea to file an issue, the
-    pointer to the documentation): "Trying to load unsupported GLOBAL posix.system ...", say."""
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    kept = [line.split("use case: ", 1)[-1] for line in lines
-            if not line.startswith(("Weights only load failed", "Check the documentation"))]
-    return " ".join(kept) or (lines[0] if lines else "")
+    """What weights_only refused, without its page of advice: the WeightsUnpickler's own words where torch gives
+    them ("Unsupported global: GLOBAL io.open was not an allowed global by default."), else its message's lines
+    less the preamble and the pointer to the documentation (the wording differs among torch versions)."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(error))
+    if "WeightsUnpickler error:" in text:
+        said = text.split("WeightsUnpickler error:", 1)[1].split("\n\n", 1)[0]
+        said = " ".join(said.split()).split(" Please use ", 1)[0]
+        if said:
+            return said
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    kept = [line for line in lines if not line.startswith(("Weights only load failed", "Check the documentation"))]
+    return " ".join(kept) or (lines[0] if lines else type(error).__name__)
