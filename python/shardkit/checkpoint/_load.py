@@ -40,6 +40,10 @@ def load(state_dict: dict[str, Any], checkpoint_id: str | Path, *, strict: bool 
       each bad file and what differs, and nothing is loaded;
     - ``strict``: that the checkpoint matches ``state_dict`` (see the module docstring).
 
+    Nothing is read with plain pickle (_safe_pickle.py): a ``.metadata`` naming any global but DCP's metadata
+    classes, or a non-tensor value ``torch.load(weights_only=True)`` refuses, raises UnsafeCheckpointError (a
+    CheckpointIntegrityError) naming the file or the key, on every rank, and nothing of it runs.
+
     A collective: call it on every rank of ``process_group`` (default: the default group)."""
     directory = Path(checkpoint_id)
     ranks = Ranks(process_group)
