@@ -54,6 +54,40 @@ def use_filesystem(writer: FileSystemWriter, filesystem: FileSystem) -> None:
     writer.fs = filesystem
 
 
+# What a DCP checkpoint's ``.metadata`` pickle names besides torch's dtypes (shardkit.checkpoint._safe_pickle
+# allows these and refuses every other global): found by saving plain tensors, values, optimizer state,
+# fully_shard DTensors and PieceTensors with dcp.save on torch 2.13 and listing the globals its unpickling asks
+# for; torch 2.14.1's metadata.py is the same file and its _StorageInfo the same class. Enum members and
+# torch.Size come back through REDUCE of the class named here; ``torch.strided`` through _get_layout; a
+# checkpoint_id given as a Path is stored as one (StorageMeta.checkpoint_id).
+DCP_METADATA_GLOBALS = frozenset({
+    ("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "StorageMeta", "MetadataIndex", "TensorStorageMetadata", "BytesStorageMetadata",
+        "ChunkStorageMetadata", "TensorProperties", "_MEM_FORMAT_ENCODING")
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),  # FileSystemWriter's storage_data entries
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),  # how a torch.layout pickles (TensorProperties.layout)
+    ("pathlib", "PosixPath"),
+})
+
+
+def dcp_metadata_path(reader: Any, rank: int | None) -> Any:
+    """The metadata file a FileSystemReader reads (``FileSystemReader._get_metadata_path``: ``.metadata``, or
+    ``__<rank>.metadata`` where a rank is asked for, under the reader's ``path`` through its ``fs``)."""
+    if hasattr(reader, "_get_metadata_path"):
+        return reader._get_metadata_path(rank)
+    return reader.fs.concat_path(reader.path, ".metadata" if rank is None else f"__{rank}.metadata")
+
+
+def set_state_dict_element(root: dict[str, Any], path: tuple, value: Any) -> None:
+    """Puts ``value`` at ``path`` in a nested state dict (``torch.distributed.checkpoint._traverse.set_element``,
+    what DefaultLoadPlanner.load_bytes uses to place a flattened key's value; 2.13 and 2.14 alike)."""
+    from torch.distributed.checkpoint._traverse import set_element
+
+    set_element(root, path, value)
+
+
 # --- FSDP2 (torch.distributed.fsdp.fully_shard): what shardkit.fully_shard plugs into. Read in torch 2.13 and
 # 2.14.1 (FSDPModule.set_custom_all_gather / set_custom_reduce_scatter and the AllGather / ReduceScatter
 # interfaces exist in both, as in 2.11's documentation); the private attributes below are those of both.

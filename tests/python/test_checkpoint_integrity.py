@@ -388,6 +388,154 @@ def test_one_process_saves_and_loads_without_a_process_group(tmp_path: Path):
         checkpoint.load(loaded, tmp_path / "absent")
 
 
+# --- a checkpoint that would run code when read: refused, nothing of it run ----------------------------------------
+
+class _WritesMarker:
+    """What plain pickle turns into a call of ``open(marker, "w")``: the file ``marker`` appears."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+class _TrustedNote:
+    """A class of the user's own, in a checkpoint's non-tensor value: weights_only reads it once allowed."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+
+def _with_metadata_carrying(path: Path, payload, manifest: bool) -> None:
+    """Rewrites ``path``'s .metadata as its own metadata with ``payload`` inside (planner_data), with a manifest
+    recording the new bytes (a consistent forgery, so the checksums pass) or none."""
+    import dataclasses
+    import pickle
+
+    from shardkit import _C, checkpoint
+    from shardkit.checkpoint._manifest import read_manifest, write_manifest
+
+    metadata = checkpoint.read_metadata(path)
+    metadata.planner_data = {"w": ("w",), "payload": payload}
+    raw = pickle.dumps(metadata)
+    (path / ".metadata").write_bytes(raw)
+    recorded = read_manifest(path)
+    if manifest:
+        record = dataclasses.replace(recorded.files[".metadata"], size=len(raw), crc32c=_C.crc32c(raw))
+        write_manifest(path, dataclasses.replace(recorded, files={**recorded.files, ".metadata": record}))
+    else:
+        (path / MANIFEST).unlink()
+
+
+@pytest.mark.parametrize("manifest", [True, False], ids=["forged manifest", "no manifest"])
+def test_a_metadata_pickle_naming_other_globals_is_refused_and_never_run(tmp_path: Path, manifest: bool):
+    import pickle
+
+    from shardkit import checkpoint
+
+    live = tmp_path / "plain pickle ran it"
+    assert pickle.loads(pickle.dumps(_WritesMarker(live))) and live.exists()  # the payload is live
+    marker = tmp_path / "ran"
+    path = tmp_path / "ckpt"
+    checkpoint.save({"w": torch.arange(4.0), "step": 3}, path)
+    _with_metadata_carrying(path, _WritesMarker(marker), manifest)
+    refusal = (f"{path}/.metadata: shardkit refuses to unpickle io.open: a checkpoint's .metadata holds only DCP's "
+               "metadata classes")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", checkpoint.UnverifiedCheckpointWarning)
+        with pytest.raises(checkpoint.CheckpointIntegrityError, match=re.escape(f"failed verification: {refusal}")):
+            checkpoint.verify(path)
+        with pytest.raises(checkpoint.CheckpointIntegrityError,
+                           match=re.escape(f"failed verification, nothing was loaded: {refusal}")):
+            checkpoint.load({"w": torch.zeros(4), "step": 0}, path)
+        for strict in (True, False):  # sizes only: with a manifest, the strict check's read, then DCP's own
+            with pytest.raises(checkpoint.CheckpointIntegrityError) as refused:
+                checkpoint.load({"w": torch.zeros(4), "step": 0}, path, verify=False, strict=strict)
+            if manifest:
+                assert isinstance(refused.value, checkpoint.UnsafeCheckpointError) and str(refused.value) == refusal
+            else:  # the size check reads .metadata
+                assert str(refused.value).endswith(f"failed verification, nothing was loaded: {refusal}")
+    for read in (checkpoint.info, lambda p: checkpoint.consolidate(p, tmp_path / "out.pt")):
+        with pytest.raises(checkpoint.UnsafeCheckpointError) as refused:
+            read(path)
+        assert str(refused.value) == refusal
+    assert not marker.exists() and not (tmp_path / "out.pt").exists()
+
+
+def test_a_value_weights_only_refuses_is_refused_by_key_and_never_run(tmp_path: Path):
+    from shardkit import checkpoint
+
+    marker = tmp_path / "ran"
+    path = tmp_path / "ckpt"
+    checkpoint.save({"w": torch.arange(4.0), "extra": {"step": _WritesMarker(marker)}}, path)
+    refusal = re.compile(  # between the parentheses, weights_only's own words (torch's wording, by version)
+        re.escape(f"checkpoint {path}: shardkit refuses to load 'extra.step': torch.load(weights_only=True) cannot "
+                  "read it (UnpicklingError: ") + r"[^()\n]*GLOBAL io\.open[^()\n]*" + re.escape(
+                  "); a checkpoint's non-tensor values may hold only what weights_only reads "
+                  "(torch.serialization.add_safe_globals adds a class you trust)"))
+    for strict in (True, False):
+        with pytest.raises(checkpoint.UnsafeCheckpointError) as refused:
+            checkpoint.load({"w": torch.zeros(4), "extra": {"step": 0}}, path, strict=strict)
+        assert refusal.fullmatch(str(refused.value)), str(refused.value)
+    with pytest.raises(checkpoint.UnsafeCheckpointError) as refused:
+        checkpoint.consolidate(path, tmp_path / "out.pt")
+    assert refusal.fullmatch(str(refused.value)), str(refused.value)
+    assert checkpoint.verify(path)["checksums"] and checkpoint.info(path)["tensors"] == 1  # they read no value
+    assert not marker.exists() and not (tmp_path / "out.pt").exists()
+
+
+def test_ordinary_values_and_optimizer_state_round_trip_bitwise(tmp_path: Path):
+    from shardkit import checkpoint
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.LayerNorm(3))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(2, 5)).sum().backward()
+    optimizer.step()
+    values = {"step": 7, "lr": 0.25, "name": "run-1", "mixed": [1, 2.5, "a", None, True], "pair": (1, 2),
+              "nested": {"a": {"b": [3, 4]}}, "dtype": torch.bfloat16, "size": torch.Size([2, 3]),
+              "note": _TrustedNote("mine")}
+    tensors = {"bf16": torch.randn(4).to(torch.bfloat16), "ints": torch.arange(6).view(2, 3),
+               "flags": torch.tensor([True, False])}
+    path = tmp_path / "ckpt"
+    checkpoint.save({"model": model.state_dict(), "optim": optimizer.state_dict(), **values, **tensors}, path)
+
+    def blank(tree):  # the same structure, every tensor zeroed and every other value None (optimizer options too)
+        if isinstance(tree, dict):
+            return {k: blank(v) for k, v in tree.items()}
+        if isinstance(tree, list):
+            return [blank(v) for v in tree]
+        return torch.zeros_like(tree) if isinstance(tree, torch.Tensor) else None
+
+    state = {"model": blank(model.state_dict()), "optim": blank(optimizer.state_dict()), **blank(values),
+             **blank(tensors)}
+    with pytest.raises(checkpoint.UnsafeCheckpointError, match="refuses to load 'note'.*_TrustedNote"):
+        checkpoint.load(state, path)
+    with torch.serialization.safe_globals([_TrustedNote]):  # torch's own way to allow a class one trusts
+        checkpoint.load(state, path)
+    note = state.pop("note")
+    assert isinstance(note, _TrustedNote) and note.text == "mine"
+    assert {k: state[k] for k in values if k != "note"} == {k: v for k, v in values.items() if k != "note"}
+    assert type(state["pair"]) is tuple and state["dtype"] is torch.bfloat16 and type(state["size"]) is torch.Size
+
+    def bits(tree) -> list:
+        flat = []
+        for key, value in sorted(tree.items(), key=lambda item: str(item[0])) if isinstance(tree, dict) else \
+                enumerate(tree):
+            if isinstance(value, torch.Tensor):
+                flat.append((key, value.dtype, bytes(value.reshape(-1).view(torch.uint8).tolist())))
+            elif isinstance(value, (dict, list)):
+                flat.append((key, bits(value)))
+            else:
+                flat.append((key, value))
+        return flat
+
+    assert bits(state["model"]) == bits(model.state_dict())
+    assert bits(state["optim"]) == bits(optimizer.state_dict())
+    assert bits({k: state[k] for k in tensors}) == bits(tensors)
+
+
 def test_where_directories_cannot_be_exchanged_two_renames_publish_and_a_crash_between_them_is_recovered(
         tmp_path: Path, monkeypatch):
     import errno

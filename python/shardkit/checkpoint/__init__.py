@@ -13,20 +13,21 @@ The directory stays a plain DCP checkpoint (the manifest is one more file, which
 torch's FSDP2 read it unchanged, and plain ``dcp.save`` checkpoints load here, with a warning that they cannot be
 verified. One concern per module: ``_save`` (the commit protocol), ``_commit`` (its directory operations),
 ``_writer`` (checksums while writing), ``_manifest``, ``_verify``, ``_load``, ``_reader`` (metadata, info,
-consolidate), ``_cli``; for the fronts' state dicts, ``_sharded_state`` (ShardedSpace, Place, Slot, PieceTensor),
-``_optim_state`` (name-keyed optimizer state dicts) and ``_front_protocol`` (what a front implements). This
-package imports no front (DDP, FSDP, ZeRO), not even for annotations: each front keeps its own adapter
-(fsdp/_state_dict.py, shardkit/_zero_state_dict.py).
+consolidate), ``_safe_pickle`` (what every read of a checkpoint unpickles with: never plain pickle), ``_cli``;
+for the fronts' state dicts, ``_sharded_state`` (ShardedSpace, Place, Slot, PieceTensor), ``_optim_state``
+(name-keyed optimizer state dicts) and ``_front_protocol`` (what a front implements). This package imports no front
+(DDP, FSDP, ZeRO), not even for annotations: each front keeps its own adapter (fsdp/_state_dict.py,
+shardkit/_zero_state_dict.py).
 """
 
 from __future__ import annotations
 
 from ._cli import add_arguments
-from ._errors import CheckpointIntegrityError, CheckpointSaveError, UnverifiedCheckpointWarning
+from ._errors import CheckpointIntegrityError, CheckpointSaveError, UnsafeCheckpointError, UnverifiedCheckpointWarning
 from ._load import check_matches, load
 from ._reader import consolidate, info, read_metadata
 from ._save import save
 from ._verify import verify
 
-__all__ = ["CheckpointIntegrityError", "CheckpointSaveError", "UnverifiedCheckpointWarning", "add_arguments",
-           "check_matches", "consolidate", "info", "load", "read_metadata", "save", "verify"]
+__all__ = ["CheckpointIntegrityError", "CheckpointSaveError", "UnsafeCheckpointError", "UnverifiedCheckpointWarning",
+           "add_arguments", "check_matches", "consolidate", "info", "load", "read_metadata", "save", "verify"]

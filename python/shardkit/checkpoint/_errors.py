@@ -17,3 +17,9 @@ class CheckpointIntegrityError(RuntimeError):
 class UnverifiedCheckpointWarning(UserWarning):
     """A checkpoint without shardkit's manifest (written by plain ``torch.distributed.checkpoint.save``): its
     files' sizes were checked against its metadata, but their contents cannot be verified."""
+
+
+class UnsafeCheckpointError(CheckpointIntegrityError):
+    """A checkpoint whose reading would run code it names: its ``.metadata`` names a global other than DCP's
+    metadata classes, or a non-tensor value holds what ``torch.load(weights_only=True)`` refuses. The message
+    names the file or the key and the refused global; nothing of the checkpoint is unpickled past it."""

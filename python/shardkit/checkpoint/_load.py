@@ -18,11 +18,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from .. import _torch_compat
 from ._sharded_state import SHAPES_KEY
 from ._ranks import Ranks
+from ._safe_pickle import SafeFileSystemReader, SafeLoadPlanner, refusal
 from ._reader import read_metadata, saved_paths, saved_shapes
 from ._verify import check_for_load
 
@@ -37,6 +39,10 @@ def load(state_dict: dict[str, Any], checkpoint_id: str | Path, *, strict: bool 
       A torn, mixed, truncated or damaged checkpoint raises CheckpointIntegrityError on every rank, naming
       each bad file and what differs, and nothing is loaded;
     - ``strict``: that the checkpoint matches ``state_dict`` (see the module docstring).
+
+    Nothing is read with plain pickle (_safe_pickle.py): a ``.metadata`` naming any global but DCP's metadata
+    classes, or a non-tensor value ``torch.load(weights_only=True)`` refuses, raises UnsafeCheckpointError (a
+    CheckpointIntegrityError) naming the file or the key, on every rank, and nothing of it runs.
 
     A collective: call it on every rank of ``process_group`` (default: the default group)."""
     directory = Path(checkpoint_id)
@@ -56,7 +62,15 @@ def load(state_dict: dict[str, Any], checkpoint_id: str | Path, *, strict: bool 
             told = problems or [f"rank {first}'s state dict does not: " + "; ".join(everyone[first])]
             raise RuntimeError(_message(directory, told))
     with ranks.quiet_single_process():
-        dcp.load(state_dict, checkpoint_id=str(directory), process_group=process_group)
+        reader = SafeFileSystemReader(str(directory))
+        try:
+            dcp.load(state_dict, checkpoint_id=str(directory), storage_reader=reader,
+                     planner=SafeLoadPlanner(directory), process_group=process_group)
+        except CheckpointException as error:  # every rank reads .metadata and holds every rank's failures
+            refused = refusal(error, reader)
+            if refused is None:
+                raise
+            raise refused from error
 
 
 def check_matches(state_dict: dict[str, Any], directory: Path, held_by_some_rank: set[str] | None = None) -> None:

@@ -23,19 +23,22 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from ._sharded_state import SHAPES_KEY
+from ._errors import UnsafeCheckpointError
 from ._manifest import read_manifest
+from ._safe_pickle import SafeFileSystemReader, SafeLoadPlanner, refusal
 
 
 def read_metadata(directory: Path) -> Metadata:
     if not (Path(directory) / ".metadata").is_file():
         raise FileNotFoundError(f"{directory} is not a torch.distributed.checkpoint directory (no .metadata file)")
     try:
-        return FileSystemReader(str(directory)).read_metadata()
+        return SafeFileSystemReader(str(directory)).read_metadata()
+    except UnsafeCheckpointError:
+        raise
     except Exception as error:  # noqa: BLE001 - any unpickling failure means the same to the user
         raise RuntimeError(f"{Path(directory) / '.metadata'}: unreadable checkpoint metadata ({error})") from error
 
@@ -48,11 +51,16 @@ def saved_paths(metadata: Metadata) -> dict[str, tuple]:
 
 def _load_one(directory: Path, key: str, value: Any) -> Any:
     holder = {key: value}
+    reader = SafeFileSystemReader(str(directory))
     try:
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
             warnings.simplefilter("ignore", UserWarning)
-            dcp.load(holder, checkpoint_id=str(directory), no_dist=True)
+            dcp.load(holder, checkpoint_id=str(directory), storage_reader=reader, planner=SafeLoadPlanner(directory),
+                     no_dist=True)
     except (Exception, CheckpointException) as error:  # noqa: BLE001 - CheckpointException is a BaseException
+        refused = refusal(error, reader)
+        if refused is not None:
+            raise refused from error
         files = sorted({info.relative_path for index, info in _storage(directory).items() if index.fqn == key})
         raise RuntimeError(f"checkpoint {directory}: reading {key!r} from {files} failed: {error}") from error
     return holder[key]

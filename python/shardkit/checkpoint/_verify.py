@@ -13,8 +13,6 @@ rank raise the same CheckpointIntegrityError, naming every bad file and what dif
 
 from __future__ import annotations
 
-import io
-import pickle
 import warnings
 from pathlib import Path
 from typing import Any
@@ -23,9 +21,10 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from .. import _C
 from . import _commit
-from ._errors import CheckpointIntegrityError, UnverifiedCheckpointWarning
+from ._errors import CheckpointIntegrityError, UnsafeCheckpointError, UnverifiedCheckpointWarning
 from ._manifest import MANIFEST_NAME, FileRecord, Manifest, file_crc32c, read_manifest
 from ._ranks import Ranks
+from ._safe_pickle import load_metadata
 
 METADATA_NAME = ".metadata"
 
@@ -118,10 +117,11 @@ def _read_metadata_bytes(directory: Path, raw: bytes | None = None) -> tuple[Met
     path = directory / METADATA_NAME
     try:
         raw = path.read_bytes() if raw is None else raw
-        # DCP itself reads .metadata with pickle.load (FileSystemReader.read_metadata); so does this.
-        metadata = pickle.load(io.BytesIO(raw))
+        metadata = load_metadata(raw, path)  # DCP's metadata classes only (_safe_pickle.py), never plain pickle
     except FileNotFoundError:
         return None, [f"{path}: missing (a torch.distributed.checkpoint directory has one)"]
+    except UnsafeCheckpointError as error:
+        return None, [str(error)]
     except Exception as error:  # noqa: BLE001 - any unpickling failure means the same
         return None, [f"{path}: unreadable checkpoint metadata ({type(error).__name__}: {error})"]
     if not isinstance(metadata, Metadata):
