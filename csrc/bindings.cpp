@@ -10,6 +10,7 @@
 
 #include "comm/backend.h"
 #include "comm/failure_notices.h"
+#include "comm/tensor_memory.h"
 #include "compress/hooks.h"
 #include "core/collective_identity.h"
 #include "core/crc32c.h"
@@ -329,7 +330,7 @@ PYBIND11_MODULE(_C, m) {
       .def("pieces_of_param", &FlatLayout::pieces_of_param, py::arg("param"))
       .def("owned_numel", &FlatLayout::owned_numel, py::arg("rank"));
 
-  m.def("exact_storage_alias", &shardkit::fsdp::exact_storage_alias, py::arg("view"),
+  m.def("exact_storage_alias", &shardkit::comm::exact_storage_alias, py::arg("view"),
         "The same memory as a contiguous view, with a storage of exactly its bytes that keeps the view's alive.");
   m.def("reduce_isa", &shardkit::core::reduce_isa, "Vector ISA the reduction loops dispatched to at runtime.");
   m.def(
@@ -347,11 +348,11 @@ PYBIND11_MODULE(_C, m) {
       [](const std::string& a, const std::string& b) { return shardkit::core::rename_exchange(a.c_str(), b.c_str()); },
       py::arg("a"), py::arg("b"), py::call_guard<py::gil_scoped_release>(),
       "Swaps two existing paths atomically (Linux renameat2 RENAME_EXCHANGE): 0, or the errno, nothing changed.");
-  m.def("release_shared_pages", &shardkit::fsdp::release_memory_pages, py::arg("memory"), py::arg("offset"),
+  m.def("release_shared_pages", &shardkit::comm::release_memory_pages, py::arg("memory"), py::arg("offset"),
         py::arg("nbytes"),
         "Gives the whole pages inside the byte range of a shared buffer back to /dev/shm (they read as zeros after); "
         "False where the kernel cannot. No rank may read the range meanwhile.");
-  m.def("reserve_shared_pages", &shardkit::fsdp::reserve_memory_pages, py::arg("memory"), py::arg("offset"),
+  m.def("reserve_shared_pages", &shardkit::comm::reserve_memory_pages, py::arg("memory"), py::arg("offset"),
         py::arg("nbytes"),
         "Allocates the byte range's pages of a shared buffer now: None, or why not (/dev/shm out of room, a kernel "
         "before 5.14) instead of SIGBUS at the first write.");

@@ -69,6 +69,10 @@
 // A leader waiting on gloo also looks at the group's notice every kNoticeEvery, so a host whose ranks failed
 // without closing their connections (a process that lingers) still ends the wait. abort() does 1-3 from any
 // thread (the process's abort cascade, abort_cascade.h). Messages name the user's op, its number and global ranks.
+//
+// Point-to-point exchanges (the rails, every reduce-scatter between hosts, every quantized step) are waited for by
+// one thread the engine owns (ExchangeWaiter, hierarchical_internal.h, which also maps the engine's files); shutdown()
+// and the destructor wake it, even from a wait on a dead peer, and join it.
 #pragma once
 
 #include <atomic>
@@ -84,6 +88,8 @@
 #include "comm/inner_backends.h"
 
 namespace shardkit::comm {
+
+class ExchangeWaiter;  // hierarchical_internal.h
 
 // Where a group's ranks sit. Hosts are numbered by their lowest rank; local ranks in global-rank order.
 struct HostLayout {
@@ -102,6 +108,9 @@ class HierarchicalEngine : public Engine {
   // on every rank, and only set where hosts hold equal numbers (2+) of consecutive ranks.
   HierarchicalEngine(int rank, int size, HostLayout layout, bool rails, std::unique_ptr<core::ShmGroup> local,
                      std::shared_ptr<InnerBackends> inner, std::shared_ptr<FailureNotices> notices);
+  // Both stop and join the exchange thread (see ExchangeWaiter); an exchange still in flight fails.
+  ~HierarchicalEngine() override;
+  void shutdown() override;
 
   // Ops of at least this many bytes (the allreduce's data, the all-gather's output, the reduce-scatter's input) use
   // the rails where the group has them: below it, one inter-host step among leaders costs less than L at once.
@@ -125,7 +134,8 @@ class HierarchicalEngine : public Engine {
   uint64_t inter_host_bytes() const override { return inter_host_bytes_.load(std::memory_order_relaxed); }
 
  private:
-  // The op as the leaders compare it (Fingerprint in the .cpp): what the engine's op is and counts.
+  // The op as the leaders compare it (Fingerprint below, hierarchical_fingerprint.cpp): what the engine's op is and
+  // counts.
   struct LeaderStep {
     core::OpKind kind;
     size_t count;
@@ -168,7 +178,8 @@ class HierarchicalEngine : public Engine {
   // i-th other host and receives from_peer[i] from it (hosts in order, this one skipped; contiguous tensors, as bytes;
   // an undefined one: nothing that way).
   // Point to point, every transfer at once: gloo's all-to-all moves one direction at a time (half the link's rate,
-  // measured). Exchanges in flight together on the same backend need tags of their own.
+  // measured). Exchanges in flight together on the same backend need tags of their own. The engine's exchange thread
+  // waits for them (exchanges_); the caller waits for the exchange in posting order.
   c10::intrusive_ptr<c10d::Work> start_exchange(const OpContext& op, c10d::Backend& backend,
                                                const std::vector<at::Tensor>& to_peer,
                                                const std::vector<at::Tensor>& from_peer, int tag = 0);
@@ -225,6 +236,8 @@ class HierarchicalEngine : public Engine {
   std::string aborted_;                // the reason, once this engine has aborted
   std::atomic<bool> is_aborted_{false};
   std::atomic<uint64_t> inter_host_bytes_{0};  // sent in exchanges (inter_host_bytes())
+  // The thread waiting for start_exchange's exchanges. Last: stopped and joined before the rest goes.
+  std::unique_ptr<ExchangeWaiter> exchanges_;
 };
 
 }  // namespace shardkit::comm

@@ -198,17 +198,4 @@ class FlatParamHandle {
   std::unique_ptr<HostOffload> offload_;
 };
 
-// A tensor over the same memory as `view` whose storage is exactly `view`'s bytes and keeps `view`'s storage
-// alive. A piece of a flat shard is a view of a larger storage; writers that copy such views, or write whole
-// storages (torch.distributed.checkpoint's file writer clones them and keeps every clone until the file is
-// done; torch.save writes the whole storage), take this one as it is. `view` must be contiguous; an empty
-// one is returned as it is.
-at::Tensor exact_storage_alias(const at::Tensor& view);
-
-// The pages of bytes [offset, offset + nbytes) of `memory` (a shared buffer: a contiguous 1-D uint8 host tensor),
-// for zero-copy memory that is written in bursts (core::release_shared_pages / reserve_shared_pages). release:
-// false where the kernel cannot; reserve: the reason it could not (no room in /dev/shm, a kernel before 5.14).
-bool release_memory_pages(const at::Tensor& memory, int64_t offset, int64_t nbytes);
-std::optional<std::string> reserve_memory_pages(const at::Tensor& memory, int64_t offset, int64_t nbytes);
-
 }  // namespace shardkit::fsdp

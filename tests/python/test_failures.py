@@ -65,6 +65,39 @@ def test_timeout_names_the_missing_rank(ranks):
     assert "group" in late_message and "Timed out after 1500 ms" in late_message
 
 
+def _shut_down_while_an_exchange_waits(rank, world, workdir):
+    from datetime import timedelta
+    from pathlib import Path
+
+    done = Path(workdir) / "rank0_done"
+    side = dist.new_group([0, 1], timeout=timedelta(seconds=1))
+    if rank == 1:  # stays up, its connections open, and never joins rank 0's ops
+        deadline = time.monotonic() + 50
+        while not done.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return None
+    # The leaders' reduce-scatter waits on a point-to-point exchange with the other host, which never answers.
+    work = dist.reduce_scatter_tensor(torch.empty(4), torch.ones(8), async_op=True)
+    with pytest.raises(RuntimeError):
+        dist.barrier(group=side)  # times out after 1 s and aborts every group of the process, the world's too
+    with pytest.raises(RuntimeError) as aborted:
+        work.wait()
+    start = time.monotonic()
+    dist.destroy_process_group()  # wakes the exchange thread 60 s before the exchange's deadline, and joins it
+    elapsed = time.monotonic() - start
+    done.touch()
+    return elapsed, str(aborted.value)
+
+
+def test_shutdown_ends_an_exchange_stuck_on_a_silent_host(ranks):
+    env = [{"SHARDKIT_HOST_ID": f"host{r}"} for r in range(2)]
+    outcomes = ranks.launch(_shut_down_while_an_exchange_waits, 2, str(ranks.workdir), timeout=60, pg_timeout=60,
+                            env=env)
+    elapsed, message = outcomes[0].value
+    assert "group aborted" in message, message
+    assert elapsed < 5, f"destroy_process_group took {elapsed:.1f} s with an exchange in flight"
+
+
 def _bad_inputs(rank, world):
     backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
     root_options = dist.BroadcastOptions()
