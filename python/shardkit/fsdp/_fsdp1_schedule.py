@@ -44,7 +44,7 @@ from .._collective_identity import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, Colle
 from .._nested_tensors import cast_floating, tensors_in, to_device
 from ..backend import compare_identities_across_hosts, warn_zero_copy_unavailable
 from ._fsdp1_api import BackwardPrefetch, ShardingStrategy
-from ._fsdp1_units import FlatGroup, Unit, restore_parameters
+from ._fsdp1_units import FlatGroup, Unit, register_parameters, restore_parameters
 
 
 class UnitSchedule:
@@ -288,16 +288,11 @@ class UnitSchedule:
         for g in unit.groups:
             if g.trainable and training:
                 if g.training_views is None:
-                    leaf = g.handle.full_alias().requires_grad_(True)
-                    views = _FullParameterViews.apply(leaf, g.handle, _PostBackward(self, unit, g))
-                    # A Function that returns a one-tensor tuple gives back the tensor itself.
-                    g.training_views = (views,) if isinstance(views, torch.Tensor) else views
+                    g.training_views = _differentiable_views(g, _PostBackward(self, unit, g))
                 views = g.training_views
             else:
                 views = g.handle.views(g.handle.full_alias())
-            for places, view in zip(g.occurrences, views):
-                for owner, attr in places:
-                    _torch_compat.set_registered_parameter(owner, attr, view)
+            register_parameters(g, views)
 
     def _use_backward_views(self, unit: Unit) -> None:
         """While backward runs through `unit` (gathered): its module's parameters become views of the full buffer
@@ -316,15 +311,11 @@ class UnitSchedule:
                         _torch_compat.engine_will_run(g.training_views[0].grad_fn)
                     then = _DeferGradients(self, g) if ordinary else _PostBackward(self, unit, g)
                     with torch.enable_grad():  # backward hooks run without grad mode
-                        leaf = g.handle.full_alias().requires_grad_(True)
-                        views = _FullParameterViews.apply(leaf, g.handle, then)
-                    g.recompute_views = (views,) if isinstance(views, torch.Tensor) else views
+                        g.recompute_views = _differentiable_views(g, then)
                 views = g.recompute_views
             else:
                 views = g.handle.views(g.handle.full_alias())
-            for places, view in zip(g.occurrences, views):
-                for owner, attr in places:
-                    _torch_compat.set_registered_parameter(owner, attr, view)
+            register_parameters(g, views)
 
 
 class _FullParameterViews(torch.autograd.Function):
@@ -345,6 +336,15 @@ class _FullParameterViews(torch.autograd.Function):
     def backward(ctx, *grads: torch.Tensor | None):
         ctx.post_backward(list(grads))
         return None, None, None
+
+
+def _differentiable_views(group: FlatGroup, post_backward: Callable[[list], None]) -> tuple[torch.Tensor, ...]:
+    """The group's parameters as views of its full buffer through a _FullParameterViews node of their own, whose
+    backward hands their gradients to ``post_backward``."""
+    leaf = group.handle.full_alias().requires_grad_(True)
+    views = _FullParameterViews.apply(leaf, group.handle, post_backward)
+    # A Function that returns a one-tensor tuple gives back the tensor itself.
+    return (views,) if isinstance(views, torch.Tensor) else views
 
 
 class _PostBackward:

@@ -4,13 +4,15 @@ and its hook schedule (_fsdp1_schedule.py) drives.
 A ``Unit`` is one module the wrap policy chose (the root is the wrapped module itself); its ``FlatGroup`` s are its
 parameters of one dtype and requires_grad each, held by one C++ ``FlatParamHandle`` (csrc/fsdp/flat_param.h).
 Whether a group is gathered is the handle's state, asked of it (``allocated``); a group keeps in Python only what
-autograd needs of it during an iteration (its views and the gradients a recompute deferred). ``make_unit`` builds a unit and makes its parameters views of the shards;
-``restore_parameters`` registers the sharded parameters again where a forward or backward put views."""
+autograd needs of it during an iteration (its views and the gradients a recompute deferred).
+
+``make_unit`` builds a unit and makes its parameters views of the shards; ``register_parameters`` puts views in
+the modules' parameter slots for a forward or backward, and ``restore_parameters`` the sharded parameters back."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from torch import nn
@@ -82,8 +84,14 @@ def make_unit(name: str, module: nn.Module, params: list[tuple[str, nn.Parameter
     return Unit(name, module, groups, is_root=name == "")
 
 
+def register_parameters(group: FlatGroup, tensors: Sequence[torch.Tensor]) -> None:
+    """Every module slot that registers one of the group's parameters holds ``tensors[i]`` for parameter i (views
+    of the full buffer for a forward or backward, or the sharded parameters themselves)."""
+    for places, tensor in zip(group.occurrences, tensors):
+        for owner, attr in places:
+            _torch_compat.set_registered_parameter(owner, attr, tensor)
+
+
 def restore_parameters(group: FlatGroup) -> None:
     """The module registers the sharded parameters again (where a forward or backward put views)."""
-    for p, places in zip(group.params, group.occurrences):
-        for owner, attr in places:
-            _torch_compat.set_registered_parameter(owner, attr, p)
+    register_parameters(group, group.params)
