@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import _agreement
+from .. import _C, _agreement
 from ..checkpoint import _front_protocol as front_protocol
 from ..checkpoint._front_protocol import FullStateDictConfig, ShardedStateDictConfig, StateDictSetting, StateDictType
 from ..quantized import Quantized, check_group
@@ -149,8 +149,9 @@ class FullyShardedDataParallel(UnitSchedule, nn.Module):
                 if id(b) not in ignored_buffers:
                     b.data = b.data.to(self._offload_device)
         wire = comm.wire() if comm is not None else None
+        self._gathered_bytes = _C.GatheredBytes()  # the handles count their full buffers in it
         self._units = [make_unit(name, m, owners[name], mixed_precision, self._shard_group, self._replicate_group,
-                                 self._offload_device, wire) for name, m in unit_modules]
+                                 self._offload_device, wire, self._gathered_bytes) for name, m in unit_modules]
         self._root = self._units[0]
         for u in self._units:
             u.module._shardkit_fsdp_unit = u

@@ -2,8 +2,8 @@
 module computes with. ``UnitSchedule`` is a base of shardkit.FullyShardedDataParallel (_fsdp1.py), which
 builds the units (_fsdp1_units.py) and registers ``_make_pre_forward`` / ``_make_post_forward`` on each unit's
 module; everything below runs from those hooks, from autograd, and from the front's state-dict, summon and clip
-calls (``_end_iteration``). The flat parameters' own state (gathered, gathering, reduction pending) is their C++
-handles' (csrc/fsdp/flat_param.h); here is only the order of their calls.
+calls (``_end_iteration``). The flat parameters' own state (gathered, gathering, reduction pending) and the bytes
+their full buffers hold are their C++ handles' (csrc/fsdp/flat_param.h); here is only the order of their calls.
 
 One iteration, per unit (hooks run on the autograd/forward thread, in an order every rank shares, so the
 collectives they issue match on every backend — DESIGN.md, "Collective order"):
@@ -50,8 +50,15 @@ from ._fsdp1_units import FlatGroup, Unit, register_parameters, restore_paramete
 class UnitSchedule:
     """The hooks and the iteration state of shardkit.FullyShardedDataParallel. The front sets, before
     ``_init_schedule``: ``_units`` (root first), ``_shard_group`` / ``_replicate_group``, ``_reduce_memory``
-    (ResidentSharedMemory or None), ``_offload_device`` and its FSDP1 arguments (``sharding_strategy``,
-    ``mixed_precision``, ``backward_prefetch``, ``forward_prefetch``, ``limit_all_gathers``)."""
+    (ResidentSharedMemory or None), ``_offload_device``, ``_gathered_bytes`` (the _C.GatheredBytes its units'
+    handles count their full buffers in) and its FSDP1 arguments (``sharding_strategy``, ``mixed_precision``,
+    ``backward_prefetch``, ``forward_prefetch``, ``limit_all_gathers``)."""
+
+    @property
+    def peak_gathered_bytes(self) -> int:
+        """The most bytes of full buffers (compute dtype, beyond the shards) alive at once so far: the handles'
+        count (csrc/fsdp/flat_param.h, GatheredBytes)."""
+        return self._gathered_bytes.peak
 
     def _init_schedule(self, on_cpu: bool) -> None:
         """The iteration state, and the collective ledgers where the backend compares no identities (a
@@ -64,8 +71,6 @@ class UnitSchedule:
         self._backward_pending = False  # a forward with autograd ran; its backward has not ended yet
         self._callback_task: int | None = None  # the backward pass whose end-of-backward callback is queued
         self._pending: list[FlatGroup] = []  # reductions in flight, in issue order
-        self._gathered_bytes = 0
-        self.peak_gathered_bytes = 0  # the most bytes of full buffers (compute dtype) alive at once
         # "identity_checks": iterations that ended with FSDP's own identity check (where the backend compares none).
         self.collective_counts = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0, "identity_checks": 0}
         for group in (self._shard_group, self._replicate_group):  # every rank, at the same point of each group
@@ -251,8 +256,6 @@ class UnitSchedule:
                     self._shard_ledger.record(ALL_GATHER, g.handle.identity)
                 with _profiling.span("shardkit::fsdp.all_gather", unit.name or "(root)"):
                     g.handle.unshard_start()
-                self._gathered_bytes += g.handle.full_bytes
-                self.peak_gathered_bytes = max(self.peak_gathered_bytes, self._gathered_bytes)
                 self.collective_counts["all_gather"] += self._shard_group is not None
 
     def _unshard(self, unit: Unit) -> None:
@@ -266,9 +269,7 @@ class UnitSchedule:
             self._reshard_group(g)
 
     def _reshard_group(self, group: FlatGroup) -> None:
-        if group.handle.allocated and not group.handle.full_is_shard:
-            group.handle.reshard()
-            self._gathered_bytes -= group.handle.full_bytes
+        group.handle.reshard()  # nothing where the handle holds no full buffer
 
     def _prefetch_after(self, unit: Unit, order: list[Unit]) -> None:
         try:
@@ -279,7 +280,7 @@ class UnitSchedule:
             return
         if self.limit_all_gathers:
             held = sum(1 for u in self._units if not u.is_root and u is not following
-                       and any(g.handle.allocated and not g.handle.full_is_shard for g in u.groups))
+                       and any(g.handle.holds_full_buffer for g in u.groups))
             if held >= 2:
                 return
         self._start_gather(following)

@@ -3,8 +3,9 @@ and its hook schedule (_fsdp1_schedule.py) drives.
 
 A ``Unit`` is one module the wrap policy chose (the root is the wrapped module itself); its ``FlatGroup`` s are its
 parameters of one dtype and requires_grad each, held by one C++ ``FlatParamHandle`` (csrc/fsdp/flat_param.h).
-Whether a group is gathered is the handle's state, asked of it (``allocated``); a group keeps in Python only what
-autograd needs of it during an iteration (its views and the gradients a recompute deferred).
+Whether a group is gathered, and the bytes that takes, are the handle's state, asked of it (``allocated``,
+``holds_full_buffer``, the model's ``GatheredBytes``); a group keeps in Python only what autograd needs of it
+during an iteration (its views and the gradients a recompute deferred).
 
 ``make_unit`` builds a unit and makes its parameters views of the shards; ``register_parameters`` puts views in
 the modules' parameter slots for a forward or backward, and ``restore_parameters`` the sharded parameters back."""
@@ -53,10 +54,11 @@ class Unit:
 
 def make_unit(name: str, module: nn.Module, params: list[tuple[str, nn.Parameter]], mixed_precision: MixedPrecision,
               shard_group: Any, replicate_group: Any, compute_device: torch.device | None,
-              wire: Any | None) -> Unit:
+              wire: Any | None, gathered_bytes: Any) -> Unit:
     """The unit of ``module`` (``name``: its path, "" for the root) over ``params`` (the ones it owns), one handle
     per (dtype, requires_grad), in order of first appearance; the parameters become views of their shards.
-    ``wire``: the inter-host quantization (shardkit.Quantized.wire()), or None."""
+    ``wire``: the inter-host quantization (shardkit.Quantized.wire()), or None; ``gathered_bytes``: the
+    _C.GatheredBytes every handle of the model counts its full buffer in."""
     occurrences: dict[int, list[tuple[nn.Module, str]]] = {}
     for sub in module.modules():
         for attr, p in _torch_compat.registered_parameters(sub).items():
@@ -72,7 +74,7 @@ def make_unit(name: str, module: nn.Module, params: list[tuple[str, nn.Parameter
         handle = _C.FlatParamHandle([p.detach() for _, p in members], shard_group, replicate_group,
                                     label=name or "(root)", param_dtype=mp.param_dtype if floating else None,
                                     reduce_dtype=(mp.reduce_dtype or mp.param_dtype) if floating else None,
-                                    compute_device=compute_device)
+                                    compute_device=compute_device, gathered_bytes=gathered_bytes)
         if wire is not None:
             handle.set_quantization(wire)
         ps = [p for _, p in members]
