@@ -249,15 +249,21 @@ PYBIND11_MODULE(_C, m) {
         py::arg("reducer"), py::arg("kind"), py::arg("state"), py::arg("group"));
 
   using shardkit::fsdp::FlatParamHandle;
+  using shardkit::fsdp::GatheredBytes;
+  py::class_<GatheredBytes, std::shared_ptr<GatheredBytes>>(m, "GatheredBytes")
+      .def(py::init<>())
+      .def_property_readonly("current", [](const GatheredBytes& b) { return b.current; })
+      .def_property_readonly("peak", [](const GatheredBytes& b) { return b.peak; });
   py::class_<FlatParamHandle, std::shared_ptr<FlatParamHandle>>(m, "FlatParamHandle")
       .def(py::init([](std::vector<at::Tensor> params, py::object shard_group, py::object replicate_group, std::string label,
                        std::optional<at::ScalarType> param_dtype, std::optional<at::ScalarType> reduce_dtype,
-                       std::optional<at::Device> compute_device) {
+                       std::optional<at::Device> compute_device, std::shared_ptr<GatheredBytes> gathered_bytes) {
              FlatParamHandle::Options options;
              options.label = std::move(label);
              options.param_dtype = param_dtype;
              options.reduce_dtype = reduce_dtype;
              options.compute_device = compute_device;
+             options.gathered_bytes = std::move(gathered_bytes);
              auto group = [](const py::object& g) {  // None: no group
                return g.is_none() ? c10::intrusive_ptr<c10d::ProcessGroup>()
                                   : g.cast<c10::intrusive_ptr<c10d::ProcessGroup>>();
@@ -267,7 +273,7 @@ PYBIND11_MODULE(_C, m) {
            }),
            py::arg("params"), py::arg("shard_group"), py::arg("replicate_group"), py::arg("label"),
            py::arg("param_dtype") = std::nullopt, py::arg("reduce_dtype") = std::nullopt,
-           py::arg("compute_device") = std::nullopt)
+           py::arg("compute_device") = std::nullopt, py::arg("gathered_bytes") = nullptr)
       .def_property_readonly("layout", &FlatParamHandle::layout, py::return_value_policy::reference_internal)
       .def_property_readonly("identity", &FlatParamHandle::identity)
       .def("set_quantization", &FlatParamHandle::set_quantization, py::arg("quantization"))
@@ -281,6 +287,7 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("in_flight", &FlatParamHandle::in_flight)
       .def_property_readonly("allocated", &FlatParamHandle::allocated)
       .def_property_readonly("full_is_shard", &FlatParamHandle::full_is_shard)
+      .def_property_readonly("holds_full_buffer", &FlatParamHandle::holds_full_buffer)
       .def_property_readonly("reduce_pending", &FlatParamHandle::reduce_pending)
       .def("shard_views", &FlatParamHandle::shard_views)
       .def("unshard_start", &FlatParamHandle::unshard_start, py::call_guard<py::gil_scoped_release>())

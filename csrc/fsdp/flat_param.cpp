@@ -117,6 +117,16 @@ std::vector<at::Tensor> FlatParamHandle::shard_views() const {
   return views;
 }
 
+void FlatParamHandle::set_state(State state) {
+  const bool held = holds_full_buffer();
+  state_ = state;
+  if (options_.gathered_bytes && held != holds_full_buffer()) {
+    GatheredBytes& bytes = *options_.gathered_bytes;
+    bytes.current += held ? -full_bytes() : full_bytes();
+    bytes.peak = std::max(bytes.peak, bytes.current);
+  }
+}
+
 int64_t FlatParamHandle::full_bytes() const {
   return layout_.padded_numel() * static_cast<int64_t>(c10::elementSize(compute_dtype_));
 }
@@ -130,7 +140,7 @@ void FlatParamHandle::unshard_start() {
   at::Tensor mine = full_.narrow(0, rank_ * S, S);
   if (offload_) {
     // Gathering until unshard_wait even with one rank: the copy-in itself is in flight on a side stream.
-    state_ = State::kGathering;
+    set_state(State::kGathering);
     offload_->copy_in(mine, shard_, [&] {
       if (shard_world() > 1) gather_ = compat::all_gather_single(*shard_group_, full_, mine);
     });
@@ -142,18 +152,18 @@ void FlatParamHandle::unshard_start() {
     cast_into(mine, shard_, 1, where("copy-in"));
   }
   if (shard_world() == 1) {
-    state_ = State::kUnsharded;
+    set_state(State::kUnsharded);
     return;
   }
   gather_ = compat::all_gather_single(*shard_group_, full_, mine);
-  state_ = State::kGathering;
+  set_state(State::kGathering);
 }
 
 void FlatParamHandle::unshard_wait() {
   if (state_ == State::kSharded) unshard_start();
   if (state_ == State::kGathering) {
     auto work = std::move(gather_);  // null: an offloaded one-rank copy-in, no collective
-    state_ = State::kUnsharded;  // the buffer is ours again whatever the outcome
+    set_state(State::kUnsharded);  // the buffer is ours again whatever the outcome
     if (work) wait_or_explain(work, where("all-gather"));
     if (offload_) offload_->order_after_copy_in();  // this rank's slice (the only one with one rank)
   }
@@ -164,7 +174,7 @@ void FlatParamHandle::reshard() {
   if (state_ == State::kGathering) unshard_wait();  // never free memory a collective still writes
   if (offload_) offload_->settle_copy_in();  // nor while the copy-in may still read the shard or write the buffer
   release_storage(full_);
-  state_ = State::kSharded;
+  set_state(State::kSharded);
 }
 
 at::Tensor FlatParamHandle::full_alias() const {

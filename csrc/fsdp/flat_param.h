@@ -1,5 +1,6 @@
 // FlatParamHandle: the parameters of one FSDP unit that share a dtype and requires_grad, as one flat,
-// sharded parameter (shardkit.FullyShardedDataParallel, python/shardkit/fsdp/_fsdp1.py, drives it from module hooks).
+// sharded parameter (shardkit.FullyShardedDataParallel drives it from module hooks: python/shardkit/fsdp/
+// _fsdp1_schedule.py).
 //
 // Layout: core::FlatLayout over the parameters' numels, the shard group's size and a 16-byte alignment.
 // Between steps this rank holds only `shard` (S elements of the parameters' own dtype, the master copy);
@@ -76,6 +77,15 @@
 
 namespace shardkit::fsdp {
 
+// The bytes of full buffers that a set of handles (one FSDP model's) holds apart from their shards: now, and the
+// most at once so far. Each handle given it (Options::gathered_bytes) counts its full buffer in as it starts
+// holding it (unshard_start) and out as it stops (reshard), so the count is the handles' state, kept nowhere else.
+// The handles of one set are called from one thread at a time (the FSDP hooks, in order): plain counters.
+struct GatheredBytes {
+  int64_t current = 0;
+  int64_t peak = 0;
+};
+
 class FlatParamHandle {
  public:
   struct Options {
@@ -86,6 +96,8 @@ class FlatParamHandle {
     // host memory, the full buffer, flat gradient and collectives on this CUDA device.
     std::optional<at::Device> compute_device;
     int64_t alignment_bytes = 16;
+    // Set: where this handle counts its full buffer while holding it (holds_full_buffer(), full_bytes()).
+    std::shared_ptr<GatheredBytes> gathered_bytes;
   };
 
   // `params`: the unit's parameters of one dtype and device, full-shaped (their current values become the
@@ -118,6 +130,9 @@ class FlatParamHandle {
   bool allocated() const { return state_ != State::kSharded; }
   // The full buffer is the shard itself (one-rank shard group, no cast): always there, never released.
   bool full_is_shard() const { return full_is_shard_; }
+  // The full buffer is held apart from the shard (from unshard_start until reshard; never when it is the shard
+  // itself): what reshard() frees, and what counts in Options::gathered_bytes.
+  bool holds_full_buffer() const { return state_ != State::kSharded && !full_is_shard_; }
   void reshard();
   // The full buffer as a tensor of its own version counter (an autograd leaf is made from it).
   at::Tensor full_alias() const;
@@ -168,6 +183,8 @@ class FlatParamHandle {
   };
 
   std::string where(const std::string& op) const;
+  // Every change of state_ after construction goes through here: it keeps Options::gathered_bytes in step.
+  void set_state(State state);
   // A flat tensor of `dtype` (padded size) over host bytes `memory` when given and the full buffer is on the
   // host, else a new one on the full buffer's device.
   at::Tensor flat_tensor(at::ScalarType dtype, const std::optional<at::Tensor>& memory, const char* op) const;

@@ -238,10 +238,14 @@ def object_collective_device(group: dist.ProcessGroup | None) -> Any:
     return dist.distributed_c10d._get_object_coll_device(group)
 
 
-def broadcast_coalesced(group: dist.ProcessGroup, tensors: list[torch.Tensor], bucket_bytes: int, src: int) -> None:
+BROADCAST_BUCKET_BYTES = 250 << 20  # torch DDP's broadcast_bucket_size
+
+
+def broadcast_coalesced(group: dist.ProcessGroup, tensors: list[torch.Tensor], src: int,
+                        bucket_bytes: int = BROADCAST_BUCKET_BYTES) -> None:
     """Broadcasts ``tensors`` in place from rank ``src`` of ``group``, flattened into buckets of at most
     ``bucket_bytes`` (``dist._broadcast_coalesced``, c10d's C++ broadcastCoalesced, whose root is a group rank: torch
-    DDP's initial and per-forward sync)."""
+    DDP's initial and per-forward sync, and the bucket size torch DDP gives it)."""
     dist._broadcast_coalesced(group, tensors, bucket_bytes, src)
 
 

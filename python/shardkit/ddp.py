@@ -25,6 +25,7 @@ from torch.nn.parallel import DistributedDataParallel as _TorchDDP
 
 from . import _C, _agreement, _flat, _profiling, _torch_compat
 from . import _zero_state_dict as zero_state_dict
+from ._nested_tensors import to_device
 from .backend import compare_identities_across_hosts, shared_buffer, warn_zero_copy_unavailable, zero_copy_unavailable
 from .checkpoint._front_protocol import StateDictSetting
 from .hooks import check_state_group
@@ -32,7 +33,6 @@ from .quantized import Quantized, check_group
 
 _DEFAULT_BUCKET_CAP_MB = 25
 _FIRST_BUCKET_BYTES = 1 << 20  # a small first bucket so the first reduction starts early in backward
-_BROADCAST_BUCKET_BYTES = 250 << 20
 
 
 class DistributedDataParallel(_TorchDDP):
@@ -266,7 +266,7 @@ class DistributedDataParallel(_TorchDDP):
 
     def _broadcast_from_rank0(self, tensors: list[torch.Tensor], src: int = 0) -> None:
         if tensors:
-            _torch_compat.broadcast_coalesced(self.process_group, tensors, _BROADCAST_BUCKET_BYTES, src)
+            _torch_compat.broadcast_coalesced(self.process_group, tensors, src)
 
     def _synced_buffers(self) -> list[torch.Tensor]:
         return [b.detach() for n, b in self.module.named_buffers() if n not in self.parameters_to_ignore]
@@ -308,7 +308,7 @@ class DistributedDataParallel(_TorchDDP):
         span.__enter__()
         try:
             if self.device_ids:
-                inputs, kwargs = _to_device((inputs, kwargs), self.device_ids[0])
+                inputs, kwargs = to_device((inputs, kwargs), self.device_ids[0], non_blocking=True)
             self._prepare_forward()
         except BaseException:
             span.__exit__(None, None, None)

@@ -3,7 +3,9 @@
 - ``fully_shard`` (_fully_shard.py): torch FSDP2's ``fully_shard`` with shardkit's collectives plugged in —
   DTensor state, torch's API and checkpoints. The recommended front.
 - ``FullyShardedDataParallel`` (_fsdp1.py): torch FSDP1's arguments on shardkit's fused flat layout, with its
-  own schedule (unshard, prefetch, reduce-scatter, end of backward). The migration path from FSDP1.
+  own schedule (unshard, prefetch, reduce-scatter, end of backward: _fsdp1_schedule.py). The migration path from
+  FSDP1. Beside it, as in torch's _fully_shard/: its configuration values (_fsdp1_api.py), construction's checks
+  (_fsdp1_init.py) and its units (_fsdp1_units.py).
 
 Both keep their shared-memory buffers resident through _resident_memory.py. Their checkpoints are in one
 format, torch FSDP2's: ``fully_shard``'s are torch's own; the FSDP1 front's state-dict adapter (_state_dict.py)

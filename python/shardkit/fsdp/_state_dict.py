@@ -41,10 +41,11 @@ from ..checkpoint._optim_state import state_dict_of, state_dict_to_load
 from ..checkpoint._sharded_state import Place, ShardedSpace, load_entries, owned_copy, sharded_entries
 
 if TYPE_CHECKING:
-    from ._fsdp1 import FullyShardedDataParallel, _FlatGroup
+    from ._fsdp1 import FullyShardedDataParallel
+    from ._fsdp1_units import FlatGroup
 
 
-def spaces(model: "FullyShardedDataParallel") -> list[tuple["_FlatGroup", ShardedSpace]]:
+def spaces(model: "FullyShardedDataParallel") -> list[tuple["FlatGroup", ShardedSpace]]:
     """Every flat parameter of the model, in unit order (the same on every rank), as a checkpoint sees it."""
     return [(g, ShardedSpace(g.handle.layout, g.names, g.shapes, model._shard_group))
             for u in model._units for g in u.groups]
