@@ -177,7 +177,7 @@ at::Tensor ProcessGroupShardkit::shared_buffer(int64_t bytes, std::string* refus
                                             compare_across_hosts_.load(), core::InterHostQuantization{});
     std::shared_ptr<core::SharedBuffer> buffer;
     run_failing_everywhere([&] { buffer = engine_->share_buffer(context, static_cast<size_t>(bytes), refused); });
-    if (!buffer) return;  // the caller tells the user why (python/shardkit/backend.py warns)
+    if (!buffer) return;  // the caller tells the user why (python/shardkit/_zero_copy.py warns)
     // The tensor (and every view of it) keeps this rank's mapping alive.
     out = at::from_blob(
         buffer->mine(), {bytes}, [buffer](void*) mutable { buffer.reset(); }, at::TensorOptions().dtype(at::kByte));

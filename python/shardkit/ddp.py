@@ -25,7 +25,8 @@ from torch.nn.parallel import DistributedDataParallel as _TorchDDP
 
 from . import _C, _agreement, _flat, _profiling, _torch_compat
 from . import _zero_state_dict as zero_state_dict
-from .backend import compare_identities_across_hosts, shared_buffer, warn_zero_copy_unavailable, zero_copy_unavailable
+from ._collective_identity import compare_identities_across_hosts
+from ._zero_copy import shared_buffer, warn_zero_copy_unavailable, zero_copy_unavailable
 from .checkpoint._front_protocol import StateDictSetting
 from .hooks import check_state_group
 from .quantized import Quantized, check_group
