@@ -48,9 +48,6 @@ bool any_cuda(const std::vector<at::Tensor>& tensors) {
   return std::any_of(tensors.begin(), tensors.end(), [](const at::Tensor& t) { return t.defined() && t.is_cuda(); });
 }
 
-// A contiguous tensor's bytes as a flat uint8 tensor sharing its storage.
-at::Tensor as_bytes(const at::Tensor& tensor) { return tensor.reshape({-1}).view(at::kByte); }
-
 }  // namespace
 
 template <typename Body>
@@ -502,8 +499,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::alltoall(std::vector<at::Te
     args_.check(outputs[r], name);
     args_.check_same(inputs[r], inputs[0], name);
     args_.check_same(outputs[r], inputs[0], name);
-    send_counts.push_back(static_cast<size_t>(inputs[r].numel()));
-    recv_counts.push_back(static_cast<size_t>(outputs[r].numel()));
+    send_counts.push_back(numel_of(inputs[r]));
+    recv_counts.push_back(numel_of(outputs[r]));
   }
   TORCH_CHECK(send_counts[getRank()] == recv_counts[getRank()], args_.where(name), "this rank sends ",
               send_counts[getRank()], " elements to itself but expects to receive ", recv_counts[getRank()],

@@ -43,11 +43,6 @@ struct InnerStepError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-size_t numel_of(const at::Tensor& tensor) { return static_cast<size_t>(tensor.numel()); }
-
-// A contiguous tensor's bytes, as a flat uint8 tensor sharing its storage (gloo moves them as they are).
-at::Tensor as_bytes(const at::Tensor& tensor) { return tensor.reshape({-1}).view(at::kByte); }
-
 // The c10d op that combines hosts' partial results like `op` combines ranks' inputs.
 c10d::ReduceOp::RedOpType c10d_op(core::ReduceOp op) {
   switch (op) {
@@ -543,7 +538,7 @@ void HierarchicalEngine::pipelined_allreduce(const OpContext& op, at::Tensor& da
       wire.arrived(landings[2 * p][i++], theirs);
       sums.push_back(theirs.data_ptr());
     }
-    core::reduce_into(own.data_ptr(), sums.data(), hosts, static_cast<size_t>(own.numel()), dtype, reduce);
+    core::reduce_into(own.data_ptr(), sums.data(), hosts, numel_of(own), dtype, reduce);
     received[p] = at::Tensor();
     landings[2 * p].clear();
     std::vector<at::Tensor> to_peer(hosts - 1, wire.outgoing(own, /*hold_what_is_sent=*/true));
