@@ -48,9 +48,6 @@ bool any_cuda(const std::vector<at::Tensor>& tensors) {
   return std::any_of(tensors.begin(), tensors.end(), [](const at::Tensor& t) { return t.defined() && t.is_cuda(); });
 }
 
-// A contiguous tensor's bytes as a flat uint8 tensor sharing its storage.
-at::Tensor as_bytes(const at::Tensor& tensor) { return tensor.reshape({-1}).view(at::kByte); }
-
 }  // namespace
 
 template <typename Body>
@@ -177,7 +174,7 @@ at::Tensor ProcessGroupShardkit::shared_buffer(int64_t bytes, std::string* refus
                                             compare_across_hosts_.load(), core::InterHostQuantization{});
     std::shared_ptr<core::SharedBuffer> buffer;
     run_failing_everywhere([&] { buffer = engine_->share_buffer(context, static_cast<size_t>(bytes), refused); });
-    if (!buffer) return;  // the caller tells the user why (python/shardkit/backend.py warns)
+    if (!buffer) return;  // the caller tells the user why (python/shardkit/_zero_copy.py warns)
     // The tensor (and every view of it) keeps this rank's mapping alive.
     out = at::from_blob(
         buffer->mine(), {bytes}, [buffer](void*) mutable { buffer.reset(); }, at::TensorOptions().dtype(at::kByte));
@@ -502,8 +499,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::alltoall(std::vector<at::Te
     args_.check(outputs[r], name);
     args_.check_same(inputs[r], inputs[0], name);
     args_.check_same(outputs[r], inputs[0], name);
-    send_counts.push_back(static_cast<size_t>(inputs[r].numel()));
-    recv_counts.push_back(static_cast<size_t>(outputs[r].numel()));
+    send_counts.push_back(numel_of(inputs[r]));
+    recv_counts.push_back(numel_of(outputs[r]));
   }
   TORCH_CHECK(send_counts[getRank()] == recv_counts[getRank()], args_.where(name), "this rank sends ",
               send_counts[getRank()], " elements to itself but expects to receive ", recv_counts[getRank()],

@@ -10,7 +10,7 @@
 //
 // Point-to-point send/recv and monitoredBarrier go to the inner gloo backend over all ranks
 // (InnerBackends), the existing engine for what shared memory cannot do. Hosts are told apart by the
-// Python creator (python/shardkit/backend.py), which also builds the inner gloo backends.
+// Python creator (python/shardkit/_startup.py), which also builds the inner gloo backends.
 #pragma once
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
@@ -37,7 +37,7 @@ struct CudaReady;
 class ProcessGroupShardkit : public c10d::Backend {
  public:
   struct Config {
-    std::string shm_name;  // agreed through the Store by the Python creator (python/shardkit/backend.py)
+    std::string shm_name;  // agreed through the Store by the Python creator (python/shardkit/_startup.py)
     size_t slot_bytes = size_t{1} << 20;
     int processes_on_machine = 0;  // see core::ShmGroup::Options (the creator passes LOCAL_WORLD_SIZE)
     std::chrono::milliseconds timeout{kBackendDefaultTimeout};
@@ -124,8 +124,8 @@ class ProcessGroupShardkit : public c10d::Backend {
   void setSequenceNumberForGroup() override { seq_ = 0; }  // at creation, before any op
   uint64_t getSequenceNumberForGroup() override { return seq_; }
   // A synchronous allreduce of one CPU tensor on the calling thread, without a Work or a Future: the fast path
-  // behind shardkit.all_reduce_() (python/shardkit/backend.py) for latency-bound callers. Same validation,
-  // numbering, order and errors as allreduce(); it waits for ops queued before it.
+  // behind shardkit.all_reduce_() (python/shardkit/_direct_allreduce.py) for latency-bound callers. Same
+  // validation, numbering, order and errors as allreduce(); it waits for ops queued before it.
   void allreduce_now(at::Tensor& tensor, const c10d::ReduceOp& reduce_op, std::chrono::milliseconds timeout);
   // Collective (every rank, same size, in the same place among the group's ops): `bytes` of host memory, as a
   // uint8 tensor, that the group's ranks map from one another (Engine::share_buffer). An allreduce of a tensor

@@ -136,4 +136,10 @@ std::string message_of(const std::exception& error);
 // The core dtype of a tensor the backend has validated.
 core::DType core_dtype(const at::Tensor& tensor);
 
+// A tensor's element count, as the core's loops and the shared-memory ops count.
+inline size_t numel_of(const at::Tensor& tensor) { return static_cast<size_t>(tensor.numel()); }
+
+// A contiguous tensor's bytes, as a flat uint8 tensor sharing its storage (gloo moves them as they are).
+at::Tensor as_bytes(const at::Tensor& tensor);
+
 }  // namespace shardkit::comm

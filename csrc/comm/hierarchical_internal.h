@@ -55,11 +55,6 @@ struct InnerStepError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-inline size_t numel_of(const at::Tensor& tensor) { return static_cast<size_t>(tensor.numel()); }
-
-// A contiguous tensor's bytes, as a flat uint8 tensor sharing its storage (gloo moves them as they are).
-inline at::Tensor as_bytes(const at::Tensor& tensor) { return tensor.reshape({-1}).view(at::kByte); }
-
 // The wire formats of an op's data between hosts (OpContext::quantization): only floating data, and for reductions only
 // sums, are quantized.
 core::QuantFormat gather_wire(const OpContext& op, const at::Tensor& data);

@@ -3,7 +3,6 @@
 namespace shardkit::comm {
 
 namespace {
-size_t numel_of(const at::Tensor& tensor) { return static_cast<size_t>(tensor.numel()); }
 void* data_or_null(const at::Tensor& tensor) { return tensor.defined() ? tensor.data_ptr() : nullptr; }
 }  // namespace
 

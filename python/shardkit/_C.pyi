@@ -19,7 +19,7 @@ from typing_extensions import Buffer as _Buffer
 ABORT_KEY: str  # the Store key under which a rank's failure notice is posted
 
 class BackendConfig:
-    """ProcessGroupShardkit::Config: what the Python creator (shardkit/backend.py) agreed for the group."""
+    """ProcessGroupShardkit::Config: what the Python creator (shardkit/_startup.py) agreed for the group."""
 
     shm_name: str
     slot_bytes: int

@@ -27,7 +27,7 @@ from typing import Iterator
 import torch.distributed as dist
 
 from . import _C, _exchange
-from .backend import cpu_backend
+from ._group_backend import cpu_backend
 
 ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE = 1, 2, 3
 _KIND_NAMES = {ALL_GATHER: "an all-gather", REDUCE_SCATTER: "a reduce-scatter", ALL_REDUCE: "an all-reduce"}
@@ -49,6 +49,15 @@ def collectives_for(description: str, detail: str = "") -> Iterator[int]:
         if inner != identity:
             raise RuntimeError(f"shardkit: collective identity scopes closed out of order: closing "
                                f"{_C.describe_identity(identity)} found {_C.describe_identity(inner)} current")
+
+
+def compare_identities_across_hosts(group: dist.ProcessGroup | None) -> None:
+    """Has ``group``'s shardkit backend compare every collective's identity across hosts from now on (csrc/comm/
+    hierarchical_engine.h; inside a host it is compared always); nothing for another backend. Every rank of the group
+    calls it at the same point among the group's collectives (FSDP and DDP do, at construction)."""
+    backend = cpu_backend(group)
+    if isinstance(backend, _C.ProcessGroupShardkit):
+        backend.compare_identities_across_hosts()
 
 
 def backend_checks_identity(group: dist.ProcessGroup, on_cpu: bool) -> bool:

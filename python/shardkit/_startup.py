@@ -1,12 +1,20 @@
-"""A shardkit group's start-up, bounded: a rank that fails or dies in it makes every peer raise within about a
-second, naming it and the reason, instead of waiting out the group's timeout (30 minutes by default).
+"""A shardkit group's start-up: what ``dist.init_process_group("shardkit")`` (and every ``new_group`` on the backend)
+runs once per group, through :func:`create_backend`, the creator torch calls. It groups the ranks by host through the
+group's Store (``_topology.py`` keeps the result), agrees one shared-memory segment name per host, builds the inner
+gloo backends (all ranks: point-to-point and non-hierarchical ops across hosts; host leaders, or every rank's rail:
+the inter-host step of hierarchical ops), and constructs the C++ ``ProcessGroupShardkit``.
 
-The start-up (``backend._create_backend``) talks through the group's c10d Store:
+It promises a bounded start-up: a rank that fails or dies in it makes every peer raise within about a second, naming
+it and the reason, instead of waiting out the group's timeout (30 minutes by default); and a group that starts on
+every rank or on none.
+
+The start-up talks through the group's c10d Store:
 
 - ``shardkit/host/<r>``: group rank ``r`` writes ``"<pid> <pid namespace> <host id>"`` first thing, then reads
   every rank's. From here on each rank knows its peers' pids, and watches those on its own host that share its pid
   namespace (``_C.process_exited``; a container sharing the host's /dev/shm but not its pids is not watched).
 - ``shardkit/shm_name/<h>``: host ``h``'s segment name, drawn by its first rank.
+- ``shardkit/inter_host_scheme``: where the group spans hosts, rank 0's SHARDKIT_INTER_HOST (rails or leaders).
 - gloo's own rendezvous (the inner backends), through :class:`WatchedStore`.
 - the C++ constructor: the segment's attach protocol and first sync, which watch the same pids and the notice.
 - ``shardkit/connected``: every rank passes together once its gloo backends are connected, before anything that may
@@ -21,18 +29,27 @@ the group's deadline. It never lets a Store wait time out: torch's TCPStore clie
 wait (``[c10d] waitForInput: poll for socket ... timed out``), which a start-up in slices printed once per empty slice
 on every rank. A rank that dies before writing its own host key cannot be told from one that is slow to start; that
 wait ends at the deadline, as torch's own rendezvous does.
+
+Environment:
+  SHARDKIT_SHM_SLOT_BYTES   bytes per rank and buffer in the shared segment (default 1 MiB); collectives
+                            of any size are chunked through it.
+  SHARDKIT_SHM_TAG          a label put into the shared-memory segment names (letters, digits, '_'), so
+                            that a job's segments can be told apart in /dev/shm (the test suite uses it).
+  (SHARDKIT_HOST_ID and SHARDKIT_INTER_HOST: see _topology.py.)
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import time
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
 
-from . import _C, _torch_compat
+from . import _C, _topology, _torch_compat
+from ._group_backend import cpu_backend
 
 _SLICE = 0.2  # seconds between polls at most: a death is seen within about this (plus the Store's round trip)
 _FIRST_POLL = 0.0005  # seconds; doubled after each empty poll, so a key set at once costs a fraction of a slice
@@ -261,3 +278,129 @@ class WatchedStore(dist.Store):
 
     def set_timeout(self, timeout: timedelta) -> None:
         self._inner.set_timeout(timeout)
+
+
+# --- the creator: what init_process_group runs for each shardkit group -------------------------------------------
+_DEFAULT_SLOT_BYTES = 1 << 20
+# The Stores each group's gloo rendezvous went through (start-up watch wrappers, by group name): kept for the
+# group's life, since gloo may use its Store again later (TORCH_GLOO_LAZY_INIT connects at the first op), and a
+# Python Store whose object is gone cannot answer it.
+_GLOO_STORES: dict[str, list[dist.Store]] = {}
+
+
+def _slot_bytes() -> int:
+    raw = os.environ.get("SHARDKIT_SHM_SLOT_BYTES", str(_DEFAULT_SLOT_BYTES))
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise ValueError(f"SHARDKIT_SHM_SLOT_BYTES must be a positive integer, got {raw!r}")
+    return value
+
+
+def _name_part(text: str, limit: int) -> str:
+    """`text` made safe for a shared-memory segment name: letters, digits and '_', at most `limit` chars."""
+    return "".join(ch if ch.isalnum() or ch == "_" else "_" for ch in text)[:limit]
+
+
+def _env_int(name: str, default: int) -> int:
+    try:
+        return int(os.environ.get(name, default))
+    except ValueError:
+        return default
+
+
+def _agree_inter_host_scheme(watch: StartupWatch, rank: int) -> str:
+    """SHARDKIT_INTER_HOST as rank 0 reads it (every rank must build the same inter-host groups)."""
+    key = "shardkit/inter_host_scheme"
+    if rank == 0:
+        scheme = _topology.requested_inter_host_scheme()
+        watch.store.set(key, scheme)
+        return scheme
+    return watch.get(key, "waiting for rank 0 to say how collectives cross hosts").decode()
+
+
+def _agree_segment_name(watch: StartupWatch, local_rank: int, host_index: int, group_id: str) -> str:
+    """Each host's first rank draws a name unique to this job, group and host; its peers read it."""
+    key = f"shardkit/shm_name/{host_index}"
+    if local_rank == 0:
+        tag = _name_part(os.environ.get("SHARDKIT_SHM_TAG", ""), 32)
+        name = f"/shardkit-{tag + '-' if tag else ''}{os.getpid()}-{secrets.token_hex(6)}-{group_id or 'default'}-h{host_index}"
+        watch.store.set(key, name)
+        return name
+    return watch.get(key, "waiting for the host's first rank to name the shared-memory segment").decode()
+
+
+def create_backend(options: _torch_compat.BackendOptions, pg_options) -> dist.Backend:
+    """The creator registered with torch (backend.register_backend): the group's backend, or on every rank the
+    error of the rank that failed first (StartupWatch.failed)."""
+    if pg_options is not None:
+        raise ValueError(f"the shardkit backend takes no pg_options, got {pg_options!r}")
+    store, rank, size = options.store, options.group_rank, options.group_size
+    timeout = options.timeout if isinstance(options.timeout, timedelta) else timedelta(seconds=options.timeout)
+    # The default group is told no ranks: its ranks are the job's.
+    global_ranks = list(options.global_ranks_in_group) or list(range(size))
+    watch = StartupWatch(store, rank, global_ranks, timeout)
+    try:
+        backend = _start(options, watch, global_ranks, timeout)
+    except Exception as error:  # whatever ends the start-up, the peers must hear of it
+        raise watch.failed(error) from error
+    except BaseException as error:  # an interrupt: the peers hear of it, the caller gets it as it is
+        watch.failed(error)
+        raise
+    finally:
+        watch.finished = True
+    return backend
+
+
+def _job_store(own: dist.Store, is_default_group: bool) -> dist.Store:
+    """Where this group records deaths for the whole job (csrc/comm/failure_notices.h): the default group's Store,
+    as its shardkit backend holds it; the group's own where it is the default group, or the default group is not
+    shardkit's."""
+    if not is_default_group:
+        world = cpu_backend(_torch_compat.default_group())
+        if isinstance(world, _C.ProcessGroupShardkit):
+            return world.job_store()
+    return own
+
+
+def _start(options, watch: StartupWatch, global_ranks: list[int], timeout: timedelta) -> dist.Backend:
+    store, rank, size = options.store, options.group_rank, options.group_size
+    group_id = _name_part(str(options.group_id), 40)
+    topology = _topology.HostTopology.from_host_ids(watch.exchange_hosts(_topology.host_id(), size))
+    _topology.record_topology(str(options.group_id), topology)
+
+    config = _C.BackendConfig()
+    config.local_rank = topology.local_of[rank]
+    config.local_size = topology.local_size(rank)
+    config.num_hosts = topology.num_hosts
+    config.host_index = topology.host_of[rank]
+    config.host_of = topology.host_of
+    config.local_of = topology.local_of
+    config.global_ranks = global_ranks
+    config.pids = watch.pids_to_watch()
+    config.shm_name = watch.segment_name = _agree_segment_name(watch, config.local_rank, config.host_index, group_id)
+    config.slot_bytes = _slot_bytes()
+    # torchrun's count of ranks on this machine: with simulated hosts (or several jobs' groups) more
+    # processes compete for the cores than this host's group holds, and waits should spin less.
+    config.processes_on_machine = _env_int("LOCAL_WORLD_SIZE", 0)
+    config.timeout = timeout
+
+    fallback = connect_gloo(watch, dist.PrefixStore("shardkit/gloo", store), rank, size, timeout,
+                            "the inner gloo backend")
+    inter_host = None
+    if topology.num_hosts > 1:
+        config.rails = topology.can_use_rails() and _agree_inter_host_scheme(watch, rank) == "rails"
+        _topology.record_scheme(str(options.group_id), "rails" if config.rails else "leaders")
+        if config.local_rank == 0 or config.rails:  # this rank's rail (local rank 0's: the host leaders')
+            what = (f"rail {config.local_rank}'s gloo backend" if config.local_rank
+                    else "the host leaders' gloo backend")
+            inter_host = connect_gloo(watch, dist.PrefixStore(f"shardkit/rail{config.local_rank}", store),
+                                      config.host_index, topology.num_hosts, timeout, what)
+    _GLOO_STORES[str(options.group_id)] = watch.kept_stores
+    watch.all_connected(size)
+    job_store = _job_store(store, not options.global_ranks_in_group)
+    backend = _C.ProcessGroupShardkit(rank, size, config, store, fallback, inter_host, job_store)
+    watch.all_started(size)
+    return backend

@@ -23,10 +23,11 @@ from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.nn.parallel import DistributedDataParallel as _TorchDDP
 
-from . import _C, _agreement, _flat, _profiling, _torch_compat
+from . import _C, _agreement, _ddp_join, _flat, _profiling, _torch_compat
 from . import _zero_state_dict as zero_state_dict
+from ._collective_identity import compare_identities_across_hosts
 from ._nested_tensors import to_device
-from .backend import compare_identities_across_hosts, shared_buffer, warn_zero_copy_unavailable, zero_copy_unavailable
+from ._zero_copy import shared_buffer, warn_zero_copy_unavailable, zero_copy_unavailable
 from .checkpoint._front_protocol import StateDictSetting
 from .hooks import check_state_group
 from .quantized import Quantized, check_group
@@ -325,7 +326,7 @@ class DistributedDataParallel(_TorchDDP):
         span.__exit__(None, None, None)
 
     def _prepare_forward(self) -> None:
-        """The collectives of a forward, in the order the join hook (_ShardkitJoinHook.main_hook) matches them
+        """The collectives of a forward, in the order the join hook (_ddp_join.ShardkitJoinHook.main_hook) matches them
         on ranks whose inputs ran out: the join notification, the buffer broadcast, whether backward syncs;
         then the reducer's preparation (on the second iteration its bucket rebuild broadcasts)."""
         joined_count = Join.notify_join_context(self)  # None unless inside join() (torch's Join protocol)
@@ -333,7 +334,7 @@ class DistributedDataParallel(_TorchDDP):
             self._broadcast_from_rank0(self._synced_buffers())
         synced = torch.is_grad_enabled() and self.require_backward_grad_sync
         if _torch_compat.join_enabled(self):
-            self._agree_on_backward_sync(synced)
+            _ddp_join.agree_on_backward_sync(self.process_group, self.device, synced)
         if synced:
             self.reducer.prepare_for_backward()
             if joined_count is not None and not self._divide_by_initial_world_size:
@@ -341,26 +342,20 @@ class DistributedDataParallel(_TorchDDP):
                 self.reducer.set_divisor_for_this_backward(float(joined_count.result()[0].item()))
         self.require_forward_param_sync = synced
 
-    def _agree_on_backward_sync(self, synced: bool) -> bool:
-        """Join: an allreduce telling ranks whose inputs ran out whether this iteration's backward syncs."""
-        flag = torch.tensor([1 if synced else 0], dtype=torch.int32, device=self.device)
-        dist.all_reduce(flag, group=self.process_group)
-        return bool(flag.item())
-
     # --- uneven inputs (torch.distributed.algorithms.join) ---------------------------------------------
     def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
              throw_on_early_termination: bool = False) -> Join:
         """torch DDP's ``join()``: a context manager for training with a different number of inputs per rank.
         Ranks that run out keep matching the others' collectives (with zero gradients) until all are done;
         with ``divide_by_initial_world_size=False`` the average is over the ranks still training."""
-        self._check_joinable()
+        _ddp_join.check_joinable(self.zero_stage)
         return Join([self], enable, throw_on_early_termination,
                     divide_by_initial_world_size=divide_by_initial_world_size)
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
         """The Joinable protocol's hook (``divide_by_initial_world_size``, default True, as torch's)."""
-        self._check_joinable()
-        return _ShardkitJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
+        _ddp_join.check_joinable(self.zero_stage)
+        return _ddp_join.ShardkitJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
 
     @property
     def join_device(self) -> torch.device:
@@ -369,13 +364,6 @@ class DistributedDataParallel(_TorchDDP):
     @property
     def join_process_group(self) -> dist.ProcessGroup:
         return self.process_group
-
-    def _check_joinable(self) -> None:
-        if self.zero_stage:
-            raise NotImplementedError(
-                f"shardkit DDP: join() with zero_stage={self.zero_stage} is not supported: a rank whose inputs ran "
-                "out would also have to step its ZeRO partition and match ZeroRedundancyOptimizer.step()'s "
-                "all-gather; use zero_stage=0 with join(), or give every rank the same number of batches")
 
     def will_sync_module_buffers(self) -> bool:
         return self.require_forward_param_sync and self.forward_sync_buffers and bool(self._synced_buffers())
@@ -494,41 +482,6 @@ class DistributedDataParallel(_TorchDDP):
         self.reducer.register_comm_hook(state, hook)
 
 
-class _ShardkitJoinHook(JoinHook):
-    """torch's Join protocol for shardkit DDP. Each iteration that the other ranks still train, a rank whose
-    inputs ran out issues what their forward and backward issue (DistributedDataParallel._prepare_forward and
-    Reducer::shadow_backward), contributing zeros; at the end the last rank to join broadcasts the model."""
-
-    def __init__(self, ddp: DistributedDataParallel, divide_by_initial_world_size: bool) -> None:
-        self.ddp = ddp
-        ddp._divide_by_initial_world_size = divide_by_initial_world_size
-        # Dividing by the ranks still training is done by the reducer; every rank enters join() alike.
-        ddp.reducer.set_engine_average(divide_by_initial_world_size)
-
-    def main_hook(self) -> None:
-        ddp = self.ddp
-        with _profiling.span("shardkit::ddp.join_main_hook"):
-            if ddp.forward_sync_buffers and ddp.require_forward_param_sync:
-                ddp._broadcast_from_rank0(ddp._synced_buffers())
-            synced = ddp._agree_on_backward_sync(False)
-            ddp.require_forward_param_sync = synced
-            if synced:
-                ddp.reducer.shadow_backward()
-
-    def post_hook(self, is_last_joiner: bool) -> None:
-        """The model of the last rank to join (the highest such rank) goes to every rank: the others skipped
-        optimizer steps after their inputs ran out."""
-        ddp = self.ddp
-        ddp.reducer.set_engine_average(True)  # join is over on every rank: no divisor but the world size
-        candidate = torch.tensor([dist.get_rank(ddp.process_group) if is_last_joiner else -1], device=ddp.device)
-        dist.all_reduce(candidate, op=dist.ReduceOp.MAX, group=ddp.process_group)
-        source = dist.get_global_rank(ddp.process_group, int(candidate.item()))
-        tensors = [p.detach() for n, p in ddp.module.named_parameters() if n not in ddp.parameters_to_ignore]
-        if ddp.forward_sync_buffers:
-            tensors += ddp._synced_buffers()
-        ddp._broadcast_from_rank0(tensors, src=source)
-
-
 def _group_of(process_group: dist.ProcessGroup | None, device_mesh: Any) -> dist.ProcessGroup:
     if device_mesh is None:
         return process_group if process_group is not None else _torch_compat.default_group()
@@ -558,16 +511,6 @@ def _describe(entry) -> str:
         return "no parameter there"
     name, shape, dtype = entry
     return f"{name} of shape {list(shape)} ({dtype})"
-
-
-def _to_device(obj: Any, device: torch.device) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device, non_blocking=True)
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_device(o, device) for o in obj)
-    if isinstance(obj, dict):
-        return {k: _to_device(v, device) for k, v in obj.items()}
-    return obj
 
 
 _UNSUPPORTED_PROPERTIES: set[str] = set()

@@ -26,7 +26,8 @@ from typing import Iterator
 import torch.distributed as dist
 
 from . import _C
-from .backend import cpu_backend, inter_host_scheme
+from ._group_backend import cpu_backend
+from ._topology import inter_host_scheme
 
 _BITS = {None: 0, "int8": 8, "int4": 4}
 

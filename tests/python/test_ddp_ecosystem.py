@@ -118,6 +118,26 @@ def test_join_on_simulated_hosts_matches_torch(ranks, hosts):
     assert flats[1] == flats[0] and flats[2] == flats[0]
 
 
+def _join_on_subgroup(rank, world):
+    """Ranks 1 and 2 of 3 train on a subgroup, so group ranks are not global ranks: the last joiner (global rank 2,
+    group rank 1) must be the broadcast's root as a group rank."""
+    shardkit_group, gloo_group = dist.new_group([1, 2]), dist.new_group([1, 2], backend="gloo")
+    if rank == 0:
+        return None
+    module = mlp()
+    ref = TorchDDP(copy.deepcopy(module), process_group=gloo_group, bucket_cap_mb=TINY_BUCKET_MB)
+    dut = shardkit_ddp()(copy.deepcopy(module), process_group=shardkit_group, bucket_cap_mb=TINY_BUCKET_MB)
+    _train_joined(ref, rank, True)
+    _train_joined(dut, rank, True)
+    assert_modules_match(ref.module, dut.module, f"rank {rank} after join() on a subgroup", rtol=1e-5, atol=1e-6)
+    return _flat(dut.module)
+
+
+def test_join_on_a_subgroup_matches_torch(ranks):
+    flats = ranks.run(_join_on_subgroup, 3, timeout=120)
+    assert flats[0] is None and flats[2] == flats[1]
+
+
 def _join_until_a_rank_dies(rank, world):
     victim = world - 1  # the rank with the most batches: the others have joined and shadow its backward
     model = shardkit_ddp()(mlp(), bucket_cap_mb=TINY_BUCKET_MB)

@@ -27,36 +27,14 @@ sys.path.insert(0, str(Path(__file__).parent))
 from support import harness  # noqa: E402
 from support.collective_cases import topology_env  # noqa: E402
 from support.ddp_cases import assert_close, gloo_world  # noqa: E402
-from support.fsdp_cases import Block  # noqa: E402
+from support.fsdp_cases import Block, TinyLM  # noqa: E402
 
 VOCAB, D, SEQ = 96, 64, 8  # a block's gradients are 66 KB: past the engine's 32 KB zero-copy threshold
 
 
-class TinyLM(nn.Module):
-    """Token embedding, ``depth`` Blocks, a final norm and an LM head tied to the embedding (the tied weight is
-    the root unit's, as torch's guides place it)."""
-
-    def __init__(self, depth: int = 3, vocab: int = VOCAB) -> None:
-        super().__init__()
-        self.skip: set[int] = set()  # layers the forward leaves out (a rank taking another branch)
-        self.order: list[int] | None = None  # the order the forward runs the layers in (None: as listed)
-        self.wte = nn.Embedding(vocab, D)
-        self.layers = nn.ModuleList([Block(D) for _ in range(depth)])
-        self.norm = nn.LayerNorm(D)
-        self.lm_head = nn.Linear(D, vocab, bias=False)
-        self.lm_head.weight = self.wte.weight
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.wte(tokens)
-        for i in self.order or range(len(self.layers)):
-            if i not in self.skip:
-                h = self.layers[i](h)
-        return self.lm_head(self.norm(h))
-
-
 def tiny_lm(seed: int = 0, depth: int = 3, vocab: int = VOCAB) -> TinyLM:
     torch.manual_seed(seed)
-    return TinyLM(depth, vocab)
+    return TinyLM(depth, vocab, D)
 
 
 def tokens(rank: int, step: int, micro: int = 0, rows: int | None = None) -> torch.Tensor:

@@ -15,8 +15,8 @@ import pathlib
 import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "python" / "shardkit"
-FRONTS = {"shardkit.ddp", "shardkit.zero", "shardkit._zero_state_dict", "shardkit.hooks", "shardkit.state_dict",
-          "shardkit.strategy"}
+FRONTS = {"shardkit.ddp", "shardkit._ddp_join", "shardkit.zero", "shardkit._zero_state_dict", "shardkit.hooks",
+          "shardkit.state_dict", "shardkit.strategy"}
 CHECKPOINT = PACKAGE / "checkpoint"
 
 

@@ -41,8 +41,6 @@ std::optional<ncclRedOp_t> nccl_op(core::ReduceOp reduce, const at::Tensor& tens
   return std::nullopt;
 }
 
-size_t count_of(const at::Tensor& tensor) { return static_cast<size_t>(tensor.numel()); }
-
 char* bytes_at(const at::Tensor& tensor, size_t elements) {
   return static_cast<char*>(tensor.data_ptr()) + elements * tensor.element_size();
 }
@@ -254,7 +252,7 @@ void NcclEngine::barrier(const OpContext& op) { host_.barrier(op); }
 void NcclEngine::broadcast(const OpContext& op, at::Tensor& data, int root) {
   if (data.numel() == 0) return;
   check(op, with_comm(op, [&](ncclComm_t comm) {
-          return ncclBroadcast(data.data_ptr(), data.data_ptr(), count_of(data), nccl_dtype(data), root, comm, stream());
+          return ncclBroadcast(data.data_ptr(), data.data_ptr(), numel_of(data), nccl_dtype(data), root, comm, stream());
         }), "ncclBroadcast");
 }
 
@@ -263,7 +261,7 @@ void NcclEngine::allreduce(const OpContext& op, at::Tensor& data, core::ReduceOp
   if (!nop) return staged_.allreduce(op, data, reduce);
   if (data.numel() == 0) return;
   check(op, with_comm(op, [&](ncclComm_t comm) {
-          return ncclAllReduce(data.data_ptr(), data.data_ptr(), count_of(data), nccl_dtype(data), *nop, comm, stream());
+          return ncclAllReduce(data.data_ptr(), data.data_ptr(), numel_of(data), nccl_dtype(data), *nop, comm, stream());
         }), "ncclAllReduce");
 }
 
@@ -273,7 +271,7 @@ void NcclEngine::reduce(const OpContext& op, at::Tensor& data, core::ReduceOp re
   if (data.numel() == 0) return;
   // NCCL writes the receive buffer on the root only: the others' tensors stay as they were (the Engine rule).
   check(op, with_comm(op, [&](ncclComm_t comm) {
-          return ncclReduce(data.data_ptr(), data.data_ptr(), count_of(data), nccl_dtype(data), *nop, root, comm,
+          return ncclReduce(data.data_ptr(), data.data_ptr(), numel_of(data), nccl_dtype(data), *nop, root, comm,
                             stream());
         }), "ncclReduce");
 }
@@ -281,7 +279,7 @@ void NcclEngine::reduce(const OpContext& op, at::Tensor& data, core::ReduceOp re
 void NcclEngine::allgather(const OpContext& op, const at::Tensor& input, at::Tensor& output) {
   if (input.numel() == 0) return;
   check(op, with_comm(op, [&](ncclComm_t comm) {
-          return ncclAllGather(input.data_ptr(), output.data_ptr(), count_of(input), nccl_dtype(input), comm, stream());
+          return ncclAllGather(input.data_ptr(), output.data_ptr(), numel_of(input), nccl_dtype(input), comm, stream());
         }), "ncclAllGather");
 }
 
@@ -291,7 +289,7 @@ void NcclEngine::reduce_scatter(const OpContext& op, const at::Tensor& input, at
   if (!nop) return staged_.reduce_scatter(op, input, output, reduce);
   if (output.numel() == 0) return;
   check(op, with_comm(op, [&](ncclComm_t comm) {
-          return ncclReduceScatter(input.data_ptr(), output.data_ptr(), count_of(output), nccl_dtype(output), *nop,
+          return ncclReduceScatter(input.data_ptr(), output.data_ptr(), numel_of(output), nccl_dtype(output), *nop,
                                    comm, stream());
         }), "ncclReduceScatter");
 }
@@ -326,7 +324,7 @@ void NcclEngine::grouped(const OpContext& op, const char* what, AddCalls add_cal
 }
 
 void NcclEngine::gather(const OpContext& op, const at::Tensor& input, at::Tensor& output, int root) {
-  const size_t n = count_of(input);
+  const size_t n = numel_of(input);
   if (n == 0) return;
   const ncclDataType_t dtype = nccl_dtype(input);
   const size_t bytes = n * input.element_size();
@@ -346,7 +344,7 @@ void NcclEngine::gather(const OpContext& op, const at::Tensor& input, at::Tensor
 }
 
 void NcclEngine::scatter(const OpContext& op, const at::Tensor& input, at::Tensor& output, int root) {
-  const size_t n = count_of(output);
+  const size_t n = numel_of(output);
   if (n == 0) return;
   const ncclDataType_t dtype = nccl_dtype(output);
   grouped(op, "scatter (ncclSend/ncclRecv group)", [&](GroupCalls& calls, ncclComm_t comm) {

@@ -41,7 +41,7 @@ from torch import nn
 from .. import _torch_compat
 from .._collective_identity import ALL_GATHER, REDUCE_SCATTER, CollectiveLedger, backend_checks_identity, collectives_for
 from ._resident_memory import ResidentSharedMemory
-from ..backend import shared_buffer, warn_zero_copy_unavailable, zero_copy_unavailable
+from .._zero_copy import shared_buffer, warn_zero_copy_unavailable, zero_copy_unavailable
 from ..quantized import Quantized, check_group, inter_host_format
 
 _torch_fully_shard = _torch_compat.fsdp2_fully_shard()

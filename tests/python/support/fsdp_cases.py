@@ -38,6 +38,28 @@ class Block(nn.Module):
         return x + self.down(torch.tanh(self.up(self.norm(x))))
 
 
+class TinyLM(nn.Module):
+    """A token embedding, ``depth`` Blocks of width ``d``, a final norm and an LM head tied to the embedding (the
+    tied weight is the root unit's, as torch's guides place it)."""
+
+    def __init__(self, depth: int, vocab: int, d: int) -> None:
+        super().__init__()
+        self.skip: set[int] = set()  # layers the forward leaves out (a rank taking another branch)
+        self.order: list[int] | None = None  # the order the forward runs the layers in (None: as listed)
+        self.wte = nn.Embedding(vocab, d)
+        self.layers = nn.ModuleList([Block(d) for _ in range(depth)])
+        self.norm = nn.LayerNorm(d)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.wte(tokens)
+        for i in self.order or range(len(self.layers)):
+            if i not in self.skip:
+                h = self.layers[i](h)
+        return self.lm_head(self.norm(h))
+
+
 class Net(nn.Module):
     """An input layer, ``depth`` Blocks, a head. ``tied``: the first and last blocks share one weight (a
     parameter registered by modules of two different units, which their closest common unit must own)."""

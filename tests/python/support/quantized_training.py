@@ -12,25 +12,13 @@ from torch import nn
 
 import shardkit
 from shardkit.backend import inter_host_bytes
-from support.fsdp_cases import Block
+from support.fsdp_cases import Block, TinyLM
 
 VOCAB, D, SEQ = 600, 128, 8  # every unit's all-gather (and reduce-scatter) is 256 KiB or more: rails carry them all
 
 
-class LM(nn.Module):
-    def __init__(self, depth: int = 2) -> None:
-        super().__init__()
-        self.wte = nn.Embedding(VOCAB, D)
-        self.layers = nn.ModuleList([Block(D) for _ in range(depth)])
-        self.norm = nn.LayerNorm(D)
-        self.lm_head = nn.Linear(D, VOCAB, bias=False)
-        self.lm_head.weight = self.wte.weight
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.wte(tokens)
-        for layer in self.layers:
-            h = layer(h)
-        return self.lm_head(self.norm(h))
+def lm() -> TinyLM:
+    return TinyLM(2, VOCAB, D)
 
 
 def batch(rank: int, step: int) -> torch.Tensor:
@@ -60,7 +48,7 @@ def _adamw(model: nn.Module) -> torch.optim.Optimizer:
 
 def _train(rank: int, wrap, steps: int) -> tuple[list[float], int, nn.Module]:
     torch.manual_seed(0)
-    model = wrap(LM())
+    model = wrap(lm())
     opt = _adamw(model)
     losses = []
     before = inter_host_bytes()
@@ -74,7 +62,7 @@ def _train(rank: int, wrap, steps: int) -> tuple[list[float], int, nn.Module]:
 
 
 def _fully_shard(comm):
-    def wrap(model: LM) -> LM:
+    def wrap(model: TinyLM) -> TinyLM:
         for layer in model.layers:
             shardkit.fully_shard(layer, comm=comm)
         shardkit.fully_shard(model, comm=comm)
@@ -152,7 +140,7 @@ def secondary_copy_in_host(rank: int, world: int, per_host: int) -> dict:
     phases = {}
     for reshard in (True, per_host):
         torch.manual_seed(0)
-        model = LM()
+        model = lm()
         for layer in model.layers:
             shardkit.fully_shard(layer, comm=comm, reshard_after_forward=reshard)
         shardkit.fully_shard(model, comm=comm, reshard_after_forward=reshard)
