@@ -2,7 +2,7 @@
 // ever making a thread wait for its turn. Torch-free (the torch glue is csrc/compress/futures.h).
 //
 // Why: gloo and NCCL match collectives by the order in which each rank issues them on a process group,
-// not by name (DESIGN.md, "Collective order"). A comm hook that chains collectives through future
+// not by name (docs/design.md, "Collective order"). A comm hook that chains collectives through future
 // callbacks — PowerSGD issues P, and Q only once P is back — issues the later ones on whichever thread
 // completes the earlier ones, at a moment that differs from rank to rank, while the autograd thread goes
 // on issuing the next bucket's. Unordered, rank 0 can send bucket 3's Q while rank 1 sends bucket 4's

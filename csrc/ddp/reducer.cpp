@@ -434,7 +434,7 @@ void Reducer::finalize() {
 void Reducer::wait_for_bucket_futures() {
   // Every bucket's reduction must be over before anything else is issued: a comm hook may still issue
   // collectives from its callbacks until its future completes, and every rank must issue collectives in
-  // the same order (DESIGN.md, "Collective order"). A failed reduction (a peer died, the group aborted)
+  // the same order (docs/design.md, "Collective order"). A failed reduction (a peer died, the group aborted)
   // fails this backward; the error is taken before reset_iteration() drops the futures that hold it.
   std::exception_ptr failure;
   for (Bucket& bucket : buckets_) {

@@ -1,4 +1,4 @@
-"""Imports run one way (DESIGN.md, "Python"): tools and integrations -> fronts -> checkpoint/ -> helpers -> _C.
+"""Imports run one way (docs/design.md, "Python"): tools and integrations -> fronts -> checkpoint/ -> helpers -> _C.
 
 Read from the source, not from sys.modules: every ``import`` a module runs (at its top or inside a function;
 ``if TYPE_CHECKING:`` blocks excepted, they never run) is an edge, and the graph of shardkit's modules has no

@@ -227,6 +227,6 @@ def test_ddp_training_on_two_hosts_matches_one_host(two_hosts, one_host):
     _assert_same(one_host.params(0), one_host.reference("flat"), "one host vs reference-flat")
     _assert_same(two.params(0), two.reference("hier"), "two hosts vs reference-hier")
     assert _differs(two.reference("flat"), two.reference("hier"))
-    # ... and the layouts agree to fp32 parity (DESIGN.md: rtol 1e-5).
+    # ... and the layouts agree to fp32 parity (docs/design.md: rtol 1e-5).
     for name, value in two.params(0).items():
         torch.testing.assert_close(value, one_host.params(0)[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")

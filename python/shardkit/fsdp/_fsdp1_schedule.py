@@ -6,7 +6,7 @@ calls (``_end_iteration``). The flat parameters' own state (gathered, gathering,
 their full buffers hold are their C++ handles' (csrc/fsdp/flat_param.h); here is only the order of their calls.
 
 One iteration, per unit (hooks run on the autograd/forward thread, in an order every rank shares, so the
-collectives they issue match on every backend — DESIGN.md, "Collective order"):
+collectives they issue match on every backend — docs/design.md, "Collective order"):
 
   pre-forward    all-gather the flat parameter (or wait for the prefetched one); the module's parameters
                  become views of the full buffer; forward_prefetch issues the next unit's all-gather.

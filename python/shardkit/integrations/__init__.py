@@ -9,5 +9,5 @@ yourself: shardkit does not depend on any of them):
 What they share, the wrapping itself (strategies, ``auto``, ZeRO optimizers, clipping, accumulation), is
 ``_wrapping``, which imports no training library.
 
-These sit on top of the package (DESIGN.md, "Python"): they import shardkit's fronts, nothing imports them.
+These sit on top of the package (docs/design.md, "Python"): they import shardkit's fronts, nothing imports them.
 """
