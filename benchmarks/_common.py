@@ -227,7 +227,7 @@ class PeakPss:
             if self._stop.wait(self.interval_s):
                 return
 
-    def __enter__(self) -> "PeakPss":
+    def __enter__(self) -> PeakPss:
         self._thread.start()
         return self
 

@@ -6,4 +6,4 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from gpt_model import QUICK_MODEL, GPT, Block, ModelConfig, n_params  # noqa: E402,F401
+from gpt_model import GPT, QUICK_MODEL, Block, ModelConfig, n_params  # noqa: E402,F401

@@ -128,7 +128,7 @@ class ForeignLoad:
         usage = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
         return sum(u.ru_utime + u.ru_stime for u in usage)
 
-    def __enter__(self) -> "ForeignLoad":
+    def __enter__(self) -> ForeignLoad:
         self._start = (time.monotonic(), self._machine_busy_s(), self._own_s())
         return self
 

@@ -25,10 +25,9 @@ import torch
 import torch.distributed as dist
 
 import shardkit
+from _harness import agree_max, rotated  # the benchmarks folder, the script's own (not a package)
 from shardkit.backend import host_topology, inter_host_bytes
 from shardkit.quantized import inter_host_format
-
-from _harness import agree_max, rotated  # the benchmarks folder, the script's own (not a package)
 
 OPS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
 # The quantized column: the default (rails) group, every op inside this wire format.

@@ -49,8 +49,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import rank0_progress, rotated  # noqa: E402  (the benchmarks folder is not a package)
 from _gpt import GPT, ModelConfig, n_params  # noqa: E402
+from _harness import rank0_progress, rotated  # noqa: E402  (the benchmarks folder is not a package)
 
 LR = 1e-3
 FANOUT = 4  # successors per token in the synthetic chain: the loss can fall to ln(4) = 1.386
@@ -98,8 +98,9 @@ class Built:
 
 def build(config: Config, cfg: ModelConfig, meshes: dict[str, Any]) -> Built:
     """The same seeded GPT, fully_shard per block and at the root (reshard_after_forward: FULL_SHARD)."""
-    import shardkit
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    import shardkit
 
     torch.manual_seed(0)
     module = GPT(cfg)
@@ -150,9 +151,10 @@ def main() -> None:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         os.environ["SHARDKIT_HOST_ID"] = f"simulated-host{rank * args.simulate_hosts // world}"
 
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
     import shardkit  # noqa: F401  (registers the backend)
     from shardkit.backend import host_topology, inter_host_bytes
-    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
     warnings.filterwarnings("ignore", category=FutureWarning)
     dist.init_process_group("shardkit", timeout=timedelta(seconds=600))

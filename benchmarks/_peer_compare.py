@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +25,19 @@ import torch
 import torch.distributed as dist
 
 from _common import format_size, format_table, format_us
-from _harness import (RESULTS_DIR, ForeignLoad, TimingConfig, add_target, header, init_groups, launch_ranks,
-                      machine_info, time_collective, write_json, wrote)
+from _harness import (
+    RESULTS_DIR,
+    ForeignLoad,
+    TimingConfig,
+    add_target,
+    header,
+    init_groups,
+    launch_ranks,
+    machine_info,
+    time_collective,
+    write_json,
+    wrote,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 PEER_PYTHON = ROOT / ".venv-peers" / "bin" / "python"

@@ -89,12 +89,38 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benchmarks folder is not a package
-from _common import (MiB, filesystem_of, format_table, live_rss_bytes, mib, peak_rss_bytes,  # noqa: E402
-                     plot_bar_panels, return_large_frees_to_os, synthetic_token_batches)
-from _gpt import QUICK_MODEL, GPT, Block, ModelConfig, n_params  # noqa: E402
-from _harness import (RESULTS_DIR, ForeignLoad, RunConfig, add_target, agree_max, header, init_groups,  # noqa: E402
-                      interleaved_rounds, launch_attempts, load_note, machine_info, probe, rank0_progress,
-                      round_ratios, save_results, utc_now, warn_if_busy, wrote)
+from _common import (  # noqa: E402
+    MiB,
+    filesystem_of,
+    format_table,
+    live_rss_bytes,
+    mib,
+    peak_rss_bytes,
+    plot_bar_panels,
+    return_large_frees_to_os,
+    synthetic_token_batches,
+)
+from _gpt import GPT, QUICK_MODEL, Block, ModelConfig, n_params  # noqa: E402
+from _harness import (  # noqa: E402
+    RESULTS_DIR,
+    ForeignLoad,
+    RunConfig,
+    add_target,
+    agree_max,
+    header,
+    init_groups,
+    interleaved_rounds,
+    launch_attempts,
+    load_note,
+    machine_info,
+    probe,
+    rank0_progress,
+    round_ratios,
+    save_results,
+    utc_now,
+    warn_if_busy,
+    wrote,
+)
 
 LR = 1e-3
 LOSS_RTOL = 1e-4

@@ -37,17 +37,29 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from collections.abc import Sequence
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benchmarks folder is not a package
 from _common import filesystem_of, format_table  # noqa: E402  (the benchmarks folder is not a package)
-from _harness import (RESULTS_DIR, ForeignLoad, agree_max, init_groups, interleaved_rounds,  # noqa: E402
-                      launch_ranks, machine_info, rank0_progress, rotated, round_ratios, write_json, wrote)
+from _harness import (  # noqa: E402
+    RESULTS_DIR,
+    ForeignLoad,
+    agree_max,
+    init_groups,
+    interleaved_rounds,
+    launch_ranks,
+    machine_info,
+    rank0_progress,
+    rotated,
+    round_ratios,
+    write_json,
+    wrote,
+)
 
 OPERATIONS = ("save", "dcp save", "load", "load verify=False", "dcp load")
 

@@ -46,9 +46,26 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benchmarks folder is not a package
 from _collectives_hosts import hosts_rank_main, hosts_targets, parse_hosts, print_hosts  # noqa: E402
 from _common import Series, format_size, format_table, format_us, parse_size, plot_panels  # noqa: E402
-from _harness import (RESULTS_DIR, ForeignLoad, Timing, TimingConfig, add_target, agree_max, announce,  # noqa: E402
-                      init_groups, launch_ranks, load_note, machine_info, rank0_progress, merge_results,
-                      time_collective, time_interleaved, utc_now, write_json, wrote)
+from _harness import (  # noqa: E402
+    RESULTS_DIR,
+    ForeignLoad,
+    Timing,
+    TimingConfig,
+    add_target,
+    agree_max,
+    announce,
+    init_groups,
+    launch_ranks,
+    load_note,
+    machine_info,
+    merge_results,
+    rank0_progress,
+    time_collective,
+    time_interleaved,
+    utc_now,
+    write_json,
+    wrote,
+)
 
 OPS = ("allreduce", "allgather", "reduce_scatter", "broadcast")
 DTYPES: dict[str, torch.dtype] = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}

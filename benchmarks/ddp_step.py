@@ -76,11 +76,39 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benchmarks folder is not a package
-from _common import (MiB, format_table, live_rss_bytes, mib, peak_rss_bytes, plot_bar_panels,  # noqa: E402
-                     return_large_frees_to_os, synthetic_token_batches, unique_storage_bytes)
-from _harness import (RESULTS_DIR, ForeignLoad, RunConfig, agree_max, agree_max_rows, agree_outcome,  # noqa: E402
-                      announce, describe_paired, init_groups, interleaved_rounds, launch_ranks, load_note,
-                      machine_info, quartiles, rank0_progress, round_ratios, row_ratio, utc_now, write_json, wrote)
+from _common import (  # noqa: E402
+    MiB,
+    format_table,
+    live_rss_bytes,
+    mib,
+    peak_rss_bytes,
+    plot_bar_panels,
+    return_large_frees_to_os,
+    synthetic_token_batches,
+    unique_storage_bytes,
+)
+from _harness import (  # noqa: E402
+    RESULTS_DIR,
+    ForeignLoad,
+    RunConfig,
+    agree_max,
+    agree_max_rows,
+    agree_outcome,
+    announce,
+    describe_paired,
+    init_groups,
+    interleaved_rounds,
+    launch_ranks,
+    load_note,
+    machine_info,
+    quartiles,
+    rank0_progress,
+    round_ratios,
+    row_ratio,
+    utc_now,
+    write_json,
+    wrote,
+)
 
 MEMORY_FIELDS = ("params", "grads", "ddp_buffers", "opt_state", "opt_params")
 

@@ -73,13 +73,42 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benchmarks folder is not a package
-from _common import (MiB, PeakPss, format_table, live_rss_bytes, mib, peak_rss_bytes, plot_bar_panels,  # noqa: E402
-                     pss_bytes, return_large_frees_to_os, synthetic_token_batches, unique_storage_bytes)
-from _gpt import QUICK_MODEL, GPT, Block, ModelConfig, n_params  # noqa: E402
-from _harness import (RESULTS_DIR, ForeignLoad, RunConfig, agree_max_rows, agree_outcome,  # noqa: E402
-                      describe_paired, init_groups, interleaved_rounds, launch_attempts, load_note, machine_info,
-                      header, probe, rank0_progress, round_ratios, row_ratio, save_results, utc_now, warn_if_busy,
-                      wrote)
+from _common import (  # noqa: E402
+    MiB,
+    PeakPss,
+    format_table,
+    live_rss_bytes,
+    mib,
+    peak_rss_bytes,
+    plot_bar_panels,
+    pss_bytes,
+    return_large_frees_to_os,
+    synthetic_token_batches,
+    unique_storage_bytes,
+)
+from _gpt import GPT, QUICK_MODEL, Block, ModelConfig, n_params  # noqa: E402
+from _harness import (  # noqa: E402
+    RESULTS_DIR,
+    ForeignLoad,
+    RunConfig,
+    agree_max_rows,
+    agree_outcome,
+    describe_paired,
+    header,
+    init_groups,
+    interleaved_rounds,
+    launch_attempts,
+    load_note,
+    machine_info,
+    probe,
+    rank0_progress,
+    round_ratios,
+    row_ratio,
+    save_results,
+    utc_now,
+    warn_if_busy,
+    wrote,
+)
 
 LR = 1e-3
 PRECISIONS = ("fp32", "bf16")

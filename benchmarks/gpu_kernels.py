@@ -67,9 +67,18 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benchmarks folder is not a package
 from _common import format_table, synthetic_token_batches  # noqa: E402  (the benchmarks folder is not a package)
-from _harness import (RESULTS_DIR, RanksFailed, add_target, launch_ranks, machine_info, paired_summary,  # noqa: E402
-                      rotated, save_results, wrote)
 from _gpt import GPT, Block, ModelConfig, n_params  # noqa: E402
+from _harness import (  # noqa: E402
+    RESULTS_DIR,
+    RanksFailed,
+    add_target,
+    launch_ranks,
+    machine_info,
+    paired_summary,
+    rotated,
+    save_results,
+    wrote,
+)
 
 SETS = 4  # buffer sets rotated between runs (together well beyond H100's 50 MB L2)
 
@@ -307,9 +316,10 @@ class PsgdBuilt:
 
 
 def build_psgd(c: PsgdConfig, base: nn.Module, device: torch.device, torch_group: dist.ProcessGroup) -> PsgdBuilt:
-    import shardkit.hooks as H
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_psgd
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    import shardkit.hooks as H
 
     group = torch_group if c.group == "torch" else None  # None: the default (shardkit) group
     ddp = TorchDDP(copy.deepcopy(base).to(device), device_ids=[device.index] if device.type == "cuda" else None,

@@ -56,8 +56,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benchmarks folde
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "python"))
 from _common import Series, format_table, plot_panels  # noqa: E402  (the benchmarks folder is not a package)
 from _gpt import ModelConfig, n_params  # noqa: E402
-from _harness import (RESULTS_DIR, ForeignLoad, add_target, bed_run, header, load_note, machine_info,  # noqa: E402
-                      merge_results, round_ratios, write_json, wrote)
+from _harness import (  # noqa: E402
+    RESULTS_DIR,
+    ForeignLoad,
+    add_target,
+    bed_run,
+    header,
+    load_note,
+    machine_info,
+    merge_results,
+    round_ratios,
+    write_json,
+    wrote,
+)
 from support.hostbed import unavailable  # noqa: E402
 
 RANK_SCRIPT = Path(__file__).resolve().parent / "_hosts_train_rank.py"

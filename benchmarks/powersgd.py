@@ -43,8 +43,17 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_p
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from _common import format_table, plot_bar_panels
-from _harness import (RESULTS_DIR, header, init_groups, interleaved_rounds, launch_ranks, machine_info, rank0_progress,
-                      write_json, wrote)
+from _harness import (
+    RESULTS_DIR,
+    header,
+    init_groups,
+    interleaved_rounds,
+    launch_ranks,
+    machine_info,
+    rank0_progress,
+    write_json,
+    wrote,
+)
 
 RANK = 2
 START = 2

@@ -1,7 +1,9 @@
 # The README's Quickstart, verbatim (tests/python/test_quickstart.py keeps the two equal). Run it with
 #   torchrun --standalone --nproc_per_node=4 examples/quickstart.py
-import torch, torch.distributed as dist
-import shardkit                              # registers the "shardkit" backend
+import torch
+import torch.distributed as dist
+
+import shardkit  # registers the "shardkit" backend
 
 dist.init_process_group("shardkit")          # under torchrun; init_method="file://..." works too
 rank, world = dist.get_rank(), dist.get_world_size()

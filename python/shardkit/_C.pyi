@@ -10,8 +10,8 @@ from torch._C import Future as _Future
 from torch._C._distributed_c10d import Backend as _Backend
 from torch._C._distributed_c10d import GradBucket as _GradBucket
 from torch._C._distributed_c10d import ProcessGroup as _ProcessGroup
-from torch._C._distributed_c10d import Reducer as _TorchReducer
 from torch._C._distributed_c10d import ReduceOp as _ReduceOp
+from torch._C._distributed_c10d import Reducer as _TorchReducer
 from torch._C._distributed_c10d import Store as _Store
 from typing_extensions import Buffer as _Buffer
 

@@ -7,12 +7,17 @@ from __future__ import annotations
 
 import torch  # noqa: F401  (loads libtorch before the extension)
 
-from . import _C, checkpoint, fsdp, hooks, wrap
-from . import state_dict  # noqa: E402  (after fsdp and ddp, which it wraps)
+from . import (
+           _C,
+           checkpoint,
+           fsdp,
+           hooks,
+           state_dict,  # noqa: E402  (after fsdp and ddp, which it wraps)
+           wrap,
+)
 from .backend import ZeroCopyUnavailableWarning, all_reduce_, register_backend
 from .ddp import DistributedDataParallel
-from .fsdp import FullyShardedDataParallel
-from .fsdp import fully_shard
+from .fsdp import FullyShardedDataParallel, fully_shard
 from .quantized import Quantized
 from .strategy import auto
 from .zero import ZeroRedundancyOptimizer

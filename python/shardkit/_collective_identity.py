@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import struct
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch.distributed as dist
 

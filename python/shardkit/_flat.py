@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist

@@ -31,7 +31,7 @@ from ._group_backend import cpu_backend
 INTER_HOST_SCHEMES = ("rails", "leaders")
 # Each group's host topology by group name, as its creator computed it: host_topology() reads it, so tests
 # (e.g. the two-host namespace test) can check how ranks were grouped without a hook into the C++ backend.
-_TOPOLOGIES: dict[str, "HostTopology"] = {}
+_TOPOLOGIES: dict[str, HostTopology] = {}
 # How each group's large collectives cross hosts ("rails" or "leaders"; absent on one host), by group name.
 _SCHEMES: dict[str, str] = {}
 
@@ -57,7 +57,7 @@ class HostTopology:
     local_of: list[int]  # rank's position among its host's ranks
 
     @classmethod
-    def from_host_ids(cls, ids: list[str]) -> "HostTopology":
+    def from_host_ids(cls, ids: list[str]) -> HostTopology:
         order: dict[str, int] = {}
         host_of, local_of, counts = [], [], []
         for host in ids:

@@ -37,8 +37,17 @@ from . import _flat, _torch_compat
 from .checkpoint import _optim_state as optim_state
 from .checkpoint._front_protocol import StateDictSetting
 from .checkpoint._optim_state import parameter_names
-from .checkpoint._sharded_state import (Place, ShardedSpace, Slot, check_param_groups, init_optimizer_state,
-                                        load_entries, local_optim_state, owned_copy, sharded_entries)
+from .checkpoint._sharded_state import (
+    Place,
+    ShardedSpace,
+    Slot,
+    check_param_groups,
+    init_optimizer_state,
+    load_entries,
+    local_optim_state,
+    owned_copy,
+    sharded_entries,
+)
 from .checkpoint._sharded_state import optim_state_dict as name_keyed_state
 
 if TYPE_CHECKING:
@@ -51,7 +60,7 @@ _PREFIX = "module."  # a DDP's state-dict prefix (nn.Module naming of its `modul
 LOCAL_PIECES_KEY = "shardkit_zero_local_pieces"  # keys of an outer param group that the local optimizer never sees
 
 
-def _spaces(ddp: "DistributedDataParallel") -> list[tuple[_flat.FlatSpace, ShardedSpace]]:
+def _spaces(ddp: DistributedDataParallel) -> list[tuple[_flat.FlatSpace, ShardedSpace]]:
     partition = ddp._zero_partition
     if partition is not None:
         flat = partition.spaces
@@ -68,7 +77,7 @@ def _places(spaces: list[tuple[_flat.FlatSpace, ShardedSpace]]) -> dict[int, Pla
             for flat, space in spaces for i, p in enumerate(flat.params)}
 
 
-def model_state_dict(ddp: "DistributedDataParallel", setting: StateDictSetting, prefix: str,
+def model_state_dict(ddp: DistributedDataParallel, setting: StateDictSetting, prefix: str,
                      module_prefix: str = _PREFIX) -> dict[str, Any]:
     """``module_prefix``: ``module.`` for ``ddp.state_dict()``; "" for shardkit.state_dict's canonical names."""
     entries = ddp.module.state_dict(prefix=prefix + module_prefix, keep_vars=True)
@@ -81,7 +90,7 @@ def model_state_dict(ddp: "DistributedDataParallel", setting: StateDictSetting, 
             for key, value in entries.items()}
 
 
-def load_model_state_dict(ddp: "DistributedDataParallel", setting: StateDictSetting, state_dict: dict[str, Any],
+def load_model_state_dict(ddp: DistributedDataParallel, setting: StateDictSetting, state_dict: dict[str, Any],
                           strict: bool, module_prefix: str = _PREFIX) -> _torch_compat.IncompatibleKeys:
     """A full or sharded state dict of any world size; under SHARDED_STATE_DICT a collective (the pieces loaded
     here are all-gathered into whole parameters)."""
@@ -96,7 +105,7 @@ def load_model_state_dict(ddp: "DistributedDataParallel", setting: StateDictSett
 
 # --- ZeroRedundancyOptimizer --------------------------------------------------------------------------------
 
-def _slots(model: nn.Module, zero: "ZeroRedundancyOptimizer") -> tuple[list[Slot], list[ShardedSpace], list[list[str]]]:
+def _slots(model: nn.Module, zero: ZeroRedundancyOptimizer) -> tuple[list[Slot], list[ShardedSpace], list[list[str]]]:
     """One slot per piece of the optimizer's partition on this rank (the local optimizer's order), the spaces,
     and the names of each outer param group's parameters."""
     names = parameter_names(model)
@@ -113,7 +122,7 @@ def _slots(model: nn.Module, zero: "ZeroRedundancyOptimizer") -> tuple[list[Slot
     return slots, spaces, [[names[id(p)] for p in group["params"]] for group in zero.param_groups]
 
 
-def optim_state_dict(model: nn.Module, zero: "ZeroRedundancyOptimizer") -> dict[str, Any]:
+def optim_state_dict(model: nn.Module, zero: ZeroRedundancyOptimizer) -> dict[str, Any]:
     """Sharded or full as the model's state_dict_type says (full for a model without one: a plain module or
     torch's DDP). Full is a collective over the optimizer's group."""
     init_optimizer_state(zero.optim)
@@ -128,7 +137,7 @@ def optim_state_dict(model: nn.Module, zero: "ZeroRedundancyOptimizer") -> dict[
                             device=device, keep=keep)
 
 
-def optim_state_dict_to_load(model: nn.Module, zero: "ZeroRedundancyOptimizer",
+def optim_state_dict_to_load(model: nn.Module, zero: ZeroRedundancyOptimizer,
                              optim_state_dict: dict[str, Any]) -> dict[str, Any]:
     """This rank's pieces' state cut from a name-keyed dict (full or sharded, any world size, saved by ZeRO or
     FSDP), as ``zero.load_state_dict`` takes it."""
@@ -142,7 +151,7 @@ def optim_state_dict_to_load(model: nn.Module, zero: "ZeroRedundancyOptimizer",
 
 # --- a plain torch optimizer under a shardkit DDP: whole state on every rank ---------------------------------
 
-def plain_optim_state_dict(ddp: "DistributedDataParallel", optim: torch.optim.Optimizer) -> dict[str, Any]:
+def plain_optim_state_dict(ddp: DistributedDataParallel, optim: torch.optim.Optimizer) -> dict[str, Any]:
     """The name-keyed state dict of a torch optimizer over a shardkit DDP's parameters (every rank holds the
     whole state: no communication; sharded, the state tensors as they are, in their parameters' shapes, the
     format of ZeRO's and FSDP's pieces, and DCP saves each value once)."""
@@ -153,7 +162,7 @@ def plain_optim_state_dict(ddp: "DistributedDataParallel", optim: torch.optim.Op
         whole_in_place=True)
 
 
-def plain_optim_state_dict_to_load(ddp: "DistributedDataParallel", optim: torch.optim.Optimizer,
+def plain_optim_state_dict_to_load(ddp: DistributedDataParallel, optim: torch.optim.Optimizer,
                                    optim_state_dict: dict[str, Any]) -> dict[str, Any]:
     where = f"shardkit DDP (rank {dist.get_rank(ddp.process_group)}) optim_state_dict_to_load"
     return optim_state.state_dict_to_load(where, optim, parameter_names(ddp), [], optim_state_dict)

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -372,7 +373,7 @@ class DistributedDataParallel(_TorchDDP):
         """torch DDP's private switch some trainers call; the shardkit reducer needs no static-graph hint."""
         self.static_graph = True
 
-    def train(self, mode: bool = True) -> "DistributedDataParallel":
+    def train(self, mode: bool = True) -> DistributedDataParallel:
         return nn.Module.train(self, mode)
 
     def __getattr__(self, name: str) -> Any:

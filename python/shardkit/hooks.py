@@ -19,7 +19,8 @@ feedback, P, Q, the generator), so a resumed run continues bit-identically.
 # No `from __future__ import annotations`: torch DDP checks the hooks' annotations as objects (dist.GradBucket).
 
 import logging
-from typing import Any, Callable, cast
+from collections.abc import Callable
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist

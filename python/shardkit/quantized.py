@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import warnings
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch.distributed as dist
 
@@ -53,9 +53,9 @@ class Quantized:
         if isinstance(self.block, bool) or not isinstance(self.block, int) or not 8 <= self.block <= 1 << 20:
             raise ValueError(f"shardkit.Quantized: block={self.block!r} must be an int from 8 to {1 << 20}")
 
-    def wire(self) -> "_C.InterHostQuantization":
+    def wire(self) -> _C.InterHostQuantization:
         """The formats as the backend takes them."""
-        def format_of(name: str | None) -> "_C.QuantFormat":
+        def format_of(name: str | None) -> _C.QuantFormat:
             return _C.QuantFormat(_BITS[name], self.block if name else 0)
         return _C.InterHostQuantization(format_of(self.weights), format_of(self.grads))
 

@@ -25,7 +25,8 @@ themselves; one optimizer per call (a list of one is fine).
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -35,8 +36,14 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions
 from . import _torch_compat
 from . import _zero_state_dict as zero_state_dict
 from .checkpoint import _front_protocol as front_protocol
-from .checkpoint._front_protocol import (FullStateDictConfig, ModelFront, ShardedStateDictConfig, StateDictSetting,
-                                         StateDictType, implements)
+from .checkpoint._front_protocol import (
+    FullStateDictConfig,
+    ModelFront,
+    ShardedStateDictConfig,
+    StateDictSetting,
+    StateDictType,
+    implements,
+)
 from .checkpoint._optim_state import parameter_names
 from .ddp import DistributedDataParallel
 

@@ -42,7 +42,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist

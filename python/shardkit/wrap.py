@@ -15,7 +15,7 @@ A set (or list) of module classes is accepted as ``auto_wrap_policy`` too, meani
 from __future__ import annotations
 
 import functools
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 from torch import nn
 

@@ -111,6 +111,7 @@ def _save_and_die(rank: int, world: int, path: str, steps: int, victim: int, poi
     its first item into its data file), 'publish' (rank 0, manifest written, before the rename that commits),
     'retire' (rank 0, right after that rename, before the replaced checkpoint is removed)."""
     import torch.distributed.checkpoint.filesystem as dcp_filesystem
+
     from shardkit import checkpoint
     from shardkit.checkpoint import _commit
 

@@ -158,9 +158,9 @@ def test_full_checkpoints_from_zero_and_fsdp_load_anywhere(ranks, tmp_path: Path
 
 def _load_other_model(rank: int, world: int, path: str) -> dict:
     import torch.distributed.checkpoint as dcp
+
     from shardkit import checkpoint
     from shardkit.state_dict import get_state_dict
-
     from support.ddp_cases import error_of
 
     errors = {}
@@ -196,6 +196,7 @@ def test_another_models_checkpoint_raises_on_every_rank_naming_parameters_and_sh
 def _fsdp1_interface(rank: int, world: int, path: str, system: str, save: bool) -> dict:
     """FSDP1's state_dict_type / optim_state_dict on a shardkit DDP: keys keep the DDP's ``module.`` prefix."""
     import torch.distributed.checkpoint as dcp
+
     from shardkit import FullyShardedDataParallel as FSDP
     from shardkit.fsdp import StateDictType
 

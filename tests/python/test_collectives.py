@@ -8,8 +8,16 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from support.collective_cases import (ALL_DTYPES, SIZES, TOPOLOGIES, assert_close, make_input, ops_for,
-                              reference_reduce, run_on)
+from support.collective_cases import (
+    ALL_DTYPES,
+    SIZES,
+    TOPOLOGIES,
+    assert_close,
+    make_input,
+    ops_for,
+    reference_reduce,
+    run_on,
+)
 
 EVERY_TOPOLOGY = pytest.mark.parametrize("topology", list(TOPOLOGIES))
 

@@ -19,8 +19,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from support.collective_cases import assert_close, make_input, reference_reduce
 from shardkit import _C
+from support.collective_cases import assert_close, make_input, reference_reduce
 
 pytestmark = [
     pytest.mark.cuda,

@@ -21,9 +21,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
+from shardkit import _C
 from support.ddp_cases import assert_close, error_of, gloo_world
 from support.fsdp_cases import adamw, batch, block_policy, net, sgd
-from shardkit import _C
 
 cuda = pytest.mark.skipif(not (_C.with_cuda and torch.cuda.is_available()),
                           reason="needs a CUDA GPU and shardkit's CUDA build (make gpu-test)")

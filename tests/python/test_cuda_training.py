@@ -14,11 +14,10 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-from support.ddp_cases import assert_close, batch, gloo_world, loss_fn, mlp, sgd
 from shardkit import _C
+from support.ddp_cases import assert_close, batch, gloo_world, loss_fn, mlp, sgd
 
 pytestmark = [
     pytest.mark.cuda,
@@ -28,8 +27,9 @@ pytestmark = [
 
 
 def _train(rank, world, wrapper, hook):
-    import shardkit
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    import shardkit
 
     torch.cuda.set_device(0)
     module = mlp().cuda()

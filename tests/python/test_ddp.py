@@ -34,8 +34,19 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-from support.ddp_cases import (OPTIMIZERS, Pair, assert_close, assert_modules_match, batch, bn_net, loss_fn, mlp,
-                       sgd, shardkit_ddp, two_heads)
+from support.ddp_cases import (
+    OPTIMIZERS,
+    Pair,
+    assert_close,
+    assert_modules_match,
+    batch,
+    bn_net,
+    loss_fn,
+    mlp,
+    sgd,
+    shardkit_ddp,
+    two_heads,
+)
 
 WORLDS = [2, 3]
 # 104-byte buckets: torch's rebuilt layout (after the first backward) is 5 buckets for mlp()'s 6 parameters.

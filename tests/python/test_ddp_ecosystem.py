@@ -29,8 +29,20 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from support import harness
 from support.collective_cases import topology_env
-from support.ddp_cases import (Pair, assert_modules_match, batch, bn_net, error_of, gloo_world, loss_fn, mlp, sgd,
-                       shardkit_ddp, two_heads, wide_mlp)
+from support.ddp_cases import (
+    Pair,
+    assert_modules_match,
+    batch,
+    bn_net,
+    error_of,
+    gloo_world,
+    loss_fn,
+    mlp,
+    sgd,
+    shardkit_ddp,
+    two_heads,
+    wide_mlp,
+)
 
 TINY_BUCKET_MB = 0.0001  # one parameter per bucket after the rebuild
 

@@ -18,8 +18,6 @@ What each test can catch:
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -27,7 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from support.ddp_cases import assert_close, error_of
-from support.fsdp_cases import OPTIMIZERS, Block, FsdpPair, Net, adamw, batch, block_policy, net, sgd
+from support.fsdp_cases import OPTIMIZERS, Block, FsdpPair, adamw, batch, block_policy, net, sgd
 
 STEPS = 5
 

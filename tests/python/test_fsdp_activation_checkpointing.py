@@ -33,7 +33,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint as torch_checkpoint
 
 from support.ddp_cases import assert_close, gloo_world
-from support.fsdp_cases import D, Block, Net, batch, dut_group
+from support.fsdp_cases import Block, D, Net, batch, dut_group
 
 STEPS = 3
 
@@ -76,8 +76,10 @@ def _impl(reentrant: bool):
 
 def _checkpoint(model: nn.Module, form: str, reentrant: bool) -> None:
     """Applies checkpoint_wrapper for the wrapper forms (to the model before or after wrapping, as the form says)."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (apply_activation_checkpointing,
-                                                                            checkpoint_wrapper)
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+    )
 
     wrapper = functools.partial(checkpoint_wrapper, checkpoint_impl=_impl(reentrant))
     if form.startswith("wrapper_around"):
@@ -94,10 +96,11 @@ TORCH_FSDP1_CANNOT = {("inner", True), ("wrapper_inside", True)}  # see the modu
 def _pair(form: str, reentrant: bool, backend: str = "shardkit"):
     """(torch FSDP1 on gloo, shardkit FSDP on the default shardkit group or a gloo group), the same module and
     checkpointing (torch's without checkpointing for the forms of TORCH_FSDP1_CANNOT)."""
-    import shardkit
-    from shardkit.wrap import transformer_auto_wrap_policy
     from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
     from torch.distributed.fsdp import wrap as torch_wrap
+
+    import shardkit
+    from shardkit.wrap import transformer_auto_wrap_policy
 
     ref_form = "plain" if (form, reentrant) in TORCH_FSDP1_CANNOT else form
     after = form == "wrapper_around_after"
@@ -177,8 +180,9 @@ def test_recompute_gathers_in_the_same_order_on_a_gloo_group(ranks):
 
 
 def _state_dict_after_checkpoint_wrapper(rank: int, world: int) -> None:
-    from shardkit.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.checkpoint.state_dict import get_model_state_dict as torch_get_model_state_dict
+
+    from shardkit.state_dict import StateDictOptions, get_model_state_dict
 
     ref, dut = _pair("wrapper_around", reentrant=False)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)

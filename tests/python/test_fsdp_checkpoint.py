@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from support.ddp_cases import assert_close, error_of
@@ -30,6 +29,7 @@ def _wrap(seed: int, strategy: str = "FULL_SHARD"):
 
 def _save(rank: int, world: int, path: str, strategy: str = "FULL_SHARD") -> dict[str, torch.Tensor]:
     import torch.distributed.checkpoint as dcp
+
     from shardkit import FullyShardedDataParallel as FSDP
     from shardkit.fsdp import StateDictType
 
@@ -43,8 +43,9 @@ def _save(rank: int, world: int, path: str, strategy: str = "FULL_SHARD") -> dic
     with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
         sharded = model.state_dict()
     shards = [(s.data_ptr(), s.data_ptr() + s.nbytes) for u in model._units for g in u.groups for s in [g.handle.shard]]
-    from shardkit.checkpoint._sharded_state import PieceTensor
     from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    from shardkit.checkpoint._sharded_state import PieceTensor
 
     pieces = 0
     for key, value in sharded.items():
@@ -63,6 +64,7 @@ def _save(rank: int, world: int, path: str, strategy: str = "FULL_SHARD") -> dic
 
 def _load(rank: int, world: int, path: str, strategy: str) -> dict[str, torch.Tensor]:
     import torch.distributed.checkpoint as dcp
+
     from shardkit import FullyShardedDataParallel as FSDP
     from shardkit.fsdp import StateDictType
 
@@ -173,6 +175,7 @@ def test_state_dicts_are_ordered_dicts_with_tied_weights_as_one_tensor(ranks):
 # --- resuming at another world size: model and optimizer -------------------------------------------------------
 def _save_run(rank: int, world: int, path: str) -> None:
     import torch.distributed.checkpoint as dcp
+
     from shardkit import FullyShardedDataParallel as FSDP
     from shardkit.fsdp import StateDictType
 
@@ -186,6 +189,7 @@ def _save_run(rank: int, world: int, path: str) -> None:
 
 def _resume_run(rank: int, world: int, path: str, strategy: str) -> dict:
     import torch.distributed.checkpoint as dcp
+
     from shardkit import FullyShardedDataParallel as FSDP
     from shardkit.fsdp import StateDictType
 

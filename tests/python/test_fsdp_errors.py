@@ -60,6 +60,7 @@ def _linears_wrapped(seed: int):
 
 def _root_without_parameters(rank: int, world: int, path: str) -> dict:
     import torch.distributed.checkpoint as dcp
+
     from shardkit import FullyShardedDataParallel as FSDP
     from shardkit.fsdp import StateDictType
     from shardkit.state_dict import StateDictOptions, get_state_dict, set_state_dict
@@ -171,8 +172,9 @@ def test_hybrid_shard_pairs_that_do_not_fit_together_are_named():
 
 
 def _ddp_arguments_per_rank(rank: int, world: int) -> dict[str, str]:
-    import shardkit
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    import shardkit
 
     other = rank == 1
     cases = {"zero_stage": {"zero_stage": 1 if other else 0},

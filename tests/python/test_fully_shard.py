@@ -115,10 +115,11 @@ CASES = {
 
 
 def _parity(rank: int, world: int, case: str, steps: int = 5) -> dict[str, Any]:
-    import shardkit
     from torch.distributed.fsdp import MixedPrecisionPolicy
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    import shardkit
 
     optimizer, reshard, bf16, micro_steps, frozen, hsdp = CASES[case]
     ref_mesh, dut_mesh = _meshes(world, hsdp)
@@ -202,9 +203,10 @@ def test_fully_shard_trains_as_torch_fsdp2_and_ddp_on_gloo(ranks, world: int, ca
 def _methods(rank: int, world: int) -> list[str]:
     """torch's guide: explicit prefetching, an async unshard, several forwards before one backward (multi-view),
     set_is_last_backward / set_reshard_after_backward, a registered forward method — the same calls on both."""
-    import shardkit
     from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    import shardkit
 
     ref_mesh, dut_mesh = _meshes(world, hsdp=False)
     models = []
@@ -245,8 +247,9 @@ def test_fsdp_module_methods_of_torchs_guide_behave_as_torchs(ranks):
 def _skipped_unit(rank: int, world: int) -> str:
     """After a good step, rank 1's forward leaves layer 1 out: its all-gather of layers.2 meets rank 0's of
     layers.1 (same shapes: without identities they would swap shards silently)."""
-    import shardkit
     from torch.distributed.device_mesh import init_device_mesh
+
+    import shardkit
 
     model = _wrap(shardkit.fully_shard, tiny_lm(), init_device_mesh("cpu", (world,)))
     lm_loss(model, tokens(rank, 0)).backward()
@@ -269,8 +272,9 @@ def _reordered_units_on_gloo(rank: int, world: int) -> dict[str, Any]:
     """On a gloo mesh (no identities in the backend), after a good step rank 1 runs layers 2 and 1 swapped: the
     same number of collectives of the same shapes, which gloo pairs silently. The ledger's check at the end of
     that backward raises on every rank, before the optimizer steps."""
-    import shardkit
     from torch.distributed.device_mesh import DeviceMesh
+
+    import shardkit
 
     model = _wrap(shardkit.fully_shard, tiny_lm(), DeviceMesh.from_group(gloo_world(), "cpu"))
     optimizer = _optimizer("sgd", model.parameters())
@@ -303,10 +307,10 @@ def test_on_gloo_ranks_that_run_units_in_another_order_fail_at_the_end_of_backwa
 def _hf_gpt2(rank: int, world: int) -> list[tuple[float, float]]:
     """Hugging Face GPT-2 from a config (tied wte / lm_head), each GPT2Block then the root, as the HF Trainer's
     FSDP2 plug-in wraps it: shardkit against torch FSDP2 on gloo."""
-    import shardkit
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
+    import shardkit
     from test_fsdp_models import gpt2
     from test_fsdp_models import tokens as gpt2_tokens
 
@@ -348,9 +352,10 @@ def test_hugging_face_gpt2_trains_as_with_torch_fsdp2(ranks):
 def _big_root(rank: int, world: int) -> dict[str, int]:
     """A root (embedding + LM head) 16x a block's size: between iterations only a block's reduce-scatter input
     stays resident in the shared block; the root's part is given back and allocated again (one MIN allreduce)."""
-    import shardkit
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    import shardkit
 
     ref = _wrap(torch_fully_shard, tiny_lm(vocab=4096), DeviceMesh.from_group(gloo_world(), "cpu"))
     dut = _wrap(shardkit.fully_shard, tiny_lm(vocab=4096), init_device_mesh("cpu", (world,)))
@@ -383,9 +388,10 @@ def _global_step(model, optimizer, rank: int, world: int, step: int) -> None:
 def _wrapped(front: str, world: int):
     """The same model and AdamW under one front: "torch" (torch FSDP2 on gloo), "shardkit" (shardkit.fully_shard),
     "fsdp1" (shardkit's FSDP1 front, per-block units) or "zero2" (shardkit DDP, zero_stage=2)."""
-    import shardkit
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    import shardkit
 
     if front == "torch":
         model = _wrap(torch_fully_shard, tiny_lm(), DeviceMesh.from_group(gloo_world(), "cpu"))
@@ -434,6 +440,7 @@ def _resume(rank: int, world: int, front: str, directories: list[str]) -> None:
     """Loads each checkpoint (README's snippet), checks model and optimizer state bitwise against a torch-only read
     of the same files, then continues 2 steps: the same parameters as the run that never stopped."""
     import torch.distributed.checkpoint as dcp
+
     from shardkit import checkpoint
     from shardkit.state_dict import get_state_dict, set_state_dict
 
@@ -512,8 +519,9 @@ def test_checkpoints_of_every_front_load_into_every_other_and_torch_fsdp2(ranks,
 
 
 def _clip(rank: int, world: int) -> tuple[float, float]:
-    import shardkit
     from torch.distributed.device_mesh import init_device_mesh
+
+    import shardkit
 
     plain = tiny_lm()
     model = _wrap(shardkit.fully_shard, copy.deepcopy(plain), init_device_mesh("cpu", (world,)))
@@ -566,10 +574,11 @@ def _old_flat_checkpoint_into_fully_shard(rank: int, world: int, directory: str)
     import json
 
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+
     import shardkit
     from shardkit import checkpoint
     from shardkit.state_dict import get_model_state_dict
-    from torch.distributed.device_mesh import init_device_mesh
 
     plain = tiny_lm()
     old = {"model": {**{k: v.detach().reshape(-1).clone() for k, v in plain.state_dict().items()},

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from support.collective_cases import TOPOLOGIES, run_on
-from support.host_collectives import every_collective, large_ops
-from support.harness import RanksFailed
 from shardkit.backend import HostTopology, host_topology
+from support.collective_cases import TOPOLOGIES, run_on
+from support.harness import RanksFailed
+from support.host_collectives import every_collective, large_ops
 
 
 def test_topology_groups_ranks_by_host_in_rank_order():

@@ -26,10 +26,9 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from shardkit import _torch_compat  # noqa: E402
 from support import harness  # noqa: E402
 from support.fsdp_cases import Block  # noqa: E402
-
-from shardkit import _torch_compat  # noqa: E402
 
 WORLD = 2
 UNITS = ("blocks.0", "blocks.1", "")  # the units' module paths in the root ("" the root)

@@ -26,8 +26,7 @@ import pytest
 import torch
 
 from support.harness import free_port
-from support.hostbed import launch_hosts, namespaces_unavailable
-from support.hostbed import run_in_session
+from support.hostbed import launch_hosts, namespaces_unavailable, run_in_session
 
 SCRIPT = Path(__file__).parent / "support" / "two_host_script.py"
 WORLD = 4
@@ -47,7 +46,7 @@ class Network:
         self.mode = "veth"
         self.note = ""
 
-    def __enter__(self) -> "Network":
+    def __enter__(self) -> Network:
         if os.geteuid() != 0:
             return self._loopback("`ip netns` needs root")
         a, b = self.veth
@@ -73,7 +72,7 @@ class Network:
         if self.mode == "veth":
             self._remove()
 
-    def _loopback(self, why: str) -> "Network":
+    def _loopback(self, why: str) -> Network:
         self.mode, self.note = "loopback", why
         self.addr = ["127.0.0.1", "127.0.0.1"]
         return self

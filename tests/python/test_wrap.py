@@ -30,7 +30,6 @@ import torch.nn as nn
 from support import harness
 from support.fsdp_cases import Block, Net
 
-
 # --- models ---------------------------------------------------------------------------------------------
 
 class Shared(nn.Module):

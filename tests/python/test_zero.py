@@ -618,8 +618,7 @@ def _full_state_dicts_are_copies(rank, world, stage):
     """Under zero_stage 1|2 the parameters are views of the DDP's flat buffer, which every step updates in place:
     a full state dict (torch.distributed.checkpoint.state_dict's options, or FSDP1's state_dict_type context) must
     hand out values of their own, equal to the model's, that stay as they were after the next step."""
-    from shardkit import FullyShardedDataParallel as FSDP
-    from shardkit.fsdp import FullStateDictConfig, StateDictType
+    from shardkit.fsdp import FullStateDictConfig
     from shardkit.state_dict import StateDictOptions, get_model_state_dict
 
     pair = ZeroPair(mlp(), torch.optim.AdamW, {"lr": 1e-2}, stage=stage)

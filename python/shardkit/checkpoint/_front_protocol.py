@@ -27,7 +27,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
-from typing import Any, Iterator, Protocol
+from collections.abc import Iterator
+from typing import Any, Protocol
 
 import torch
 from torch import nn

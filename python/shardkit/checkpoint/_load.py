@@ -22,10 +22,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from .. import _torch_compat
-from ._sharded_state import SHAPES_KEY
 from ._ranks import Ranks
-from ._safe_pickle import SafeFileSystemReader, SafeLoadPlanner, refusal
 from ._reader import read_metadata, saved_paths, saved_shapes
+from ._safe_pickle import SafeFileSystemReader, SafeLoadPlanner, refusal
+from ._sharded_state import SHAPES_KEY
 from ._verify import check_for_load
 
 

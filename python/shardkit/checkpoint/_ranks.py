@@ -7,8 +7,9 @@ found and every rank gets everyone's, so all decide alike. Its deadline is the p
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 import torch.distributed as dist
 

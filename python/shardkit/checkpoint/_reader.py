@@ -26,10 +26,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from ._sharded_state import SHAPES_KEY
 from ._errors import UnsafeCheckpointError
 from ._manifest import read_manifest
 from ._safe_pickle import SafeFileSystemReader, SafeLoadPlanner, refusal
+from ._sharded_state import SHAPES_KEY
 
 
 def read_metadata(directory: Path) -> Metadata:

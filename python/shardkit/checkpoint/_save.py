@@ -53,7 +53,6 @@ from ._manifest import FileRecord, Manifest, write_manifest
 from ._ranks import Ranks
 from ._writer import ChecksummingWriter, WriteLedger
 
-
 _ANOTHER_RANK_FAILED = "stopped: another rank failed"
 
 

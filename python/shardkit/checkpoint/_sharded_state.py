@@ -31,11 +31,11 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import OrderedDict
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from .. import _C, _exchange, _flat, _torch_compat
 
@@ -94,7 +94,7 @@ class PieceTensor(torch.Tensor):
     boxes: list[tuple[tuple[int, ...], tuple[int, ...], int]]
 
     @classmethod
-    def of(cls, local: torch.Tensor, shape: torch.Size, begin: int) -> "PieceTensor":
+    def of(cls, local: torch.Tensor, shape: torch.Size, begin: int) -> PieceTensor:
         piece = _torch_compat.make_tensor_subclass(cls, local.detach(), False)
         piece.global_shape = torch.Size(shape)
         piece.local = local.detach()
@@ -121,7 +121,7 @@ class PieceTensor(torch.Tensor):
         return (f"PieceTensor(elements {self.begin}..{self.begin + self.local.numel()} of shape "
                 f"{list(self.global_shape)}: {self.local!r})")
 
-    def __deepcopy__(self, memo: dict) -> "PieceTensor":
+    def __deepcopy__(self, memo: dict) -> PieceTensor:
         return PieceTensor.of(self.local.clone(), self.global_shape, self.begin)
 
     def __reduce_ex__(self, protocol: Any):
@@ -187,7 +187,7 @@ class ShardedSpace:
         piece = self.piece(index)
         return whole.reshape(-1)[piece.param_begin:piece.param_begin + piece.numel]
 
-    def piece_tensor(self, index: int, local: torch.Tensor) -> "PieceTensor | torch.Tensor":
+    def piece_tensor(self, index: int, local: torch.Tensor) -> PieceTensor | torch.Tensor:
         """``local`` (this rank's piece, 1-D) as a PieceTensor of the parameter in its own shape; where the space
         is not sharded (every rank holds the whole parameter; DCP saves it once) or the parameter is empty, the
         whole value itself in its own shape."""

@@ -34,7 +34,8 @@ pre-forward; the copies between host shards and device buffers are the handles' 
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn

@@ -13,7 +13,8 @@ the modules' parameter slots for a forward or backward, and ``restore_parameters
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn

@@ -36,13 +36,18 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from .. import _torch_compat
-from .._collective_identity import ALL_GATHER, REDUCE_SCATTER, CollectiveLedger, backend_checks_identity, collectives_for
-from ._resident_memory import ResidentSharedMemory
+from .._collective_identity import (
+    ALL_GATHER,
+    REDUCE_SCATTER,
+    CollectiveLedger,
+    backend_checks_identity,
+    collectives_for,
+)
 from .._zero_copy import shared_buffer, warn_zero_copy_unavailable, zero_copy_unavailable
 from ..quantized import Quantized, check_group, inter_host_format
+from ._resident_memory import ResidentSharedMemory
 
 _torch_fully_shard = _torch_compat.fsdp2_fully_shard()
 _AllGather: Any
@@ -99,7 +104,7 @@ class _Unit:
     forward, before any collective), and its parameters' count and elements; and, where the backend does not
     compare identities, the ledger that records them."""
 
-    def __init__(self, param_group: Any, ledger: "UnitLedger | None", comm: Quantized | None = None) -> None:
+    def __init__(self, param_group: Any, ledger: UnitLedger | None, comm: Quantized | None = None) -> None:
         self._param_group = param_group
         self.ledger = ledger
         self.comm = comm
@@ -122,7 +127,7 @@ class _OnePerGroup:
     """One instance per process group, shared by the units sharded over it (held weakly: it goes with them).
     A subclass is made with its group alone."""
 
-    _by_group: "weakref.WeakValueDictionary[str, Any]"
+    _by_group: weakref.WeakValueDictionary[str, Any]
 
     def __init__(self, group: dist.ProcessGroup) -> None:
         self.group = group

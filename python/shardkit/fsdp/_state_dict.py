@@ -45,28 +45,28 @@ if TYPE_CHECKING:
     from ._fsdp1_units import FlatGroup
 
 
-def spaces(model: "FullyShardedDataParallel") -> list[tuple["FlatGroup", ShardedSpace]]:
+def spaces(model: FullyShardedDataParallel) -> list[tuple[FlatGroup, ShardedSpace]]:
     """Every flat parameter of the model, in unit order (the same on every rank), as a checkpoint sees it."""
     return [(g, ShardedSpace(g.handle.layout, g.names, g.shapes, model._shard_group))
             for u in model._units for g in u.groups]
 
 
-def _places(model: "FullyShardedDataParallel") -> dict[int, Place]:
+def _places(model: FullyShardedDataParallel) -> dict[int, Place]:
     """id(parameter) -> its place: this rank's piece is the parameter itself (a 1-D view of the shard)."""
     return {id(p): Place(space, i, p.detach().reshape(-1))
             for g, space in spaces(model) for i, p in enumerate(g.params)}
 
 
-def _keys_of(model: "FullyShardedDataParallel", prefix: str) -> dict[str, Any]:
+def _keys_of(model: FullyShardedDataParallel, prefix: str) -> dict[str, Any]:
     """The unwrapped module's state-dict entries (parameters as the live sharded Parameters), in its order."""
     return model._fsdp_wrapped_module.state_dict(prefix=prefix, keep_vars=True)
 
 
-def _where(model: "FullyShardedDataParallel", call: str) -> str:
+def _where(model: FullyShardedDataParallel, call: str) -> str:
     return f"shardkit FSDP (rank {dist.get_rank(model.process_group)}) {call}"
 
 
-def full_state_dict(model: "FullyShardedDataParallel", config: FullStateDictConfig, prefix: str) -> dict[str, Any]:
+def full_state_dict(model: FullyShardedDataParallel, config: FullStateDictConfig, prefix: str) -> dict[str, Any]:
     """Gathered one flat parameter at a time; ranks that keep nothing (rank0_only) drop each at once."""
     model._end_iteration()
     keep = not config.rank0_only or dist.get_rank(model.process_group) == 0
@@ -90,19 +90,19 @@ def full_state_dict(model: "FullyShardedDataParallel", config: FullStateDictConf
     return out
 
 
-def sharded_state_dict(model: "FullyShardedDataParallel", config: ShardedStateDictConfig, prefix: str) -> dict[str, Any]:
+def sharded_state_dict(model: FullyShardedDataParallel, config: ShardedStateDictConfig, prefix: str) -> dict[str, Any]:
     model._end_iteration()
     return sharded_entries(_keys_of(model, prefix), _places(model), config.offload_to_cpu)
 
 
-def load(model: "FullyShardedDataParallel", state_dict: dict[str, Any], strict: bool) -> _torch_compat.IncompatibleKeys:
+def load(model: FullyShardedDataParallel, state_dict: dict[str, Any], strict: bool) -> _torch_compat.IncompatibleKeys:
     """Loads a full or sharded state dict into the shards (the kind of each value decides; no communication, but
     every rank must call it with its own dict). Errors name the parameter and both shapes."""
     model._end_iteration()
     return load_entries(_where(model, "load_state_dict"), _keys_of(model, ""), _places(model), state_dict, strict)
 
 
-def optim_state_dict(model: "FullyShardedDataParallel", optim: torch.optim.Optimizer) -> dict[str, Any]:
+def optim_state_dict(model: FullyShardedDataParallel, optim: torch.optim.Optimizer) -> dict[str, Any]:
     flat = spaces(model)  # at least one (FSDP refuses a module without parameters), not necessarily the root's
     setting = model.state_dict_setting
     return state_dict_of(optim, {id(p): name for name, p in model.named_parameters()},
@@ -111,7 +111,7 @@ def optim_state_dict(model: "FullyShardedDataParallel", optim: torch.optim.Optim
                          device=flat[0][0].handle.shard.device)
 
 
-def optim_state_dict_to_load(model: "FullyShardedDataParallel", optim: torch.optim.Optimizer,
+def optim_state_dict_to_load(model: FullyShardedDataParallel, optim: torch.optim.Optimizer,
                              optim_state_dict: dict[str, Any]) -> dict[str, Any]:
     return state_dict_to_load(f"shardkit FSDP (rank {dist.get_rank(model.process_group)}) optim_state_dict_to_load",
                               optim, {id(p): name for name, p in model.named_parameters()},

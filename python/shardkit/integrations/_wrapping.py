@@ -25,7 +25,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
-from typing import Any, Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,9 +34,9 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
+from .. import _torch_compat
 from .. import estimate as _estimate
 from .. import hooks as _hooks
-from .. import _torch_compat
 from .. import state_dict as _state_dict
 from .. import strategy as _strategy
 from ..checkpoint import load as _checkpoint_load

@@ -54,7 +54,8 @@ import contextlib
 import dataclasses
 import os
 import warnings
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 from torch import nn

@@ -72,7 +72,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import weakref
-from typing import Any, Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 import torch
 from torch import nn

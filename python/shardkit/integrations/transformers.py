@@ -41,9 +41,10 @@ import contextlib
 import dataclasses
 import functools
 import os
+from collections.abc import Iterator
 from datetime import timedelta
 from functools import cached_property
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -55,10 +56,10 @@ except ImportError as error:  # shardkit does not depend on transformers
     raise ImportError("shardkit.integrations.transformers needs Hugging Face transformers and accelerate "
                       f"(pip install transformers accelerate; tested with 5.23.0 and 1.15.0): {error}") from error
 
-from . import _wrapping
-from . import accelerate as _accelerate
 from .. import state_dict as _state_dict
 from ..checkpoint import save as _checkpoint_save
+from . import _wrapping
+from . import accelerate as _accelerate
 
 __all__ = ["ShardkitTrainingArguments", "Trainer"]
 

@@ -11,7 +11,8 @@ collectives never interleave and every rank issues them in the same order.
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist

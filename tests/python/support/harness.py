@@ -20,9 +20,10 @@ import subprocess
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 _CONTEXT = mp.get_context("forkserver")
 # torch._dynamo: constructing any optimizer imports it (~3 s per rank otherwise).

@@ -128,7 +128,7 @@ class HostBed:
         return f"{self.hosts} namespace hosts on one bridge, links {rate}"
 
     # --- set-up and tear-down ----------------------------------------------------------------------------
-    def __enter__(self) -> "HostBed":
+    def __enter__(self) -> HostBed:
         why = unavailable()
         if why is not None:
             raise RuntimeError(f"HostBed: cannot make hosts here: {why}")

@@ -87,7 +87,9 @@ def _module_class():
             self.net = TinyLM(inner_checkpoint=cell["ac"] == "inner")
             if cell["ac"] == "wrapper":
                 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-                    apply_activation_checkpointing, checkpoint_wrapper)
+                    apply_activation_checkpointing,
+                    checkpoint_wrapper,
+                )
 
                 apply_activation_checkpointing(self.net, checkpoint_wrapper_fn=checkpoint_wrapper,
                                                check_fn=lambda m: isinstance(m, Block))

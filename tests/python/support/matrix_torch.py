@@ -24,7 +24,6 @@ Dimensions:
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 from typing import Any
 
@@ -95,7 +94,9 @@ def make_model(cell: dict[str, Any]) -> nn.Module:
     model = TinyLM(inner_checkpoint=cell["ac"] == "inner")
     if cell["ac"] == "wrapper":
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-            apply_activation_checkpointing, checkpoint_wrapper)
+            apply_activation_checkpointing,
+            checkpoint_wrapper,
+        )
 
         apply_activation_checkpointing(model, checkpoint_wrapper_fn=checkpoint_wrapper,
                                        check_fn=lambda m: isinstance(m, Block))

@@ -30,9 +30,9 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/python: the shared cases
 
 import shardkit  # noqa: E402
+from shardkit.backend import host_id, host_topology
 from support.collective_cases import assert_close, make_input, reference_reduce
 from support.ddp_cases import batch, loss_fn, mlp, sgd
-from shardkit.backend import host_id, host_topology
 
 STEPS = 4
 R = dist.ReduceOp
