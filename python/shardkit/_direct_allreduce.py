@@ -20,8 +20,8 @@ _DIRECT: dict[int, tuple[dist.ProcessGroup, Any]] = {}  # id(group) -> (group, i
 # ReduceOp.SUM and its kin are RedOpType values; pybind converts one to a ReduceOp object on every call (about
 # 1 µs, a sixth of a small allreduce). These are converted once and found by identity (hashing a pybind enum
 # costs half a microsecond); a ReduceOp object (PREMUL_SUM) passes as is.
-_REDUCE_OPS = tuple((kind, dist.ReduceOp(kind)) for kind in dist.ReduceOp.RedOpType.__members__.values()
-                    if kind != dist.ReduceOp.RedOpType.PREMUL_SUM)
+_REDUCE_OPS = tuple((kind, dist.ReduceOp(kind)) for name, kind in dist.ReduceOp.RedOpType.__members__.items()
+                    if name != "PREMUL_SUM")
 
 
 def _as_reduce_op(op: Any) -> Any:
@@ -31,7 +31,7 @@ def _as_reduce_op(op: Any) -> Any:
     return op
 
 
-def all_reduce_(tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM,
+def all_reduce_(tensor: torch.Tensor, op: dist.ReduceOp | dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
                 group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """``torch.distributed.all_reduce(tensor, op, group)`` for a dense CPU tensor on a shardkit group, synchronous,
     in place, returning ``tensor``: the same collective (validation, numbering, order with every other

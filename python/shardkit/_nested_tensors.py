@@ -38,7 +38,7 @@ def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     return obj
 
 
-def to_device(obj: Any, device: torch.device, non_blocking: bool = False) -> Any:
+def to_device(obj: Any, device: torch.device | int | str, non_blocking: bool = False) -> Any:
     """``obj`` with every tensor moved to ``device``."""
     return map_tensors(obj, lambda t: t.to(device, non_blocking=non_blocking))
 

@@ -8,7 +8,7 @@ paths can carry them unconditionally.
 from __future__ import annotations
 
 import contextlib
-from typing import ContextManager
+from contextlib import AbstractContextManager
 
 import torch
 
@@ -18,7 +18,7 @@ _profiler_enabled = _torch_compat.profiler_enabled_check()
 _NO_SPAN = contextlib.nullcontext()
 
 
-def span(label: str, index: object = None) -> ContextManager[object]:
+def span(label: str, index: object = None) -> AbstractContextManager[object]:
     """``record_function(label)`` (or ``label[index]``) while a profiler records; a no-op context otherwise."""
     if not _profiler_enabled():
         return _NO_SPAN

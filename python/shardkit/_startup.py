@@ -326,13 +326,14 @@ def _agree_segment_name(watch: StartupWatch, local_rank: int, host_index: int, g
     key = f"shardkit/shm_name/{host_index}"
     if local_rank == 0:
         tag = _name_part(os.environ.get("SHARDKIT_SHM_TAG", ""), 32)
-        name = f"/shardkit-{tag + '-' if tag else ''}{os.getpid()}-{secrets.token_hex(6)}-{group_id or 'default'}-h{host_index}"
+        name = (f"/shardkit-{tag + '-' if tag else ''}{os.getpid()}-{secrets.token_hex(6)}-"
+                f"{group_id or 'default'}-h{host_index}")
         watch.store.set(key, name)
         return name
     return watch.get(key, "waiting for the host's first rank to name the shared-memory segment").decode()
 
 
-def create_backend(options: _torch_compat.BackendOptions, pg_options) -> dist.Backend:
+def create_backend(options: _torch_compat.BackendOptions, pg_options) -> _C.ProcessGroupShardkit:
     """The creator registered with torch (backend.register_backend): the group's backend, or on every rank the
     error of the rank that failed first (StartupWatch.failed)."""
     if pg_options is not None:
@@ -365,7 +366,7 @@ def _job_store(own: dist.Store, is_default_group: bool) -> dist.Store:
     return own
 
 
-def _start(options, watch: StartupWatch, global_ranks: list[int], timeout: timedelta) -> dist.Backend:
+def _start(options, watch: StartupWatch, global_ranks: list[int], timeout: timedelta) -> _C.ProcessGroupShardkit:
     store, rank, size = options.store, options.group_rank, options.group_size
     group_id = _name_part(str(options.group_id), 40)
     topology = _topology.HostTopology.from_host_ids(watch.exchange_hosts(_topology.host_id(), size))

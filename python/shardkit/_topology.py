@@ -59,7 +59,9 @@ class HostTopology:
     @classmethod
     def from_host_ids(cls, ids: list[str]) -> HostTopology:
         order: dict[str, int] = {}
-        host_of, local_of, counts = [], [], []
+        host_of: list[int] = []
+        local_of: list[int] = []
+        counts: list[int] = []
         for host in ids:
             index = order.setdefault(host, len(order))
             if index == len(counts):
@@ -119,7 +121,7 @@ def inter_host_scheme(group: dist.ProcessGroup | None = None) -> str | None:
     "rails" (local rank k of every host with local rank k of the others), "leaders" (each host's first rank), or
     None where the group is on one host. See docs/backend.md, "Across hosts"."""
     host_topology(group)  # the same error for a group without a shardkit backend
-    pg = group if group is not None else dist.group.WORLD
+    pg = group if group is not None else _torch_compat.default_group()
     return _SCHEMES.get(pg.group_name)
 
 
@@ -153,4 +155,5 @@ def host_groups(what: str) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
         group = dist.new_group([ranks[index] for ranks in by_host.values()])
         if index == position:
             across_hosts = group
+    assert on_host is not None and across_hosts is not None, "every rank is on one host and at one position"
     return on_host, across_hosts

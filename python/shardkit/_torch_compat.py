@@ -15,8 +15,9 @@ from __future__ import annotations
 import functools
 import weakref
 from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, ContextManager
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -162,7 +163,8 @@ def reduce_scatter_single(output: Any, input: Any, op: Any, group: Any, async_op
     return dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
 
 
-# --- DCP's checkpointable protocol: what shardkit.checkpoint._sharded_state.PieceTensor answers DCP with. DCP asks a value for
+# --- DCP's checkpointable protocol: what shardkit.checkpoint._sharded_state.PieceTensor answers DCP with. DCP asks a
+# value for
 # ``__create_write_items__(fqn, obj)`` (planner_helpers._create_write_items), ``__create_chunk_list__()``
 # (_create_chunk_list, on load) and ``__get_tensor_shard__(index)`` (utils.find_tensor_shard) where it has them,
 # as DTensor does (torch 2.13 and 2.14.1 alike); the items and chunks are DCP's public dataclasses.
@@ -302,7 +304,7 @@ def make_tensor_subclass(cls: type, data: torch.Tensor, requires_grad: bool = Fa
     return torch.Tensor._make_subclass(cls, data, requires_grad)
 
 
-def torch_function_disabled() -> ContextManager[Any]:
+def torch_function_disabled() -> AbstractContextManager[Any]:
     """A context in which Tensor subclasses' ``__torch_function__`` is not consulted
     (``torch._C.DisableTorchFunctionSubclass``, what ``Tensor.__torch_function__`` itself uses): a subclass's
     ``__torch_function__`` runs the op on the plain tensors under it."""
@@ -338,7 +340,7 @@ def compiled_module_original(model: nn.Module) -> nn.Module | None:
     return None
 
 
-# --- torch DDP's and Join's private protocol: what shardkit DDP, a torch DDP subclass, answers -------------------------
+# --- torch DDP's and Join's private protocol: what shardkit DDP, a torch DDP subclass, answers ------------------------
 def active_ddp_module() -> nn.Module | None:
     """The DDP module whose forward runs (``DistributedDataParallel._active_ddp_module``): torch.compile's
     DDPOptimizer reads it (through ``_get_active_ddp_module``) to split the graph at the module's bucket cap."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -130,7 +130,7 @@ class DistributedDataParallel(_TorchDDP):
         self.device_mesh = device_mesh
         self.device_ids = self._check_devices(module, device_ids)
         self.device = next(module.parameters(), torch.empty(0)).device
-        self.output_device = output_device
+        self.output_device = output_device  # type: ignore[assignment]  # as given (torch's DDP keeps an index)
         self.dim = dim
         # torch 2.13's rule: forward_sync_buffers wins; the deprecated broadcast_buffers=False also keeps the
         # buffers out of the initial broadcast.
@@ -231,7 +231,7 @@ class DistributedDataParallel(_TorchDDP):
         return [device]
 
     def _verify_same_arguments_and_parameters_everywhere(self, arguments: dict[str, str],
-                                                         named: list[tuple[str, torch.Tensor]]) -> None:
+                                                         named: Sequence[tuple[str, torch.Tensor]]) -> None:
         """Construction's first collective: every rank's communication arguments (printable values: they decide
         the buckets and which collectives reduce them) and its parameters (names, shapes, dtypes) go to every rank
         in one exchange (shardkit._agreement). Raises on every rank, naming the ranks and values, where any differ:
@@ -412,7 +412,7 @@ class DistributedDataParallel(_TorchDDP):
         if self.zero_stage == 2:
             self.reducer.clear_gradient_shards(set_to_none)
 
-    def _own_partition(self, named: list[tuple[str, torch.Tensor]],
+    def _own_partition(self, named: Sequence[tuple[str, torch.Tensor]],
                        spaces: list[_flat.FlatSpace]) -> _flat.ZeroPartition:
         """zero_stage 1|2: the partition this DDP owns. Under 2 it allocates this rank's gradient shard of each
         space and installs them in the reducer now, so a backward before any optimizer exists lands there."""

@@ -65,14 +65,14 @@ import warnings
 import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
-from . import _exchange, _flat, _profiling
+from . import _exchange, _flat, _profiling, _torch_compat
 from . import _zero_state_dict as zero_state_dict
 from ._zero_state_dict import LOCAL_PIECES_KEY
 
@@ -127,7 +127,7 @@ class ZeroRedundancyOptimizer(Optimizer):
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, Optimizer)):
             raise TypeError(f"optimizer_class must be a torch.optim.Optimizer subclass, got {optimizer_class!r}")
         super().__init__(params, defaults)  # param groups as the unsharded optimizer would hold them
-        self.process_group = process_group if process_group is not None else dist.group.WORLD
+        self.process_group = process_group if process_group is not None else _torch_compat.default_group()
         self.world_size = dist.get_world_size(self.process_group)
         self.rank = dist.get_rank(self.process_group)
         self.optimizer_class = optimizer_class
@@ -248,6 +248,7 @@ class ZeroRedundancyOptimizer(Optimizer):
                 piece = _Piece(p, *numbering[id(p)], begin, numel, flat_piece.shard_begin,
                                nn.Parameter(view, requires_grad=True))
                 if zero2 is not None:
+                    assert space.grad_shard is not None, "a ZeRO-2 partition allocates every space's gradient shard"
                     piece.grad_view = space.grad_shard[piece.shard_begin:piece.shard_begin + numel].view(view.shape)
                     piece.ddp_index = zero2.reducer_index[id(p)]
                 pieces.append(piece)
@@ -380,7 +381,7 @@ class ZeroRedundancyOptimizer(Optimizer):
         everyone = _exchange.gather_object(mine, to, self.process_group)
         self._consolidated_to = to
         self._consolidated = None
-        if self.rank != to:
+        if self.rank != to or everyone is None:  # everyone: None on every rank but `to`
             return
         parts: dict[int, list[tuple[int, int, dict[str, Any]]]] = defaultdict(list)
         for rank_pieces in everyone:
@@ -511,7 +512,7 @@ def _merge_pieces(index: int, param: torch.Tensor, parts: list[tuple[int, int, d
         first = values[0]
         if isinstance(first, torch.Tensor) and first.dim() == 1 and all(
                 isinstance(v, torch.Tensor) and v.shape == (numel,) for v, (_, numel, _) in zip(values, parts)):
-            merged[key] = torch.cat(values).view(param.shape)
+            merged[key] = torch.cat(cast(list[torch.Tensor], values)).view(param.shape)
         else:
             merged[key] = first
     return merged

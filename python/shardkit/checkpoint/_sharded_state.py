@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -270,7 +270,7 @@ def sharded_entries(entries: dict[str, Any], places: dict[int, Place], offload_t
 
 
 def load_entries(where: str, entries: dict[str, Any], places: dict[int, Place],
-                 state_dict: dict[str, Any], strict: bool) -> _torch_compat.IncompatibleKeys:
+                 state_dict: Mapping[str, Any], strict: bool) -> _torch_compat.IncompatibleKeys:
     """Loads a full or a sharded model state dict (the kind of each value decides) into the live tensors of
     ``entries`` (the unwrapped state dict with keep_vars=True). Each placed parameter gets its piece, or its whole
     value where this rank holds it whole; a PieceTensor value that is the piece itself (DCP loaded into this

@@ -90,15 +90,16 @@ class _ChecksummedStream:
         self.size = 0
         self.sequential = True
 
-    def _failing(self, error: OSError) -> OSError:
+    def _failing(self, error: OSError) -> None:
+        """Records ``error`` in the ledger; the caller re-raises it."""
         self._ledger.failed(self._path, error)
-        return error
 
     def write(self, data: Any) -> int:
         try:
             count = self._raw.write(data)
         except OSError as error:
-            raise self._failing(error)
+            self._failing(error)
+            raise
         view = memoryview(data)
         count = view.nbytes if count is None else count
         self.crc32c = _C.crc32c(view if count == view.nbytes else view.cast("B")[:count], self.crc32c)
@@ -116,7 +117,8 @@ class _ChecksummedStream:
         try:
             self._raw.flush()
         except OSError as error:
-            raise self._failing(error)
+            self._failing(error)
+            raise
 
     def fileno(self) -> int:
         return self._raw.fileno()
@@ -142,7 +144,8 @@ class _ChecksummedStream:
             self._raw.flush()
             os.fsync(self._raw.fileno())
         except OSError as error:
-            raise self._failing(error)
+            self._failing(error)
+            raise
         finally:
             self._raw.close()
 

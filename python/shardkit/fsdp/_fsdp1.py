@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -110,8 +110,9 @@ class FullyShardedDataParallel(UnitSchedule, nn.Module):
         if self.cpu_offload.offload_params:
             _init.refuse_offload_without_cuda()
             if comm is not None:
-                raise ValueError("shardkit FSDP: comm=shardkit.Quantized(...) with CPUOffload(offload_params=True) is not "
-                                 "available: the collectives then run on CUDA tensors, which are not quantized yet")
+                raise ValueError("shardkit FSDP: comm=shardkit.Quantized(...) with CPUOffload(offload_params=True) is "
+                                 "not available: the collectives then run on CUDA tensors, which are not quantized "
+                                 "yet")
         if not use_orig_params:
             raise NotImplementedError("shardkit FSDP: use_orig_params=False is not supported: the original parameters "
                                       "are always what the model exposes (FSDP1's use_orig_params=True)")
@@ -155,7 +156,7 @@ class FullyShardedDataParallel(UnitSchedule, nn.Module):
                                  self._offload_device, wire, self._gathered_bytes) for name, m in unit_modules]
         self._root = self._units[0]
         for u in self._units:
-            u.module._shardkit_fsdp_unit = u
+            u.module._shardkit_fsdp_unit = u  # type: ignore[assignment]  # nn.Module's __setattr__ is typed for tensors
             u.module.register_forward_pre_hook(self._make_pre_forward(u), with_kwargs=True)
             u.module.register_forward_hook(self._make_post_forward(u))
         memory = _init.zero_copy_memory(self._shard_group, self._offload_device is not None, managed, self._units)
@@ -210,16 +211,17 @@ class FullyShardedDataParallel(UnitSchedule, nn.Module):
         every rank; see state_dict_type() for the others. A collective for full ones: call it on every rank."""
         if args:
             raise TypeError("state_dict takes keyword arguments only (destination=, prefix=, keep_vars=)")
-        if self.state_dict_setting.sharded:
-            state = _state_dict.sharded_state_dict(self, self.state_dict_setting.config, prefix)
+        config = self.state_dict_setting.config  # state_dict_type() pairs each kind with its config class
+        if isinstance(config, ShardedStateDictConfig):
+            state = _state_dict.sharded_state_dict(self, config, prefix)
         else:
-            state = _state_dict.full_state_dict(self, self.state_dict_setting.config, prefix)
+            state = _state_dict.full_state_dict(self, config, prefix)
         if destination is not None:
             destination.update(state)
             return destination
         return state
 
-    def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True, assign: bool = False):
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False):
         """Loads a full state dict (the unwrapped model's, from any world size) or a sharded one (DCP's, from
         any world size). Call it on every rank."""
         if assign:

@@ -49,7 +49,7 @@ def verify_same_arguments_and_layout_everywhere(arguments: dict[str, str], layou
         a = reference[position] if position < len(reference) else None
         b = theirs[position] if position < len(theirs) else None
         if a != b:
-            unit = (a or b)[0] or "(root)"
+            unit = (a if a is not None else b or ("",))[0] or "(root)"
             raise RuntimeError(
                 f"shardkit FSDP (rank {me}): unit '{unit}' differs between ranks: rank {first} has "
                 f"{_describe_unit(a)}, {_agreement.name_ranks(differing)} {'have' if len(differing) > 1 else 'has'} "

@@ -38,14 +38,23 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from .. import _profiling, _torch_compat
-from .._collective_identity import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, CollectiveLedger, backend_checks_identity
+from .. import _C, _profiling, _torch_compat
+from .._collective_identity import (
+    ALL_GATHER,
+    ALL_REDUCE,
+    REDUCE_SCATTER,
+    CollectiveLedger,
+    backend_checks_identity,
+    compare_identities_across_hosts,
+)
 from .._nested_tensors import cast_floating, tensors_in, to_device
-from ..backend import compare_identities_across_hosts, warn_zero_copy_unavailable
-from ._fsdp1_api import BackwardPrefetch, ShardingStrategy
+from .._zero_copy import warn_zero_copy_unavailable
+from ._fsdp1_api import BackwardPrefetch, MixedPrecision, ShardingStrategy
 from ._fsdp1_units import FlatGroup, Unit, register_parameters, restore_parameters
+from ._resident_memory import ResidentSharedMemory
 
 
 class UnitSchedule:
@@ -54,6 +63,19 @@ class UnitSchedule:
     (ResidentSharedMemory or None), ``_offload_device``, ``_gathered_bytes`` (the _C.GatheredBytes its units'
     handles count their full buffers in) and its FSDP1 arguments (``sharding_strategy``, ``mixed_precision``,
     ``backward_prefetch``, ``forward_prefetch``, ``limit_all_gathers``)."""
+
+    # What the front sets (annotations only: nn.Module keeps the values).
+    _units: list[Unit]
+    _shard_group: dist.ProcessGroup
+    _replicate_group: dist.ProcessGroup | None
+    _reduce_memory: ResidentSharedMemory | None
+    _offload_device: torch.device | None
+    _gathered_bytes: _C.GatheredBytes
+    sharding_strategy: ShardingStrategy
+    mixed_precision: MixedPrecision  # MixedPrecision() where none was given
+    backward_prefetch: BackwardPrefetch | None
+    forward_prefetch: bool
+    limit_all_gathers: bool
 
     @property
     def peak_gathered_bytes(self) -> int:
@@ -106,7 +128,8 @@ class UnitSchedule:
             if unit.is_root and self._offload_device is not None:  # FSDP1: the root's inputs to the compute device
                 inputs = to_device((args, kwargs), self._offload_device)
             mp = self.mixed_precision
-            if mp.param_dtype is not None and (mp.cast_forward_inputs or (unit.is_root and mp.cast_root_forward_inputs)):
+            cast_here = mp.cast_forward_inputs or (unit.is_root and mp.cast_root_forward_inputs)
+            if mp.param_dtype is not None and cast_here:
                 inputs = cast_floating(inputs if inputs is not None else (args, kwargs), mp.param_dtype)
             return inputs
 
@@ -233,6 +256,7 @@ class UnitSchedule:
         """The zero-copy memory with its first `needed` bytes allocated, or None: this unit is reduced from
         ordinary memory this iteration (a rank of the shard group had no room in /dev/shm: every rank warns).
         A collective on the shard group past the kept part (ResidentSharedMemory.ensure)."""
+        assert self._reduce_memory is not None, "called only where the front has zero-copy memory"
         why = self._reduce_memory.ensure(needed)
         if why is None:
             return self._reduce_memory.memory
@@ -359,7 +383,8 @@ class _PostBackward:
         self._refs = (weakref.ref(fsdp), weakref.ref(unit), weakref.ref(group))
 
     def __call__(self, grads: list[torch.Tensor | None]) -> None:
-        fsdp, unit, group = (ref() for ref in self._refs)
+        fsdp_ref, unit_ref, group_ref = self._refs
+        fsdp, unit, group = fsdp_ref(), unit_ref(), group_ref()
         if fsdp is None or unit is None or group is None:
             raise RuntimeError("shardkit FSDP: backward through a forward of a model that has been deleted")
         fsdp._post_backward(unit, group, grads)
@@ -373,7 +398,8 @@ class _DeferGradients:
         self._refs = (weakref.ref(fsdp), weakref.ref(group))
 
     def __call__(self, grads: list[torch.Tensor | None]) -> None:
-        fsdp, group = (ref() for ref in self._refs)
+        fsdp_ref, group_ref = self._refs
+        fsdp, group = fsdp_ref(), group_ref()
         if fsdp is None or group is None:
             raise RuntimeError("shardkit FSDP: backward through a forward of a model that has been deleted")
         fsdp._defer_gradients(group, grads)

@@ -10,8 +10,9 @@ returns and ``model.load_state_dict()`` takes, as in torch FSDP1:
   a time; with ``FullStateDictConfig(rank0_only=True)`` the other ranks return ``{}`` and never hold more than
   one flat parameter's full values. Every value is a tensor of its own (its storage is exactly its bytes, as
   torch FSDP1's clones): neither a view of a gathered flat buffer nor an alias of a live parameter or buffer, so
-  it stays as it was whatever the model does next (a step, a reshard), and torch.save writes only its bytes. Loading takes such a dict (from any world size, or from the plain model)
-  on every rank; each rank copies its pieces.
+  it stays as it was whatever the model does next (a step, a reshard), and torch.save writes only its bytes.
+  Loading takes such a dict (from any world size, or from the plain model) on every rank; each rank copies its
+  pieces.
 - SHARDED_STATE_DICT: no communication. Every parameter is a ``PieceTensor`` (checkpoint/_sharded_state.py):
   this rank's piece, a view of its shard (no copy), which torch.distributed.checkpoint sees as the parameter in
   its own shape of which this rank holds the boxes its piece covers. ``torch.distributed.checkpoint.save/load``
@@ -30,6 +31,7 @@ Loading takes one of any world size, strategy or ZeRO stage, and cuts this rank'
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -95,7 +97,8 @@ def sharded_state_dict(model: FullyShardedDataParallel, config: ShardedStateDict
     return sharded_entries(_keys_of(model, prefix), _places(model), config.offload_to_cpu)
 
 
-def load(model: FullyShardedDataParallel, state_dict: dict[str, Any], strict: bool) -> _torch_compat.IncompatibleKeys:
+def load(model: FullyShardedDataParallel, state_dict: Mapping[str, Any],
+         strict: bool) -> _torch_compat.IncompatibleKeys:
     """Loads a full or sharded state dict into the shards (the kind of each value decides; no communication, but
     every rank must call it with its own dict). Errors name the parameter and both shapes."""
     model._end_iteration()

@@ -80,9 +80,10 @@ from ._wrapping import SHARDED_STATE, STRATEGIES
 __all__ = ["Accelerator", "ShardkitPlugin", "STRATEGIES", "SHARDED_STATE"]
 
 CHECKPOINT_SUBDIR = "shardkit"  # inside accelerate's checkpoint directory
-# accelerate's mixed_precision -> the dtype its FSDP plugins cast to (FullyShardedDataParallelPlugin.set_mixed_precision)
 # What accelerate's own prepare_model would have wrapped the model in (shardkit wraps instead).
 _TORCH_WRAPPERS = (torch.nn.parallel.DistributedDataParallel, torch.distributed.fsdp.FullyShardedDataParallel)
+# accelerate's mixed_precision -> the dtype its FSDP plugins cast to (FullyShardedDataParallelPlugin's
+# set_mixed_precision).
 _MIXED_PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
 
 

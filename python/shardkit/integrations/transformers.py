@@ -185,8 +185,9 @@ class Trainer(transformers.Trainer):
         state = _read_model_files(checkpoint)
         if state is None:
             raise FileNotFoundError(f"shardkit Trainer (rank {self.args.process_index}): load_best_model_at_end: no "
-                                    f"model files ({_hf_trainer.SAFE_WEIGHTS_NAME}, {_hf_trainer.SAFE_WEIGHTS_INDEX_NAME}"
-                                    f" or {_hf_trainer.WEIGHTS_NAME}) in the best checkpoint {checkpoint}")
+                                    f"model files ({_hf_trainer.SAFE_WEIGHTS_NAME}, "
+                                    f"{_hf_trainer.SAFE_WEIGHTS_INDEX_NAME} or {_hf_trainer.WEIGHTS_NAME}) in the best "
+                                    f"checkpoint {checkpoint}")
         _hf_trainer.logger.info(f"Loading best model from {checkpoint} (score: {self.state.best_metric}).")
         state = _with_tied_names(state, self.accelerator.unwrap_model(self.model_wrapped))
         options = _state_dict.StateDictOptions(full_state_dict=True, strict=False)
@@ -207,7 +208,8 @@ class Trainer(transformers.Trainer):
             return super()._load_optimizer_and_scheduler(checkpoint)
         directory = os.path.join(checkpoint, _accelerate.CHECKPOINT_SUBDIR)
         if not os.path.isdir(directory):
-            found = "an optimizer.pt" if os.path.isfile(os.path.join(checkpoint, _OPTIMIZER_NAME)) else "no optimizer state"
+            has_optimizer_file = os.path.isfile(os.path.join(checkpoint, _OPTIMIZER_NAME))
+            found = "an optimizer.pt" if has_optimizer_file else "no optimizer state"
             raise ValueError(f"shardkit Trainer (rank {self.args.process_index}): resuming "
                              f"shardkit_strategy={self.accelerator.shardkit_plugin.resolved_strategy!r} needs the "
                              f"sharded state in "
