@@ -89,7 +89,8 @@ def print_hosts(rows: Sequence[dict[str, Any]], hosts: int, per_host: int, sizes
         sk, gl = _row(rows, topology, "shardkit", size), _row(rows, topology, "gloo", size)
         assert sk is not None and gl is not None
         table.append([format_size(size), format_us(sk["latency_s"]), f"{sk['algbw_GBps']:.3f}",
-                      format_us(gl["latency_s"]), f"{gl['algbw_GBps']:.3f}", f"{gl['latency_s'] / sk['latency_s']:.1f}x"])
+                      format_us(gl["latency_s"]), f"{gl['algbw_GBps']:.3f}",
+                      f"{gl['latency_s'] / sk['latency_s']:.1f}x"])
     print(f"\n=== {hosts} simulated hosts × {per_host} ranks (SHARDKIT_HOST_ID = rank // {per_host}): f32 allreduce, "
           f"shardkit hierarchical vs flat gloo over {hosts * per_host} ranks (repetitions interleaved) ===")
     print(format_table(["size", "shardkit µs", "algbw GB/s", "gloo µs", "gloo algbw", "gloo/shardkit"], table))

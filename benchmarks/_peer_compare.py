@@ -112,8 +112,8 @@ def run(worlds: list[int], sizes: list[int], cfg: TimingConfig, rounds: int, out
         small, large = min(sizes), max(sizes)
         if (small, "shardkit") in best and (small, "ds_raw") in best:
             limit = 0.8 if world == 2 else 1.0
-            add_target(checks, f"world {world}, {format_size(small)} dist.all_reduce on shardkit ≤ {limit}× DeepSpeed's "
-                               "raw shm op", best[(small, "shardkit")] / best[(small, "ds_raw")], limit,
+            add_target(checks, f"world {world}, {format_size(small)} dist.all_reduce on shardkit ≤ {limit}× "
+                               "DeepSpeed's raw shm op", best[(small, "shardkit")] / best[(small, "ds_raw")], limit,
                        higher_is_better=False, unit="×")
             add_target(checks, f"world {world}, {format_size(small)} shardkit.all_reduce_ ≤ {limit}× DeepSpeed's raw "
                                "shm op", best[(small, "sk_direct")] / best[(small, "ds_raw")], limit,

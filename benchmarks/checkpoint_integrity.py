@@ -118,7 +118,7 @@ def _rank(rank: int, world: int, store: str, scratch: str, total_bytes: int, ten
         return saves + rotated(names[2:], r)
 
     times: dict[str, list[float]] = {name: [] for name in OPERATIONS}
-    for round_index, order, timed_round in interleaved_rounds(OPERATIONS, warmup, rounds, progress, label="round",
+    for _round_index, order, timed_round in interleaved_rounds(OPERATIONS, warmup, rounds, progress, label="round",
                                                               done=" done", order=saves_alternate_loads_rotate):
         for name in order:
             before, timed = ops[name]

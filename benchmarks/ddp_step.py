@@ -687,7 +687,8 @@ def check_targets(rows: dict[str, dict[str, Any]], world: int,
         f"one gradient copy + AdamW state (fullest rank)",
         sharded_ratio("f", ("grads", "ddp_buffers", "opt_state", "opt_params"), unsharded),
         approx, why_skip=status_of("f"))
-    opt_c = (lambda rank: rows["c"]["memory_by_rank"][rank]["opt_state"]) if status_of("c") == "ok" else (lambda r: None)
+    opt_c = ((lambda rank: rows["c"]["memory_by_rank"][rank]["opt_state"]) if status_of("c") == "ok"
+             else (lambda r: None))
     add("(extra) zero_stage 1: optimizer-state bytes ≈ 1/N of (c)'s", sharded_ratio("e", ("opt_state",), opt_c),
         approx, why_skip=status_of("e"))
     add("(extra) shardkit.ZeroRedundancyOptimizer: optimizer-state bytes ≈ 1/N of (c)'s",
@@ -699,8 +700,9 @@ def check_targets(rows: dict[str, dict[str, Any]], world: int,
     worst = max((r["parity"]["max_abs_diff_vs_anchor"] for r in checked), default=0.0)
     status = "MISS" if bad else "PASS"
     anchor = checked[0]["parity"]["anchor"] if checked else "a"
-    print(f"[{status}] same parameters after every step in all {len(checked)} DDP configurations as ({anchor}), on every "
-          f"rank (allclose rtol 1e-5, atol 1e-6): max |Δ| {worst:.3g}" + (f"; differ: {' '.join(bad)}" if bad else ""))
+    print(f"[{status}] same parameters after every step in all {len(checked)} DDP configurations as ({anchor}), on "
+          f"every rank (allclose rtol 1e-5, atol 1e-6): max |Δ| {worst:.3g}"
+          + (f"; differ: {' '.join(bad)}" if bad else ""))
     checks.append({"target": f"parity with ({anchor})", "status": status, "value": worst, "limit": None})
     return checks
 

@@ -558,7 +558,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         with ForeignLoad() as load:
             raw, keys, job_error = launch_attempts(
                 rank_main, world, attempts, lambda keys: (dataclasses.replace(run, keys=keys), precision),
-                timeout=2400.0, retry_note=lambda keys: f"[{precision}] the job failed; again with rows {' '.join(keys)}")
+                timeout=2400.0,
+                retry_note=lambda keys: f"[{precision}] the job failed; again with rows {' '.join(keys)}")
             if job_error is not None:
                 raw_error = job_error.splitlines()[-1][:200]
                 raw[0]["status"].update({k: f"failed: the job died with this row in it ({raw_error})"

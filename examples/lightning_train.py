@@ -28,4 +28,5 @@ trainer = pl.Trainer(accelerator="cpu", devices=2, max_epochs=2, strategy=Shardk
                      gradient_clip_val=1.0, logger=False, enable_checkpointing=False, enable_progress_bar=False)
 trainer.fit(Regression(), data)
 if trainer.is_global_zero:
-    print(f"{trainer.world_size} processes, {trainer.strategy.resolved_strategy}: loss {trainer.callback_metrics['loss']:.3f}")
+    print(f"{trainer.world_size} processes, {trainer.strategy.resolved_strategy}: "
+          f"loss {trainer.callback_metrics['loss']:.3f}")

@@ -13,8 +13,8 @@ powersgd|bf16`` compresses DDP's gradient allreduce. ``--precision bf16`` comput
 MixedPrecisionPolicy, the FSDP1 front's MixedPrecision; autocast under DDP/ZeRO and auto).
 
 Data: synthetic counting sequences (a random start and stride per sequence, seeded per rank and step: after a
-few tokens the next one is predictable, so the loss falls), or ``--data FILE``: a local text file read as bytes (vocabulary
-256), each rank reading its own windows. Checkpoints (``--checkpoint DIR``, ``--resume DIR``) go through
+few tokens the next one is predictable, so the loss falls), or ``--data FILE``: a local text file read as bytes
+(vocabulary 256), each rank reading its own windows. Checkpoints (``--checkpoint DIR``, ``--resume DIR``) go through
 shardkit.checkpoint (torch.distributed.checkpoint directories, committed whole and checksummed; verified when
 resuming) and load at any world size and with any strategy.
 

@@ -38,7 +38,9 @@ def ranks(tmp_path: Path) -> Ranks:
 def no_leaked_segments():
     """Every test must leave /dev/shm as it found it."""
     def ours() -> set[str]:
-        return {n for n in os.listdir("/dev/shm") if f"shardkit-{SHM_TAG}-" in n} if os.path.isdir("/dev/shm") else set()
+        if not os.path.isdir("/dev/shm"):
+            return set()
+        return {n for n in os.listdir("/dev/shm") if f"shardkit-{SHM_TAG}-" in n}
 
     before = ours()
     yield

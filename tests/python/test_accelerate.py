@@ -1,8 +1,9 @@
 """shardkit inside Hugging Face accelerate (python/shardkit/integrations/accelerate.py), tried as its users train.
 
 - Every strategy trains exactly as accelerate's own Accelerator does with torch's DDP on gloo (the anchor, run
-  in its own launch), on one host and on two simulated hosts (SHARDKIT_HOST_ID: the hierarchical engine): the same loop (``prepare``, ``accumulate`` over 2 micro-batches, ``backward``,
-  ``clip_grad_norm_``, ``step``), the same parameters after 3 steps, the same global gradient norm.
+  in its own launch), on one host and on two simulated hosts (SHARDKIT_HOST_ID: the hierarchical engine): the
+  same loop (``prepare``, ``accumulate`` over 2 micro-batches, ``backward``, ``clip_grad_norm_``, ``step``), the
+  same parameters after 3 steps, the same global gradient norm.
 - The process group is shardkit's and accelerate says so; a CPU job is distributed without ``cpu=True``.
 - ``save_model`` writes a plain Hugging Face checkpoint (no prefix, the tied weight once) that
   ``from_pretrained`` loads with no missing key, equal to the trained model.
@@ -277,7 +278,8 @@ def test_save_state_resumes_at_another_world_size(tmp_path, strategy, save_world
                         workdir=tmp_path / "a", backend=None, timeout=120)[0]
     resumed = run(_resume, load_world, str(tmp_path / "b" / "store"), strategy, directory, "load",
                   workdir=tmp_path / "b", backend=None, timeout=120)[0]
-    torch.testing.assert_close(torch.tensor(resumed["norms"]), torch.tensor(uninterrupted["norms"]), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(torch.tensor(resumed["norms"]), torch.tensor(uninterrupted["norms"]), rtol=1e-5,
+                               atol=1e-6)
     for name, value in uninterrupted["params"].items():
         torch.testing.assert_close(torch.from_numpy(resumed["params"][name]), torch.from_numpy(value), rtol=1e-5,
                                    atol=1e-6, msg=f"{strategy}: {name}")
@@ -289,7 +291,8 @@ def test_plugin_refuses_what_it_cannot_do():
     from shardkit.integrations.accelerate import ShardkitPlugin
 
     assert ShardkitPlugin(strategy="auto").resolved_strategy is None  # decided at the first prepare of a model
-    with pytest.raises(ValueError, match=r"strategy must be one of ddp, zero1, zero2, fully_shard, fsdp or auto, got 'zero3'"):
+    with pytest.raises(ValueError,
+                       match=r"strategy must be one of ddp, zero1, zero2, fully_shard, fsdp or auto, got 'zero3'"):
         ShardkitPlugin(strategy="zero3")
     with pytest.raises(ValueError, match=r"comm_hook='bf16' applies to ddp, zero1 and zero2, not to strategy='auto'"):
         ShardkitPlugin(strategy="auto", comm_hook="bf16")

@@ -1,4 +1,5 @@
-"""``accelerate launch`` and accelerate's config file with shardkit's Accelerator (shardkit/integrations/_launch_config.py).
+"""``accelerate launch`` and accelerate's config file with shardkit's Accelerator
+(shardkit/integrations/_launch_config.py).
 
 - ``accelerate launch --multi_gpu --num_processes 2`` (torchrun underneath) trains the README's accelerate example
   on 2 CPU processes on the shardkit backend.

@@ -190,7 +190,8 @@ def test_another_models_checkpoint_raises_on_every_rank_naming_parameters_and_sh
         deeper = errors["deeper"]
         assert deeper.startswith(head + "missing from the checkpoint: ['model.blocks.3.up.weight', "), deeper
         dcp_error = errors["dcp"]
-        assert "Size mismatch between saved torch.Size([16, 7]) and current: torch.Size([16, 9])" in dcp_error, dcp_error
+        assert ("Size mismatch between saved torch.Size([16, 7]) and current: torch.Size([16, 9])"
+                in dcp_error), dcp_error
 
 
 def _fsdp1_interface(rank: int, world: int, path: str, system: str, save: bool) -> dict:

@@ -1,4 +1,5 @@
-"""A clean install trains: the shardkit wheel in a venv that holds only torch, as the README's Install section and docs/install.md say.
+"""A clean install trains: the shardkit wheel in a venv that holds only torch, as the README's Install section and
+docs/install.md say.
 
 `make clean-venv` (run here, so `make test` covers it; a no-op when nothing changed) builds the wheel with
 `pip wheel --no-build-isolation --no-deps` into build/wheel and installs it into build/clean-venv, a venv

@@ -76,7 +76,8 @@ def _sparse_allreduce(rank, world):
     expected = sum(sparse_of(r).to_dense() for r in range(world))
     torch.testing.assert_close(t.to_dense(), expected, rtol=1e-12, atol=1e-12)
     assert t.is_sparse
-    with pytest.raises(RuntimeError, match=r"shardkit allreduce \(rank \d\): sparse tensors support reduce op SUM only"):
+    with pytest.raises(RuntimeError,
+                       match=r"shardkit allreduce \(rank \d\): sparse tensors support reduce op SUM only"):
         dist.all_reduce(sparse_of(rank), op=dist.ReduceOp.MAX)
     return True
 

@@ -89,7 +89,8 @@ def _reduce_scatter_ops(rank, world):
     for dtype in ALL_DTYPES:
         for op in ops_for(dtype):
             for n in (0, 3, 70_001):
-                blocks = [[make_input(r * world + b, n, dtype, salt=int(op)) for b in range(world)] for r in range(world)]
+                blocks = [[make_input(r * world + b, n, dtype, salt=int(op)) for b in range(world)]
+                          for r in range(world)]
                 expected = reference_reduce([blocks[r][rank] for r in range(world)], op)
                 out = torch.empty(n, dtype=dtype)
                 dist.reduce_scatter(out, [b.clone() for b in blocks[rank]], op=op)
@@ -282,7 +283,8 @@ def _collective_inside_future_callback(rank, world):
     result = chained.wait()
     work.wait()
     assert torch.equal(result, torch.full((10,), float(sum(range(world)))))
-    assert torch.equal(first, torch.full((300_000,), float(world))) and torch.equal(behind, torch.full((5,), float(world)))
+    assert torch.equal(first, torch.full((300_000,), float(world)))
+    assert torch.equal(behind, torch.full((5,), float(world)))
     return True
 
 
@@ -320,7 +322,8 @@ def _direct_allreduce(rank, world):
 
     for dtype in (torch.float32, torch.bfloat16, torch.int64):
         for n in (1, 1024, 100_003):
-            for op in (dist.ReduceOp.SUM, dist.ReduceOp.MAX) + ((dist.ReduceOp.AVG,) if dtype.is_floating_point else ()):
+            floating = (dist.ReduceOp.AVG,) if dtype.is_floating_point else ()
+            for op in (dist.ReduceOp.SUM, dist.ReduceOp.MAX) + floating:
                 mine = make_input(rank, n, dtype, salt=11)
                 direct, via_dist = mine.clone(), mine.clone()
                 assert shardkit.all_reduce_(direct, op) is direct

@@ -214,6 +214,7 @@ def test_the_watchdog_fails_a_collective_that_misses_its_deadline(ranks):
     # Failed at its deadline (5 s), not when the device freed up (15 s): the watchdog reports before it aborts.
     assert failed_after < 12, f"failed after {failed_after:.1f} s"
     assert re.search(r"shardkit allreduce #(\d+) \(rank 0\): the collective did not complete on the device within "
-                     r"5000 ms \(a rank did not join it, or a GPU stalled\); the NCCL communicator was aborted", first), first
+                     r"5000 ms \(a rank did not join it, or a GPU stalled\); the NCCL communicator was aborted",
+                     first), first
     seq = re.search(r"allreduce #(\d+)", first).group(1)
     assert f"the NCCL communicator failed earlier: allreduce #{seq}: the collective did not complete" in later, later

@@ -1,15 +1,15 @@
 """shardkit.DistributedDataParallel against torch's DistributedDataParallel: same training, same numbers.
 
-Approach: on every rank, one seeded module is deep-copied into torch's DDP and into shardkit's DDP (same
-constructor arguments; torch's on a gloo group, shardkit's on the default "shardkit" process group), each gets its own optimizer, and both
-are trained in lock step on the same per-rank batches (rank r's batch is seeded by r and the step, and has
-4 + r rows, so ranks differ in data and in batch size). After every backward the gradients are compared
-(values, and which ones are None); after every optimizer step the parameters and buffers (fp32:
-rtol 1e-5, atol 1e-6). torch's DDP is the oracle, so every test can fail: a gradient that is not averaged,
-averaged twice, averaged under no_sync, left unsynchronised for an unused parameter, a buffer not
-broadcast, a comm hook that is ignored or that sees the wrong bucket, all show up as a mismatch at the
-first step where they matter. Where a test also asserts something about torch's own behaviour (which
-parameters keep grad None, where torch raises), that is a self-check of the oracle.
+Approach: on every rank, one seeded module is deep-copied into torch's DDP and into shardkit's DDP (same constructor
+arguments; torch's on a gloo group, shardkit's on the default "shardkit" process group), each gets its own
+optimizer, and both are trained in lock step on the same per-rank batches (rank r's batch is seeded by r and the
+step, and has 4 + r rows, so ranks differ in data and in batch size). After every backward the gradients are
+compared (values, and which ones are None); after every optimizer step the parameters and buffers (fp32: rtol 1e-5,
+atol 1e-6). torch's DDP is the oracle, so every test can fail: a gradient that is not averaged, averaged twice,
+averaged under no_sync, left unsynchronised for an unused parameter, a buffer not broadcast, a comm hook that is
+ignored or that sees the wrong bucket, all show up as a mismatch at the first step where they matter. Where a test
+also asserts something about torch's own behaviour (which parameters keep grad None, where torch raises), that is a
+self-check of the oracle.
 
 The error tests check that mistakes are reported, clearly and in bounded time: mismatched parameter
 shapes at construction, an unused parameter without find_unused_parameters (torch raises at the next

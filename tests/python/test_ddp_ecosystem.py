@@ -6,8 +6,9 @@
   torch DDP's ``join()`` on gloo fed the same batches (both average with zeros from ranks that ran out, or over
   the ranks still training, and both end with the last joiner's model on every rank). Rank 0 runs out after
   one batch with tiny buckets, so the bucket rebuild's broadcast happens on a rank that has joined.
-- torch.compile: no graph break at all (torch DDP's own forward has three), torch's DDPOptimizer splits the graph at shardkit's bucket cap
-  (it recognises the module as the active DDP), and the compiled training matches torch DDP's compiled one.
+- torch.compile: no graph break at all (torch DDP's own forward has three), torch's DDPOptimizer splits the graph
+  at shardkit's bucket cap (it recognises the module as the active DDP), and the compiled training matches torch
+  DDP's compiled one.
 - torch DDP's constructor arguments: accepted with torch's meaning (device_mesh, init_sync, forward_sync_buffers,
   _ddp_params_and_buffers_to_ignore) or refused by name.
 """

@@ -38,7 +38,8 @@ def test_every_relative_link_leads_somewhere(page: Path):
         path, _, anchor = target.partition("#")
         destination = (page.parent / path).resolve() if path else page
         if not destination.exists():
-            broken.append(f"{target}: no file {destination.relative_to(REPO) if REPO in destination.parents else destination}")
+            shown = destination.relative_to(REPO) if REPO in destination.parents else destination
+            broken.append(f"{target}: no file {shown}")
         elif anchor and destination.suffix == ".md" and anchor not in _anchors(destination):
             broken.append(f"{target}: no heading #{anchor} in {destination.relative_to(REPO)}")
     assert not broken, f"{page.relative_to(REPO)}:\n" + "\n".join(broken)

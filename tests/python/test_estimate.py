@@ -33,7 +33,7 @@ def table_rows(stdout: str) -> dict[str, list[str]]:
     """Strategy name -> the numeric cells of its row (weights .. total, fits, comm)."""
     rows = {}
     for name in estimate.STRATEGIES.values():
-        line = next(l for l in stdout.splitlines() if l.startswith(name + " "))
+        line = next(candidate for candidate in stdout.splitlines() if candidate.startswith(name + " "))
         rows[name] = line[len(name):].split()
     return rows
 

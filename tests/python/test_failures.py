@@ -123,7 +123,8 @@ def _bad_inputs(rank, world):
 def test_bad_input_errors_name_rank_op_and_value(ranks):
     errors = ranks.run(_bad_inputs, 2, timeout=60)[1]
     assert "shardkit allreduce (rank 1): dtype UInt16 is not supported" in errors["dtype"]
-    assert "shardkit allreduce (rank 1): reduce op BAND is defined for integer and bool tensors only, got Float" in errors["bitwise_on_float"]
+    assert ("shardkit allreduce (rank 1): reduce op BAND is defined for integer and bool tensors only, got Float"
+            in errors["bitwise_on_float"])
     assert "shardkit broadcast (rank 1): root rank 5 is outside the group of size 2" in errors["root"]
     assert "shardkit all_gather_into_tensor (rank 1): output has 3 elements, expected 4" in errors["gather_size"]
     assert "shardkit all_to_all_single (rank 1): input split sizes sum to 6, but dim 0 is 4" in errors["splits"]

@@ -330,7 +330,8 @@ def test_collectives_per_step_and_gathered_bytes(ranks):
         n = result["units"]
         assert n == 5
         for counts, issued in result["per_step"]:
-            assert counts == {"all_gather": n + (n - 1), "reduce_scatter": n, "all_reduce": 0, "identity_checks": 0}, counts
+            assert counts == {"all_gather": n + (n - 1), "reduce_scatter": n, "all_reduce": 0,
+                              "identity_checks": 0}, counts
             assert issued == 3 * n - 1, f"the backend saw {issued} collectives in a step, expected {3 * n - 1}"
         assert 0 < result["peak"] <= result["bound"], result
 

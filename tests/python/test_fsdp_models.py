@@ -213,7 +213,8 @@ def _state_bytes(rank: int, world: int) -> dict:
         "param_bytes": _storage_bytes(params),
         "grad_bytes": _storage_bytes([p.grad for p in params]),
         "optimizer_bytes": sum(s[k].numel() * s[k].element_size() for s in state for k in ("exp_avg", "exp_avg_sq")),
-        "optimizer_storage_bytes": sum(s[k].untyped_storage().nbytes() for s in state for k in ("exp_avg", "exp_avg_sq")),
+        "optimizer_storage_bytes": sum(s[k].untyped_storage().nbytes()
+                                       for s in state for k in ("exp_avg", "exp_avg_sq")),
         "local_numel": sum(p.numel() for p in params),
         "layouts": [(lay.shard_numel, lay.owned_numel(rank), lay.padded_numel, lay.param_numel) for lay in layouts],
     }

@@ -284,7 +284,7 @@ def _convergence(rank, world):
             H.register(model, H.PowerSGDState(None, matrix_approximation_rank=4, start_powerSGD_iter=10), "powersgd")
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         data = torch.Generator().manual_seed(1000 + rank)
-        for step in range(200):
+        for _step in range(200):
             x = torch.randn(16, 32, generator=data)
             loss = loss_fn(model(x), torch.tanh(x @ teacher))
             opt.zero_grad()

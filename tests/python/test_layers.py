@@ -289,7 +289,8 @@ def _import_bindings(tree: ast.AST) -> tuple[set[str], set[str]]:
 
 def _private_import(node: ast.AST) -> str | None:
     if isinstance(node, ast.Import):
-        names = [a.name for a in node.names if a.name.split(".")[0] == "torch" and any(map(_is_private, a.name.split(".")))]
+        names = [a.name for a in node.names
+                 if a.name.split(".")[0] == "torch" and any(map(_is_private, a.name.split(".")))]
         return f"import {', '.join(names)}" if names else None
     if isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] == "torch":
         if any(map(_is_private, node.module.split("."))) or any(_is_private(a.name) for a in node.names):
@@ -421,7 +422,8 @@ class Sub(nn.Module):
     path = PACKAGE / "example.py"
     found = [use.split(": ", 1)[1].rsplit(" (", 1)[0] for use in _private_torch_uses(path, source, {"_mine"})]
     assert found == ["import torch._dynamo", "from torch.distributed.distributed_c10d import _get_default_group",
-                     "from torch._C import DisableTorchFunctionSubclass", "dist.distributed_c10d._DistributedBackendOptions",
+                     "from torch._C import DisableTorchFunctionSubclass",
+                     "dist.distributed_c10d._DistributedBackendOptions",
                      "dist._broadcast_coalesced", "torch.empty(1)._version", "TorchDDP._active_ddp_module",
                      "getattr(state, '_fsdp_param_groups', None)", "module._forward_hooks",
                      "nn.modules.module._global_forward_hooks", "self._compiled_call_impl"], found
@@ -429,5 +431,6 @@ class Sub(nn.Module):
 
 def test_every_compat_function_says_what_it_wraps():
     tree = ast.parse(COMPAT.read_text(), str(COMPAT))
-    undocumented = [node.name for node in tree.body if isinstance(node, ast.FunctionDef) and not ast.get_docstring(node)]
+    undocumented = [node.name for node in tree.body
+                    if isinstance(node, ast.FunctionDef) and not ast.get_docstring(node)]
     assert not undocumented, f"_torch_compat.py functions without a docstring: {undocumented}"

@@ -3,9 +3,9 @@ each cell against the same configuration on torch's own wrapper on gloo.
 
 ``make test`` runs the pairwise cover (every pair of values of every two settings at least once, per front and
 entry point); ``make matrix`` (SHARDKIT_MATRIX=whole) runs every combination. The front is one of each entry point's
-dimensions, so every front meets every setting; one launch per entry point runs all of its cells. A cell passes when shardkit's run matches the anchor's (losses, clipped norms, evaluation,
-state dicts, the final parameters), or, for a combination listed in ``matrix.UNSUPPORTED``, when shardkit raises
-exactly that error.
+dimensions, so every front meets every setting; one launch per entry point runs all of its cells. A cell passes
+when shardkit's run matches the anchor's (losses, clipped norms, evaluation, state dicts, the final parameters),
+or, for a combination listed in ``matrix.UNSUPPORTED``, when shardkit raises exactly that error.
 """
 
 from __future__ import annotations

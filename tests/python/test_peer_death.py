@@ -69,7 +69,7 @@ def _train_until_a_rank_dies(rank, world, victim, wrapper):
 
         model[2].register_full_backward_pre_hook(die)
     data = torch.randn(16, 32, generator=torch.Generator().manual_seed(rank))
-    for step in range(2):
+    for _step in range(2):
         ddp(data).square().mean().backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -99,7 +99,8 @@ def _train_until_a_rank_dies(rank, world, victim, wrapper):
 def test_rank_killed_mid_backward(ranks, case, wrapper):
     world, hosts, victim = CASES[case]
     if wrapper == "fsdp_hybrid" and not case.startswith("2x2hosts"):
-        pytest.skip("HYBRID_SHARD needs the same number of ranks on every host, and several hosts to differ from FULL_SHARD")
+        pytest.skip("HYBRID_SHARD needs the same number of ranks on every host, and several hosts to differ from "
+                    "FULL_SHARD")
     outcomes = ranks.launch(_train_until_a_rank_dies, world, victim, wrapper, timeout=90, pg_timeout=60,
                             env=topology_env(hosts))
     for outcome in harness.survivors(outcomes, victim):

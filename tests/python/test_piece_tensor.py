@@ -1,5 +1,5 @@
-"""PieceTensor and boxes_of_range (python/shardkit/checkpoint/_sharded_state.py): a flat layout's piece of a parameter, shown
-to torch.distributed.checkpoint as the boxes of the parameter it covers. In-process: no ranks.
+"""PieceTensor and boxes_of_range (python/shardkit/checkpoint/_sharded_state.py): a flat layout's piece of a
+parameter, shown to torch.distributed.checkpoint as the boxes of the parameter it covers. In-process: no ranks.
 
 What each catches: a box that is not the range's elements in order (a checkpoint written or read at the wrong
 place), a piece that DCP's or pickle's generic paths would turn into a wrong whole tensor, a piece of another

@@ -26,7 +26,8 @@ def _labels(trace: Path) -> set[str]:
     return {e["name"] for e in events if e.get("name", "").startswith("shardkit::")}
 
 
-def _profiled_steps(rank: int, model: nn.Module, optimizer: torch.optim.Optimizer, trace: Path, steps: int = 2) -> set[str]:
+def _profiled_steps(rank: int, model: nn.Module, optimizer: torch.optim.Optimizer, trace: Path,
+                    steps: int = 2) -> set[str]:
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for step in range(steps):
             optimizer.zero_grad()

@@ -19,7 +19,8 @@ CASES = [("2x2hosts", "rails", 100_003), ("2x2hosts", "rails", 1_000), ("2x2host
 
 @pytest.mark.parametrize("topology, scheme, n", CASES, ids=[f"{t}-{n}" for t, _, n in CASES])
 def test_quantized_collectives_int8(ranks, topology, scheme, n):
-    assert run_on(ranks, topology, quantized_ops, scheme, n, "int8", 64, timeout=240) == [True] * TOPOLOGIES[topology][0]
+    results = run_on(ranks, topology, quantized_ops, scheme, n, "int8", 64, timeout=240)
+    assert results == [True] * TOPOLOGIES[topology][0]
 
 
 @pytest.mark.parametrize("topology, scheme", [("2x2hosts", "rails"), ("3hosts-uneven", "leaders")])
@@ -43,7 +44,8 @@ def test_record_sizes_follow_the_layout():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"weights": "int2"}, "shardkit.Quantized: weights='int2' is not a wire format; use 'int8', 'int4' or None (exact)"),
+    ({"weights": "int2"},
+     "shardkit.Quantized: weights='int2' is not a wire format; use 'int8', 'int4' or None (exact)"),
     ({"grads": "fp8"}, "shardkit.Quantized: grads='fp8' is not a wire format; use 'int8', 'int4' or None (exact)"),
     ({"block": 4}, "shardkit.Quantized: block=4 must be an int from 8 to 1048576"),
     ({"block": 256.0}, "shardkit.Quantized: block=256.0 must be an int from 8 to 1048576"),

@@ -156,7 +156,8 @@ def test_every_strategy_trains_as_the_trainer_with_torch_ddp_on_gloo(runs, strat
     assert anchor_facts["backend"] == "gloo" and anchor_facts["wrapper"] == "DistributedDataParallel", anchor_facts
     assert facts["backend"] == "shardkit" and facts["world"] == 2, facts
     expected = {"ddp": "DistributedDataParallel", "zero1": "DistributedDataParallel",
-                "zero2": "DistributedDataParallel", "fsdp": "FullyShardedDataParallel"}.get(strategy, "FSDPGPT2LMHeadModel")
+                "zero2": "DistributedDataParallel",
+                "fsdp": "FullyShardedDataParallel"}.get(strategy, "FSDPGPT2LMHeadModel")
     assert facts["wrapper"] == expected, facts
     assert facts["optimizer"] == ("ZeroRedundancyOptimizer" if strategy.startswith("zero") else "AdamW"), facts
     assert len(facts["norms"]) == 4
@@ -253,7 +254,8 @@ def test_arguments_refuse_what_they_cannot_do(tmp_path):
 
     with pytest.raises(ValueError, match=r"ddp_backend must be 'shardkit', got 'gloo'"):
         ShardkitTrainingArguments(output_dir=str(tmp_path), ddp_backend="gloo")
-    with pytest.raises(ValueError, match=r"strategy must be one of ddp, zero1, zero2, fully_shard, fsdp or auto, got 'zero3'"):
+    with pytest.raises(ValueError,
+                       match=r"strategy must be one of ddp, zero1, zero2, fully_shard, fsdp or auto, got 'zero3'"):
         ShardkitTrainingArguments(output_dir=str(tmp_path), shardkit_strategy="zero3")
     with pytest.raises(ValueError, match=r"auto_wrap applies to fully_shard and fsdp .*, not to strategy='ddp'"):
         ShardkitTrainingArguments(output_dir=str(tmp_path), shardkit_auto_wrap=["GPT2Block"])

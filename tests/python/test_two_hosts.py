@@ -114,7 +114,8 @@ def _launch(hosts: list[tuple[list[str], str, list[str]]], out: Path, env: dict[
     run = launch_hosts(hosts, env=env, timeout=LAUNCH_TIMEOUT, logs=out)
     missing = [r for r in range(WORLD) if not (out / f"rank{r}.json").exists()]
     if not run.ok or missing:
-        what = f"timed out after {LAUNCH_TIMEOUT:.0f} s" if run.timed_out else f"failed (no report from ranks {missing})"
+        what = (f"timed out after {LAUNCH_TIMEOUT:.0f} s" if run.timed_out
+                else f"failed (no report from ranks {missing})")
         raise AssertionError(f"namespace launch {what}:\n{run.story()}")
     return Launch(out, run.seconds, [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)])
 

@@ -7,8 +7,9 @@ with ``gradient_as_bucket_view=True``.
 
 What is checked:
 - The collective itself, on every topology: a tensor in a shared buffer and an ordinary copy of it, reduced
-  with the same op, end bitwise equal (every float dtype, int32, every op; AVG also equal to SUM then a division, sizes around the small-message limit and past
-  the slot size, at an offset inside the buffer), and the bytes around the tensor stay untouched. On one host
+  with the same op, end bitwise equal (every float dtype, int32, every op; AVG also equal to SUM then a division,
+  sizes around the small-message limit and past the slot size, at an offset inside the buffer), and the bytes
+  around the tensor stay untouched. On one host
   the backend's count of zero-copy allreduces proves the path ran; across simulated hosts there is no shared
   buffer (None) and ordinary tensors carry on.
 - Disagreement fails clearly: one rank in a shared buffer, another not; different buffer sizes.
@@ -255,8 +256,8 @@ def test_no_room_in_dev_shm_falls_back_with_a_warning():
     """Two ranks in a mount namespace whose /dev/shm is a 24 MB tmpfs (room for the group's own segment, not for
     64 MB per rank): the buffer is refused on every rank, a zero-copy DDP trains on ordinary buckets and FSDP on
     ordinary flat gradients, each with a ZeroCopyUnavailableWarning naming the sizes and the room (a Python warning,
-    nothing on stderr); and FSDP carries on, warning, when /dev/shm
-    fills up between two iterations after its memory was given back. Without the check the first write past the room would kill a rank (SIGBUS)."""
+    nothing on stderr); and FSDP carries on, warning, when /dev/shm fills up between two iterations after its memory
+    was given back. Without the check the first write past the room would kill a rank (SIGBUS)."""
     from support.hostbed import UNSHARE, namespaces_unavailable, run_in_session
 
     why = namespaces_unavailable()
@@ -427,7 +428,8 @@ def _one_rank_without_room(rank, world):
         for model in (zero_copy, copying):
             model.zero_grad()
             loss_fn(model(x), y).backward()
-        return all(torch.equal(_bits(a.grad), _bits(b.grad)) for a, b in zip(zero_copy.parameters(), copying.parameters()))
+        return all(torch.equal(_bits(a.grad), _bits(b.grad))
+                   for a, b in zip(zero_copy.parameters(), copying.parameters()))
 
     same = [step(0)]
     real_reserve = _C.reserve_shared_pages

@@ -111,6 +111,7 @@ def tolerance(dtype: torch.dtype, world_size: int) -> dict:
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, world_size: int, what: str) -> None:
     if actual.dtype.is_floating_point:
-        torch.testing.assert_close(actual, expected, msg=lambda m: f"{what}: {m}", **tolerance(actual.dtype, world_size))
+        torch.testing.assert_close(actual, expected, msg=lambda m: f"{what}: {m}",
+                                   **tolerance(actual.dtype, world_size))
     else:
         assert torch.equal(actual, expected), f"{what}: {actual[:8]} != {expected[:8]}"

@@ -5,8 +5,8 @@
 After a small warm-up allreduce (connections made), one allreduce of MIB MiB on the shardkit backend (rails across
 the hosts) in a group made with a timeout of TIMEOUT_S, over links shaped to a crawl. The default group starts with
 a generous timeout: a group's start-up has the same deadline as its operations (as with gloo), and four ranks
-starting python on two cores arrive at it seconds apart; the short-deadline group is made once all are there. Writes OUT_DIR/rank<R>.json: how long
-it took, whether the result was right, or the error that ended it.
+starting python on two cores arrive at it seconds apart; the short-deadline group is made once all are there.
+Writes OUT_DIR/rank<R>.json: how long it took, whether the result was right, or the error that ended it.
 """
 
 from __future__ import annotations

@@ -47,7 +47,8 @@ class RanksFailed(AssertionError):
     """Some rank raised, crashed or hung; the message holds every failing rank's story."""
 
 
-def _rank_main(fn, rank, world_size, args, kwargs, store_path, backend, pg_timeout, env, results, stack_file, dump_after):
+def _rank_main(fn, rank, world_size, args, kwargs, store_path, backend, pg_timeout, env, results, stack_file,
+               dump_after):
     os.environ.update(env[rank] if isinstance(env, list) else env)
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
                        "LOCAL_WORLD_SIZE": str(world_size)})

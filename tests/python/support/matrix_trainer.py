@@ -101,9 +101,9 @@ def _arguments(side: str, cell: dict[str, Any], output_dir: str, **overrides: An
 
 def _torch_fsdp2() -> dict[str, Any]:
     """transformers' own FSDP2 (``fsdp="full_shard"``, ``fsdp_config={"version": 2}``) on gloo on the CPU: accelerate
-    builds FSDP only on its MULTI_GPU path, so a process state that names gloo and MULTI_GPU (ACCELERATE_TORCH_DEVICE=cpu
-    as its device) is configured first and the Trainer told to use it (``use_configured_state``), as
-    tests/python/test_accelerate.py does for accelerate's own Accelerator."""
+    builds FSDP only on its MULTI_GPU path, so a process state that names gloo and MULTI_GPU
+    (ACCELERATE_TORCH_DEVICE=cpu as its device) is configured first and the Trainer told to use it
+    (``use_configured_state``), as tests/python/test_accelerate.py does for accelerate's own Accelerator."""
     from accelerate.state import PartialState
     from accelerate.utils import DistributedType
 
@@ -115,7 +115,8 @@ def _torch_fsdp2() -> dict[str, Any]:
     os.environ["ACCELERATE_TORCH_DEVICE"] = "cpu"  # run_launch restores the environment after the side
     GlooAsMultiGpu()  # the default group exists: accelerate takes it
     return dict(fsdp="full_shard", accelerator_config={"use_configured_state": True},
-                fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["GPT2Block"], "reshard_after_forward": True})
+                fsdp_config={"version": 2, "transformer_layer_cls_to_wrap": ["GPT2Block"],
+                             "reshard_after_forward": True})
 
 
 def _trainer(side: str, args, eval_dataset=None):
