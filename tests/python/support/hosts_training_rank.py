@@ -3,7 +3,7 @@ torchrun on each host:
 
     hosts_training_rank.py OUT_DIR
 
-Trains support.quantized_training's LM, from the same initial weights on the same per-rank batches, with
+Trains support.quantized_training's lm() (a TinyLM), from the same initial weights on the same per-rank batches, with
 shardkit's DDP, DDP + ZeRO-2, fully_shard (1-D mesh over both hosts) and HSDP (fully_shard on a (replicate across
 hosts, shard inside a host) mesh), each against one process training the same model on the whole global batch (the
 one-host answer; SGD, fp32): the largest relative difference of any parameter after STEPS steps. Then fully_shard
@@ -27,15 +27,16 @@ from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 
 import shardkit  # noqa: E402
 from shardkit.backend import host_topology, inter_host_scheme  # noqa: E402
-from support.quantized_training import LM, _fully_shard, _train, batch, lm_loss  # noqa: E402
+from support.fsdp_cases import TinyLM  # noqa: E402
+from support.quantized_training import _fully_shard, _train, batch, lm, lm_loss  # noqa: E402
 
 STEPS, QUANTIZED_STEPS, LR = 4, 50, 0.05
 
 
-def _one_host_answer(world: int) -> LM:
+def _one_host_answer(world: int) -> TinyLM:
     """One process, the whole global batch (every rank's rows; the mean over equal batches is DDP's average)."""
     torch.manual_seed(0)
-    model = LM()
+    model = lm()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     for step in range(STEPS):
         lm_loss(model, torch.cat([batch(r, step) for r in range(world)])).backward()
@@ -49,7 +50,7 @@ def _full(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             for name, p in model.named_parameters()}
 
 
-def _largest_difference(model: torch.nn.Module, answer: LM) -> float:
+def _largest_difference(model: torch.nn.Module, answer: TinyLM) -> float:
     """max over parameters of max|got - want| / max|want| (after `model`'s training)."""
     want = dict(answer.named_parameters())
     got = _full(model)
@@ -73,7 +74,7 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     answer = _one_host_answer(world)
     torch.manual_seed(0)
-    base = LM()
+    base = lm()
     sgd = lambda model: torch.optim.SGD(model.parameters(), lr=LR)  # noqa: E731
     differences = {
         "ddp": _largest_difference(_trained(rank, shardkit.DistributedDataParallel(copy.deepcopy(base)), sgd), answer),
