@@ -3,6 +3,8 @@
     torchrun --standalone --nproc_per_node=2 examples/train_gpt.py --strategy auto --steps 100
     torchrun --standalone --nproc_per_node=2 examples/train_gpt.py --strategy fully_shard --checkpoint ckpt
     torchrun --standalone --nproc_per_node=4 examples/train_gpt.py --strategy zero2 --resume ckpt
+    torchrun --standalone --nproc_per_node=2 --max-restarts=3 examples/train_gpt.py --strategy ddp --steps 300 \
+        --checkpoint-dir ckpts --checkpoint-every 50
 
 Strategies: ``auto`` (shardkit.auto: the first of DDP, ZeRO-2, ZeRO-3 that fits the memory budget, ZeRO-3
 being fully_shard), ``ddp``, ``zero1``, ``zero2`` (shardkit.DistributedDataParallel with zero_stage and
@@ -16,7 +18,13 @@ Data: synthetic counting sequences (a random start and stride per sequence, seed
 few tokens the next one is predictable, so the loss falls), or ``--data FILE``: a local text file read as bytes
 (vocabulary 256), each rank reading its own windows. Checkpoints (``--checkpoint DIR``, ``--resume DIR``) go through
 shardkit.checkpoint (torch.distributed.checkpoint directories, committed whole and checksummed; verified when
-resuming) and load at any world size and with any strategy.
+resuming) and load at any world size and with any strategy. ``--checkpoint-dir DIR --checkpoint-every N``
+(shardkit.checkpoint.Checkpointer): the run resumes from DIR's newest whole checkpoint when there is one, saves
+every N steps and at the end (DIR/step-00000050, ...; the newest ``--checkpoint-keep`` kept) with every rank's
+RNG states, and ``--steps`` is then the step the run ends at, so the same command run again (by torchrun after a
+failure, or by hand) continues where the last checkpoint left off: at the same world size, with the weights bit for
+bit those of the run never interrupted and the same loss at every step (each step's batch is drawn from its own
+seed, 1000 * step + rank: the data position is the step).
 
 Rank 0 shows its progress (``--progress``): with tqdm installed and stderr a terminal, a bar on stderr whose
 postfix holds the loss, tokens/s and each rank's peak RSS; otherwise (or with ``--progress lines``) a line on
@@ -81,6 +89,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--memory-budget-gb", type=float, default=None, help="auto: the per-rank budget to fit")
     p.add_argument("--checkpoint", type=Path, default=None, help="save a DCP checkpoint here at the end")
     p.add_argument("--resume", type=Path, default=None, help="resume from a DCP checkpoint (any world size)")
+    p.add_argument("--checkpoint-dir", type=Path, default=None,
+                   help="resume from this directory's newest checkpoint, if any, and save into it (--steps is then "
+                        "the step the run ends at)")
+    p.add_argument("--checkpoint-every", type=int, default=None, help="with --checkpoint-dir: save every N steps")
+    p.add_argument("--checkpoint-keep", type=int, default=2, help="with --checkpoint-dir: keep the newest K")
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--json", action="store_true", help="one JSON line per step on rank 0")
     p.add_argument("--progress", choices=("auto", "bar", "lines"), default="auto",
@@ -97,8 +110,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.progress = "bar" if has_tqdm and stderr_is_a_terminal() else "lines"
     if args.hook != "none" and args.strategy != "ddp":
         p.error(f"--hook {args.hook} compresses DDP's allreduce; it does not apply to --strategy {args.strategy}")
-    if (args.checkpoint or args.resume) and importlib.util.find_spec("numpy") is None:
-        p.error("--checkpoint/--resume need numpy: torch.distributed.checkpoint exchanges its plans with "
+    if args.checkpoint_dir and args.resume:
+        p.error("--checkpoint-dir resumes from its own newest checkpoint; --resume names another: give one")
+    if args.checkpoint_every is not None and not args.checkpoint_dir:
+        p.error("--checkpoint-every saves into --checkpoint-dir, which is missing")
+    if (args.checkpoint or args.resume or args.checkpoint_dir) and importlib.util.find_spec("numpy") is None:
+        p.error("--checkpoint/--resume/--checkpoint-dir need numpy: torch.distributed.checkpoint exchanges its plans with "
                 "torch.distributed.gather_object, which converts through numpy (pip install numpy)")
     return args
 
@@ -300,7 +317,21 @@ def main(argv: list[str] | None = None) -> int:
                       layers=args.layers, seq=args.seq, batch=args.batch)
     model, optimizer, row = build(args, cfg, device)
     psi = sum(p.numel() for p in GPT(cfg).parameters())
-    first = resume(args.resume, model, optimizer) if args.resume else 0
+    checkpointer, state = None, {"model": model, "optim": optimizer}
+    if args.checkpoint_dir:
+        from shardkit.checkpoint import Checkpointer
+
+        checkpointer = Checkpointer(args.checkpoint_dir, every=args.checkpoint_every, keep=args.checkpoint_keep)
+        first = checkpointer.load_latest(state) or 0
+        args.steps = max(0, args.steps - first)  # --steps is where the run ends
+        if not args.steps:
+            if rank == 0:
+                print(f"{args.checkpoint_dir}: its newest checkpoint is of step {first}: nothing left to train",
+                      flush=True)
+            dist.destroy_process_group()
+            return 0
+    else:
+        first = resume(args.resume, model, optimizer) if args.resume else 0
     batch = batches(args, cfg, rank, world, device)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.precision == "bf16" and \
         args.strategy not in MIXED_PRECISION_WRAPPERS else contextlib.nullcontext()
@@ -325,6 +356,8 @@ def main(argv: list[str] | None = None) -> int:
         if step == first:  # after the first step every state exists, and the sizes do not change after it
             held = state_bytes(model, optimizer)
         optimizer.zero_grad(set_to_none=True)
+        if checkpointer is not None:
+            checkpointer.save_if_due(step + 1, state)  # the checkpoint of step s resumes at step s
         loss_value = loss.item()
         losses.append(loss_value)
         seconds = time.perf_counter() - t0
@@ -338,6 +371,10 @@ def main(argv: list[str] | None = None) -> int:
         progress.close()
     if args.checkpoint:
         save(args.checkpoint, model, optimizer, first + args.steps)
+    if checkpointer is not None:
+        if checkpointer.last_step != first + args.steps:  # the end, unless the loop just saved it
+            checkpointer.save(first + args.steps, state)
+        checkpointer.close()
     if rank == 0 and args.plot:
         strategy = f"{args.strategy} -> {row}" if args.strategy == "auto" else args.strategy
         print(plot_losses(args.plot, losses, first, f"train_gpt.py: {strategy}, {world} rank{'s' * (world > 1)}, "

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch  # noqa: F401  (loads libtorch before the extension)
 
-from . import _C, checkpoint, fsdp, hooks, state_dict, wrap  # noqa: F401  (_C: the extension, loaded here)
+from . import _C, checkpoint, data, fsdp, hooks, state_dict, wrap  # noqa: F401  (_C: the extension, loaded here)
 from .backend import ZeroCopyUnavailableWarning, all_reduce_, register_backend
 from .ddp import DistributedDataParallel
 from .fsdp import FullyShardedDataParallel, fully_shard

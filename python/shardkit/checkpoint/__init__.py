@@ -6,6 +6,9 @@ every file is checksummed, and that load only when every file is the one written
   (computed while writing). An interrupted save leaves the previous checkpoint intact.
 - ``load(state_dict, checkpoint_id, strict=True, verify=True)``: verifies the files (spread over the ranks),
   checks the checkpoint matches the state dict, then ``dcp.load``.
+- ``Checkpointer(root, every=N, keep=K)``: a training loop's checkpoints (``root/step-00000100``): saved every N
+  steps with every rank's RNG states, the newest K kept, ``load_latest`` resuming from the newest that verifies
+  (_checkpointer.py; the data position: shardkit.data.ResumableSampler).
 - ``verify(checkpoint_id)``: the verification alone, in one process; ``info`` and ``consolidate`` read a
   checkpoint without a process group; ``python -m shardkit checkpoint info [--verify] | consolidate``.
 
@@ -13,7 +16,7 @@ The directory stays a plain DCP checkpoint (the manifest is one more file, which
 torch's FSDP2 read it unchanged, and plain ``dcp.save`` checkpoints load here, with a warning that they cannot be
 verified. One concern per module: ``_save`` (the commit protocol), ``_commit`` (its directory operations),
 ``_writer`` (checksums while writing), ``_manifest``, ``_verify``, ``_load``, ``_reader`` (metadata, info,
-consolidate), ``_safe_pickle`` (what every read of a checkpoint unpickles with: never plain pickle), ``_cli``;
+consolidate), ``_checkpointer`` and ``_rng`` (a training loop's checkpoints), ``_safe_pickle`` (what every read of a checkpoint unpickles with: never plain pickle), ``_cli``;
 for the fronts' state dicts, ``_sharded_state`` (ShardedSpace, Place, Slot, PieceTensor), ``_optim_state``
 (name-keyed optimizer state dicts) and ``_front_protocol`` (what a front implements). This package imports no front
 (DDP, FSDP, ZeRO), not even for annotations: each front keeps its own adapter (fsdp/_state_dict.py,
@@ -22,6 +25,7 @@ shardkit/_zero_state_dict.py).
 
 from __future__ import annotations
 
+from ._checkpointer import Checkpointer
 from ._cli import add_arguments
 from ._errors import CheckpointIntegrityError, CheckpointSaveError, UnsafeCheckpointError, UnverifiedCheckpointWarning
 from ._load import check_matches, load
@@ -29,5 +33,5 @@ from ._reader import consolidate, info, read_metadata
 from ._save import save
 from ._verify import verify
 
-__all__ = ["CheckpointIntegrityError", "CheckpointSaveError", "UnsafeCheckpointError", "UnverifiedCheckpointWarning",
+__all__ = ["CheckpointIntegrityError", "Checkpointer", "CheckpointSaveError", "UnsafeCheckpointError", "UnverifiedCheckpointWarning",
            "add_arguments", "check_matches", "consolidate", "info", "load", "read_metadata", "save", "verify"]
