@@ -115,8 +115,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.checkpoint_every is not None and not args.checkpoint_dir:
         p.error("--checkpoint-every saves into --checkpoint-dir, which is missing")
     if (args.checkpoint or args.resume or args.checkpoint_dir) and importlib.util.find_spec("numpy") is None:
-        p.error("--checkpoint/--resume/--checkpoint-dir need numpy: torch.distributed.checkpoint exchanges its plans with "
-                "torch.distributed.gather_object, which converts through numpy (pip install numpy)")
+        p.error("--checkpoint/--resume/--checkpoint-dir need numpy: torch.distributed.checkpoint exchanges its plans "
+                "with torch.distributed.gather_object, which converts through numpy (pip install numpy)")
     return args
 
 

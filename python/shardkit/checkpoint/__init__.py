@@ -16,11 +16,12 @@ The directory stays a plain DCP checkpoint (the manifest is one more file, which
 torch's FSDP2 read it unchanged, and plain ``dcp.save`` checkpoints load here, with a warning that they cannot be
 verified. One concern per module: ``_save`` (the commit protocol), ``_commit`` (its directory operations),
 ``_writer`` (checksums while writing), ``_manifest``, ``_verify``, ``_load``, ``_reader`` (metadata, info,
-consolidate), ``_checkpointer`` and ``_rng`` (a training loop's checkpoints), ``_safe_pickle`` (what every read of a checkpoint unpickles with: never plain pickle), ``_cli``;
-for the fronts' state dicts, ``_sharded_state`` (ShardedSpace, Place, Slot, PieceTensor), ``_optim_state``
-(name-keyed optimizer state dicts) and ``_front_protocol`` (what a front implements). This package imports no front
-(DDP, FSDP, ZeRO), not even for annotations: each front keeps its own adapter (fsdp/_state_dict.py,
-shardkit/_zero_state_dict.py).
+consolidate), ``_safe_pickle`` (what every read of a checkpoint unpickles with: never plain pickle), ``_cli``;
+``_checkpointer`` and ``_rng`` (a training loop's checkpoints: Checkpointer, the RNG states); for the fronts'
+state dicts, ``_sharded_state`` (ShardedSpace, Place, Slot, PieceTensor), ``_optim_state`` (name-keyed optimizer
+state dicts) and ``_front_protocol`` (what a front implements). This package imports no front (DDP, FSDP, ZeRO),
+not even for annotations: each front keeps its own adapter (fsdp/_state_dict.py, shardkit/_zero_state_dict.py);
+the Checkpointer calls shardkit.state_dict's functions, imported when first used.
 """
 
 from __future__ import annotations
@@ -33,5 +34,6 @@ from ._reader import consolidate, info, read_metadata
 from ._save import save
 from ._verify import verify
 
-__all__ = ["CheckpointIntegrityError", "Checkpointer", "CheckpointSaveError", "UnsafeCheckpointError", "UnverifiedCheckpointWarning",
-           "add_arguments", "check_matches", "consolidate", "info", "load", "read_metadata", "save", "verify"]
+__all__ = ["CheckpointIntegrityError", "CheckpointSaveError", "Checkpointer", "UnsafeCheckpointError",
+           "UnverifiedCheckpointWarning", "add_arguments", "check_matches", "consolidate", "info", "load",
+           "read_metadata", "save", "verify"]

@@ -213,7 +213,8 @@ class Checkpointer:
         saved[_RNG_KEY] = {f"rank{ranks.rank}": _rng.capture()}
         target = self.path(step)
         if self.async_save:
-            handle = save(saved, target, process_group=self.process_group, async_save=True)  # type: ignore[call-arg]
+            save_async: Any = save  # its async_save and AsyncSave handle: checked in __init__
+            handle = save_async(saved, target, process_group=self.process_group, async_save=True)
             self._pending = (step, handle)
         else:
             save(saved, target, process_group=self.process_group)

@@ -39,11 +39,11 @@ def capture() -> dict[str, torch.Tensor]:
     if importlib.util.find_spec("numpy") is not None:
         import numpy as np
 
-        name, keys, pos, has_gauss, cached = np.random.get_state()
+        name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
         if name != "MT19937":
             raise NotImplementedError(f"shardkit checkpoint: numpy's global generator is {name}; this shardkit "
                                       "saves MT19937's state")
-        state["numpy_keys"] = torch.from_numpy(keys.astype(np.int64))
+        state["numpy_keys"] = torch.from_numpy(np.asarray(keys, dtype=np.int64))
         state["numpy_misc"] = torch.tensor([pos, has_gauss, cached], dtype=torch.float64)
     return state
 
