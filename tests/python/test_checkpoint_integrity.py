@@ -28,7 +28,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from support import harness
 from support.ddp_cases import error_of
 from support.fsdp_cases import adamw, block_policy, net, train_global
 
@@ -572,34 +571,6 @@ def test_where_directories_cannot_be_exchanged_two_renames_publish_and_a_crash_b
         checkpoint.save({"w": torch.full((4,), 4.0)}, path)  # brings the previous one back, then replaces it
     checkpoint.load(loaded, path)
     assert loaded["w"].tolist() == [4.0] * 4 and _others_in(tmp_path, "ckpt") == []
-
-
-# --- the README's Checkpoints section, as written --------------------------------------------------------------------
-
-def _run_readme_snippet(rank: int, world: int, code: str, workdir: str) -> dict:
-    import os
-
-    model, optimizer = _trained(rank, world, 2)
-    before = _bits(model, optimizer)
-    os.chdir(workdir)  # the snippet's paths are relative
-    exec(compile(code, "README.md#checkpoints", "exec"), {"model": model, "optimizer": optimizer})
-    return {"before": before, "after": _bits(model, optimizer)}
-
-
-@pytest.mark.timeout(200)
-def test_the_readme_checkpoints_snippet_runs_as_written(ranks, tmp_path: Path):
-    (code_lang, code), (cmd_lang, commands) = harness.readme_blocks("Checkpoints")[:2]
-    assert (code_lang, cmd_lang) == ("python", "bash")
-    assert "checkpoint.save(" in code and "dcp.save(" not in code
-    for got in ranks.run(_run_readme_snippet, 2, code, str(tmp_path), timeout=150):
-        assert got["after"] == got["before"]
-    assert (tmp_path / "ckpt" / "step100" / MANIFEST).is_file()
-    for line in commands.splitlines():
-        command = line.split("#")[0].split()
-        assert command[:3] == ["python", "-m", "shardkit"], line
-        done = subprocess.run([sys.executable, *command[1:]], capture_output=True, text=True, cwd=tmp_path,
-                              timeout=120)
-        assert done.returncode == 0, f"{line}\n{done.stderr}"
 
 
 # --- strict: a mismatch on some ranks only stops every rank -------------------------------------------------------

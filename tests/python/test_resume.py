@@ -23,6 +23,8 @@ import io
 import os
 import random
 import shutil
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -404,3 +406,60 @@ def test_train_gpt_stopped_and_rerun_ends_bitwise_equal_to_the_uninterrupted_run
     assert _final(tmp_path / "stopped", 10, tmp_path) == _final(tmp_path / "whole", 10, tmp_path)
     # keep=2 (the default): the end's checkpoint and the one before it
     assert sorted(p.name for p in (tmp_path / "stopped").iterdir()) == ["step-00000009", "step-00000010"]
+
+
+# --- the README's Checkpoints section, as written --------------------------------------------------------------------
+
+def _run_readme_loop(rank: int, world: int, code: str, workdir: str, crash_at: int | None,
+                     seed: int = 5) -> dict[str, bytes]:
+    """The README's loop on this rank: a shardkit.data.DataLoader over 3 epochs of 70 steps, each
+    step's batch the loop's only input; with ``crash_at`` the job stops (every rank) inside that step."""
+    import torch.nn.functional as F
+
+    from shardkit import data
+
+    os.chdir(workdir)  # the snippet's paths are relative
+    g = torch.Generator().manual_seed(11)
+    dataset = torch.utils.data.TensorDataset(torch.randn(280, 7, generator=g), torch.randn(280, 4, generator=g))
+    sampler = data.ResumableSampler(dataset, shuffle=True, seed=3)
+    loader = data.DataLoader(dataset, batch_size=2, sampler=sampler)  # (workers: a rank here is a daemon process)
+    model, optimizer = _model(seed=seed)
+    done = []
+
+    def train_step(x: torch.Tensor, y: torch.Tensor) -> None:
+        if len(done) + 1 == crash_at:
+            raise _Stopped
+        F.mse_loss(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        done.append(1)
+
+    namespace = {"model": model, "optimizer": optimizer, "sampler": sampler, "loader": loader, "epochs": 3,
+                 "train_step": train_step}
+    with contextlib.suppress(_Stopped):
+        exec(compile(code, "README.md#checkpoints", "exec"), namespace)
+    return _bits(model, optimizer)
+
+
+@pytest.mark.timeout(300)
+def test_the_readme_checkpoints_loop_runs_as_written_and_resumes_exactly(ranks, tmp_path: Path):
+    pytest.importorskip("numpy")
+    (code_lang, code), (cmd_lang, commands) = harness.readme_blocks("Checkpoints")[:2]
+    assert (code_lang, cmd_lang) == ("python", "bash")
+    assert "Checkpointer(" in code and "load_latest(" in code
+    whole, interrupted = tmp_path / "whole", tmp_path / "interrupted"
+    whole.mkdir()
+    interrupted.mkdir()
+    expected = ranks.run(_run_readme_loop, 2, code, str(whole), None, timeout=250)
+    ranks.run(_run_readme_loop, 2, code, str(interrupted), 180, timeout=250)  # the newest checkpoint: step 100
+    assert sorted(p.name for p in (interrupted / "ckpts").iterdir()) == ["step-00000100"]
+    # The rerun builds other weights (seed 6), which the checkpoint of step 100 (mid-epoch 1) replaces.
+    resumed = ranks.run(_run_readme_loop, 2, code, str(interrupted), None, 6, timeout=250)
+    assert resumed == expected
+    assert sorted(p.name for p in (interrupted / "ckpts").iterdir()) == ["step-00000100", "step-00000200"]
+    for line in commands.splitlines():
+        command = line.split("#")[0].split()
+        assert command[:3] == ["python", "-m", "shardkit"], line
+        done = subprocess.run([sys.executable, *command[1:]], capture_output=True, text=True, cwd=interrupted,
+                              timeout=120)
+        assert done.returncode == 0, f"{line}\n{done.stderr}"
