@@ -20,6 +20,7 @@ import contextlib
 import importlib.util
 import inspect
 import io
+import json
 import os
 import random
 import shutil
@@ -167,6 +168,28 @@ def test_every_and_keep_are_checked():
         Checkpointer("x").save(1, {"optim": torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)})
     with pytest.raises(TypeError, match=r"state\['n'\] is a int"):
         Checkpointer("x").save(1, {"n": 3})
+
+
+def test_an_lr_scheduler_and_the_optimizers_settings_come_back(tmp_path: Path):
+    from shardkit.checkpoint import Checkpointer
+
+    def fresh():
+        model = torch.nn.Linear(4, 3)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+        return {"model": model, "optim": optimizer, "sched": torch.optim.lr_scheduler.StepLR(optimizer, 2, 0.5)}
+
+    state = fresh()
+    for _ in range(5):
+        state["model"](torch.ones(2, 4)).sum().backward()
+        state["optim"].step()
+        state["sched"].step()
+    Checkpointer(tmp_path).save(5, state)
+    loaded = fresh()
+    assert Checkpointer(tmp_path).load_latest(loaded) == 5
+    assert loaded["sched"].state_dict() == state["sched"].state_dict()
+    assert loaded["optim"].param_groups[0]["lr"] == 0.025
+    moments = [s["optim"].state_dict()["state"][0]["exp_avg"] for s in (loaded, state)]
+    assert torch.equal(*moments)
 
 
 def _has_async_save() -> bool:
@@ -463,3 +486,37 @@ def test_the_readme_checkpoints_loop_runs_as_written_and_resumes_exactly(ranks, 
         done = subprocess.run([sys.executable, *command[1:]], capture_output=True, text=True, cwd=interrupted,
                               timeout=120)
         assert done.returncode == 0, f"{line}\n{done.stderr}"
+
+
+# --- under torchrun: a worker killed, torchrun restarts the job, it resumes -------------------------------------
+
+RESTARTING = REPO / "tests" / "python" / "support" / "resume_train_gpt.py"
+
+
+def run_restarting(nproc: int, args: list[str], kills: str, events: Path, timeout: float,
+                   max_restarts: int = 3) -> subprocess.CompletedProcess:
+    """tests/python/support/resume_train_gpt.py (train_gpt.py with the faults ``kills`` names) under torchrun
+    --max-restarts (the standalone rendezvous; a port picked free)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           f"--max-restarts={max_restarts}", "--monitor-interval=0.2", str(RESTARTING), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "SHARDKIT_TEST_KILLS": kills, "SHARDKIT_TEST_EVENTS": str(events)}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("strategy", ["fully_shard", "zero2", "ddp", "fsdp"])
+def test_torchrun_restarts_a_killed_train_gpt_which_resumes_bitwise(ranks, tmp_path: Path, strategy: str):
+    pytest.importorskip("numpy")
+    args = [*TINY, "--strategy", strategy, "--steps", "10", "--checkpoint-every", "3"]
+    ranks.run(_train_gpt, 2, [*args, "--checkpoint-dir", str(tmp_path / "whole")], harness.free_port(), None,
+              timeout=200, backend=None)
+    directory = tmp_path / "killed"
+    # Rank 1 SIGKILLs itself as attempt 0 begins step 8 (the newest checkpoint: step 6's).
+    done = run_restarting(2, [*args, "--checkpoint-dir", str(directory)], "0:1:8:step", tmp_path / "events",
+                          timeout=300)
+    assert done.returncode == 0, f"stdout:\n{done.stdout[-3000:]}\nstderr:\n{done.stderr[-3000:]}"
+    assert "resumed at step 6" in done.stdout, done.stdout
+    killed = [json.loads(line) for line in (tmp_path / "events.rank1").read_text().splitlines()]
+    assert [e["attempt"] for e in killed if e["event"] == "start"] == [0, 1]
+    assert [(e["step"], e["where"]) for e in killed if e["event"] == "kill"] == [(8, "step")]
+    assert _final(directory, 10, tmp_path) == _final(tmp_path / "whole", 10, tmp_path)
