@@ -344,7 +344,7 @@ def test_rng_states_come_back_per_rank(ranks, tmp_path: Path):
     assert _draws() == expected
 
 
-# --- examples/train_gpt.py, stopped and resumed ------------------------------------------------------------------
+# --- examples/train_gpt.py, stopped (or killed under torchrun) and resumed ------------------------------------
 
 TINY = ["--layers", "2", "--d-model", "32", "--heads", "2", "--vocab", "64", "--seq", "8", "--batch", "2",
         "--log-every", "100", "--json"]
@@ -407,10 +407,26 @@ def _final(directory: Path, step: int, tmp_path: Path) -> dict[str, bytes]:
     return {**flat("model", whole["model"]), **flat("optim", whole["optim"])}
 
 
+RESTARTING = REPO / "tests" / "python" / "support" / "resume_train_gpt.py"
+
+
+def run_restarting(nproc: int, args: list[str], kills: str, events: Path, timeout: float,
+                   max_restarts: int = 3) -> subprocess.CompletedProcess:
+    """tests/python/support/resume_train_gpt.py (train_gpt.py with the faults ``kills`` names) under torchrun
+    --max-restarts (the standalone rendezvous; a port picked free)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           f"--max-restarts={max_restarts}", "--monitor-interval=0.2", str(RESTARTING), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "SHARDKIT_TEST_KILLS": kills, "SHARDKIT_TEST_EVENTS": str(events)}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("strategy", ["fully_shard", "zero2", "ddp", "fsdp"])
-def test_train_gpt_stopped_and_rerun_ends_bitwise_equal_to_the_uninterrupted_run(ranks, tmp_path: Path,
-                                                                                  strategy: str):
+def test_train_gpt_stopped_or_killed_and_resumed_ends_bitwise_equal_to_the_uninterrupted_run(ranks, tmp_path: Path,
+                                                                                             strategy: str):
+    """In-process first (the run stops before step 8 and the same command runs again), then under torchrun
+    --max-restarts (rank 1 SIGKILLs itself as attempt 0 begins step 8; torchrun restarts the job): both resume
+    at step 6's checkpoint and end with the uninterrupted run's bits."""
     pytest.importorskip("numpy")  # DCP's plans travel through numpy
     args = [*TINY, "--strategy", strategy, "--steps", "10", "--checkpoint-every", "3"]
 
@@ -429,6 +445,16 @@ def test_train_gpt_stopped_and_rerun_ends_bitwise_equal_to_the_uninterrupted_run
     assert _final(tmp_path / "stopped", 10, tmp_path) == _final(tmp_path / "whole", 10, tmp_path)
     # keep=2 (the default): the end's checkpoint and the one before it
     assert sorted(p.name for p in (tmp_path / "stopped").iterdir()) == ["step-00000009", "step-00000010"]
+
+    killed = tmp_path / "killed"
+    done = run_restarting(2, [*args, "--checkpoint-dir", str(killed)], "0:1:8:step", tmp_path / "events",
+                          timeout=300)
+    assert done.returncode == 0, f"stdout:\n{done.stdout[-3000:]}\nstderr:\n{done.stderr[-3000:]}"
+    assert "resumed at step 6" in done.stdout, done.stdout
+    events = [json.loads(line) for line in (tmp_path / "events.rank1").read_text().splitlines()]
+    assert [e["attempt"] for e in events if e["event"] == "start"] == [0, 1]
+    assert [(e["step"], e["where"]) for e in events if e["event"] == "kill"] == [(8, "step")]
+    assert _final(killed, 10, tmp_path) == _final(tmp_path / "whole", 10, tmp_path)
 
 
 # --- the README's Checkpoints section, as written --------------------------------------------------------------------
@@ -486,37 +512,3 @@ def test_the_readme_checkpoints_loop_runs_as_written_and_resumes_exactly(ranks, 
         done = subprocess.run([sys.executable, *command[1:]], capture_output=True, text=True, cwd=interrupted,
                               timeout=120)
         assert done.returncode == 0, f"{line}\n{done.stderr}"
-
-
-# --- under torchrun: a worker killed, torchrun restarts the job, it resumes -------------------------------------
-
-RESTARTING = REPO / "tests" / "python" / "support" / "resume_train_gpt.py"
-
-
-def run_restarting(nproc: int, args: list[str], kills: str, events: Path, timeout: float,
-                   max_restarts: int = 3) -> subprocess.CompletedProcess:
-    """tests/python/support/resume_train_gpt.py (train_gpt.py with the faults ``kills`` names) under torchrun
-    --max-restarts (the standalone rendezvous; a port picked free)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           f"--max-restarts={max_restarts}", "--monitor-interval=0.2", str(RESTARTING), *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "SHARDKIT_TEST_KILLS": kills, "SHARDKIT_TEST_EVENTS": str(events)}
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-
-
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("strategy", ["fully_shard", "zero2", "ddp", "fsdp"])
-def test_torchrun_restarts_a_killed_train_gpt_which_resumes_bitwise(ranks, tmp_path: Path, strategy: str):
-    pytest.importorskip("numpy")
-    args = [*TINY, "--strategy", strategy, "--steps", "10", "--checkpoint-every", "3"]
-    ranks.run(_train_gpt, 2, [*args, "--checkpoint-dir", str(tmp_path / "whole")], harness.free_port(), None,
-              timeout=200, backend=None)
-    directory = tmp_path / "killed"
-    # Rank 1 SIGKILLs itself as attempt 0 begins step 8 (the newest checkpoint: step 6's).
-    done = run_restarting(2, [*args, "--checkpoint-dir", str(directory)], "0:1:8:step", tmp_path / "events",
-                          timeout=300)
-    assert done.returncode == 0, f"stdout:\n{done.stdout[-3000:]}\nstderr:\n{done.stderr[-3000:]}"
-    assert "resumed at step 6" in done.stdout, done.stdout
-    killed = [json.loads(line) for line in (tmp_path / "events.rank1").read_text().splitlines()]
-    assert [e["attempt"] for e in killed if e["event"] == "start"] == [0, 1]
-    assert [(e["step"], e["where"]) for e in killed if e["event"] == "kill"] == [(8, "step")]
-    assert _final(directory, 10, tmp_path) == _final(tmp_path / "whole", 10, tmp_path)
