@@ -3,7 +3,9 @@ every file is checksummed, and that load only when every file is the one written
 
 - ``save(state_dict, checkpoint_id)``: DCP's save into a staging directory beside the target, committed by one
   atomic rename once every rank's files are durable, with a manifest of every file's size and CRC32C
-  (computed while writing). An interrupted save leaves the previous checkpoint intact.
+  (computed while writing). An interrupted save leaves the previous checkpoint intact. With
+  ``async_save=True`` it returns an ``AsyncSave`` handle once the state is copied into a staging area, and the
+  process's writer thread runs the same protocol on that copy (``_async``).
 - ``load(state_dict, checkpoint_id, strict=True, verify=True)``: verifies the files (spread over the ranks),
   checks the checkpoint matches the state dict, then ``dcp.load``.
 - ``verify(checkpoint_id)``: the verification alone, in one process; ``info`` and ``consolidate`` read a
@@ -11,7 +13,7 @@ every file is checksummed, and that load only when every file is the one written
 
 The directory stays a plain DCP checkpoint (the manifest is one more file, which DCP ignores): ``dcp.load`` and
 torch's FSDP2 read it unchanged, and plain ``dcp.save`` checkpoints load here, with a warning that they cannot be
-verified. One concern per module: ``_save`` (the commit protocol), ``_commit`` (its directory operations),
+verified. One concern per module: ``_save`` (the commit protocol), ``_async`` (staging and the writer thread), ``_commit`` (its directory operations),
 ``_writer`` (checksums while writing), ``_manifest``, ``_verify``, ``_load``, ``_reader`` (metadata, info,
 consolidate), ``_safe_pickle`` (what every read of a checkpoint unpickles with: never plain pickle), ``_cli``;
 for the fronts' state dicts, ``_sharded_state`` (ShardedSpace, Place, Slot, PieceTensor), ``_optim_state``
@@ -22,6 +24,7 @@ shardkit/_zero_state_dict.py).
 
 from __future__ import annotations
 
+from ._async import AsyncSave
 from ._cli import add_arguments
 from ._errors import CheckpointIntegrityError, CheckpointSaveError, UnsafeCheckpointError, UnverifiedCheckpointWarning
 from ._load import check_matches, load
@@ -29,5 +32,5 @@ from ._reader import consolidate, info, read_metadata
 from ._save import save
 from ._verify import verify
 
-__all__ = ["CheckpointIntegrityError", "CheckpointSaveError", "UnsafeCheckpointError", "UnverifiedCheckpointWarning",
+__all__ = ["AsyncSave", "CheckpointIntegrityError", "CheckpointSaveError", "UnsafeCheckpointError", "UnverifiedCheckpointWarning",
            "add_arguments", "check_matches", "consolidate", "info", "load", "read_metadata", "save", "verify"]
