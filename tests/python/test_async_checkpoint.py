@@ -87,7 +87,7 @@ def _consolidated(directory: Path, out: Path) -> dict:
 def _assert_bitwise(a, b, where: str = "") -> None:
     assert type(a) is type(b), f"{where}: {type(a)} != {type(b)}"
     if isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and a.shape == b.shape, f"{where}: {a.dtype}{list(a.shape)} != {b.dtype}{list(b.shape)}"
+        assert (a.dtype, a.shape) == (b.dtype, b.shape), f"{where}: {a.dtype}, {b.dtype}; {a.shape}, {b.shape}"
         assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), f"{where}: values differ"
     elif isinstance(a, dict):
         assert a.keys() == b.keys(), f"{where}: keys {sorted(a)} != {sorted(b)}"

@@ -13,7 +13,8 @@ every file is checksummed, and that load only when every file is the one written
 
 The directory stays a plain DCP checkpoint (the manifest is one more file, which DCP ignores): ``dcp.load`` and
 torch's FSDP2 read it unchanged, and plain ``dcp.save`` checkpoints load here, with a warning that they cannot be
-verified. One concern per module: ``_save`` (the commit protocol), ``_async`` (staging and the writer thread), ``_commit`` (its directory operations),
+verified. One concern per module: ``_save`` (the commit protocol), ``_async`` (asynchronous saves' staging and
+writer thread), ``_commit`` (its directory operations),
 ``_writer`` (checksums while writing), ``_manifest``, ``_verify``, ``_load``, ``_reader`` (metadata, info,
 consolidate), ``_safe_pickle`` (what every read of a checkpoint unpickles with: never plain pickle), ``_cli``;
 for the fronts' state dicts, ``_sharded_state`` (ShardedSpace, Place, Slot, PieceTensor), ``_optim_state``
@@ -32,5 +33,6 @@ from ._reader import consolidate, info, read_metadata
 from ._save import save
 from ._verify import verify
 
-__all__ = ["AsyncSave", "CheckpointIntegrityError", "CheckpointSaveError", "UnsafeCheckpointError", "UnverifiedCheckpointWarning",
-           "add_arguments", "check_matches", "consolidate", "info", "load", "read_metadata", "save", "verify"]
+__all__ = ["AsyncSave", "CheckpointIntegrityError", "CheckpointSaveError", "UnsafeCheckpointError",
+           "UnverifiedCheckpointWarning", "add_arguments", "check_matches", "consolidate", "info", "load",
+           "read_metadata", "save", "verify"]

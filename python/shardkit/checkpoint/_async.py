@@ -82,6 +82,7 @@ from ._sharded_state import PieceTensor
 
 _ALIGN = 64  # bytes: every staged tensor starts at a multiple of this in its block
 _KEEP_FREE_SETS = 2
+_WRITER_NICE = 10  # added to the writer thread's nice value (Linux)
 
 
 # --- the handle ----------------------------------------------------------------------------------------------
@@ -411,6 +412,7 @@ class _Writer:
             self._lock.notify()
 
     def _run(self) -> None:
+        _lower_this_threads_priority()
         while True:
             with self._lock:
                 while not self._queue:
@@ -441,6 +443,17 @@ class _Writer:
         self._queue.clear()
         self._current = None
         self._thread = None
+
+
+def _lower_this_threads_priority() -> None:
+    """The writer's CPU work (serializing, CRC32C, copying into the page cache) yields to training's threads where
+    cores are short: on Linux a thread's nice value is its own (setpriority on its thread id). Where that cannot
+    be done (another OS, a sandbox refusing it) the writer runs at the process's priority."""
+    try:
+        thread = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, thread, min(19, os.getpriority(os.PRIO_PROCESS, thread) + _WRITER_NICE))
+    except (AttributeError, OSError):
+        pass
 
 
 _WRITER = _Writer()

@@ -32,6 +32,18 @@ verification refuses it, naming the file.
 A non-zero rank removes the staging directory only when it reported a failure in step 3 (then rank 0 cannot
 have seen every rank succeed, so cannot be publishing it): deleting a directory that rank 0 is renaming could
 otherwise publish a partial checkpoint. Every wait is a collective, bounded by the process group's timeout.
+
+Step 1 gathers every rank's report, not only rank 0's: a rank that could not stage its state for an asynchronous
+save reports that there, and every rank stops before anything is written.
+
+Asynchronous saves (``async_save=True``, _async.py) run this same protocol (``run_protocol``) on a staged copy of
+the state, on the process's one writer thread, and their agreements — these all-gathers and DCP's own gather and
+scatter of plans — run on a gloo group of the writer's own, created once per training group in the foreground at
+the first asynchronous save (``dist.new_group(ranks, backend="gloo", timeout=<the training group's>)``, which every
+member calls at that same point). Chosen over the training group, where the writer's collectives would interleave
+with training's in a different order on each rank (collectives match by issue order), and over agreeing through
+the Store, because DCP's save itself needs a process group for its plans, and a Store-based agreement would be a
+second protocol with deadlines and clean-up of its own. A synchronous save first waits for the writer to be idle.
 """
 
 from __future__ import annotations
@@ -41,8 +53,8 @@ import errno
 import os
 import uuid
 import warnings
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed.checkpoint as dcp
