@@ -258,7 +258,9 @@ def _queue_fail_and_destroy(rank: int, world: int, directory: str) -> dict:
     with pytest.raises(TimeoutError) as late:
         one.result(timeout=0.2)
     out["timeout"] = str(late.value)
-    out["staged in shared memory"] = [n for n in os.listdir("/dev/shm") if n.startswith(f"torch_{os.getpid()}_")]
+    blocks = [block for job in _async._WRITER.pending() for block in job.staged.buffers.blocks]
+    out["staged in shared memory"] = (len(blocks), all(block.is_shared() for block in blocks))
+    out["in /dev/shm"] = [n for n in os.listdir("/dev/shm") if n.startswith(f"torch_{os.getpid()}_")]
     release.set()
     two.result(timeout=60)
     out["statuses"] = [one.status, two.status]
@@ -303,7 +305,8 @@ def test_saves_queue_errors_reach_every_rank_and_destroy_does_not_hang(ranks, tm
         assert out["queued"] == f"waiting for the save of {first} to finish", out["queued"]
         assert out["timeout"].startswith(f"shardkit checkpoint save (rank {rank}): the asynchronous save of {first} "
                                          "has not ended after 0.2 s (it is writing)"), out["timeout"]
-        assert out["staged in shared memory"] == []
+        assert out["staged in shared memory"] == (2, True)  # a set per save: the first is in flight
+        assert out["in /dev/shm"] == []
         assert out["statuses"] == ["committed", "committed"]
         _assert_bitwise(out["first"], _expected(2, 3), f"rank {rank}, first")
         _assert_bitwise(out["second"], _expected(2, 2), f"rank {rank}, second")

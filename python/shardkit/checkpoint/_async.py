@@ -245,6 +245,7 @@ class _Buffers:
             offsets.append(totals[pinned])
             totals[pinned] += -(-nbytes // _ALIGN) * _ALIGN
         blocks = {False: self._host_block(totals[False]), True: self._pinned_block(totals[True])}
+        self.blocks = [block for block in blocks.values() if block is not None]  # the views keep them alive too
         self.views: list[torch.Tensor] = []
         for (shape, dtype, pinned), nbytes, offset in zip(specs, sizes, offsets):
             if nbytes == 0:
