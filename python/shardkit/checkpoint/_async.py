@@ -42,9 +42,10 @@ its own deadlines and clean-up; a gloo group gives both with the training group'
 peer's closed connections fail the writer's collective at once (or after the timeout at the latest).
 
 What fails, and how: a peer that dies before the first asynchronous save on a group has created the writer's
-group fails that ``save`` call itself (dist.new_group's rendezvous, after the group's timeout). A staging failure on a rank (a value of a kind that cannot be staged) does not raise in
-``save``: that rank's writer still takes part in the save's first agreement, which then stops it on every rank,
-and ``result()`` raises the CheckpointSaveError naming the rank and the value. A rank killed at any point makes
+group fails that ``save`` call itself (dist.new_group's rendezvous, after the group's timeout). A staging
+failure on a rank (a value of a kind that cannot be staged) does not raise in ``save``: that rank's writer still
+takes part in the save's first agreement, which then stops it on every rank, and ``result()`` raises the
+CheckpointSaveError naming the rank and the value. A rank killed at any point makes
 the in-flight save fail on the survivors (CheckpointSaveError from ``result()``), leaving the previous checkpoint
 intact (or, killed after rank 0's commit rename, the new one, whole: see _save); its shared memory goes with
 the process. ``result(timeout)`` raises TimeoutError naming the checkpoint when the save has not ended in time.
