@@ -204,20 +204,21 @@ def _rank_entry(fn: Callable[..., Any], rank: int, world: int, store: str, env: 
 
 
 def launch_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 600.0,
-                 env: Mapping[str, str] | None = None) -> list[Any]:
+                 env: Mapping[str, str] | None = None, daemon: bool = True) -> list[Any]:
     """Run ``fn(rank, world, store_path, *args)`` in ``world`` fresh processes; return their values by rank.
 
     ``store_path`` names a file in a private temp dir for ``init_method=f"file://{store_path}"`` (no ports).
     Processes are spawned (not forked) so each rank starts clean; the environment gets
-    ``OMP_NUM_THREADS=1`` unless ``env`` says otherwise. A rank that raises, dies or overruns ``timeout``
-    fails the whole launch with every failing rank's story.
+    ``OMP_NUM_THREADS=1`` unless ``env`` says otherwise. ``daemon=False`` lets a rank start processes of its own
+    (torch's process-based ``dcp.async_save``); such a rank left running is still killed at the timeout. A rank
+    that raises, dies or overruns ``timeout`` fails the whole launch with every failing rank's story.
     """
     ctx = _mp.get_context("spawn")
     full_env = {"OMP_NUM_THREADS": "1", **(env or {})}
     with tempfile.TemporaryDirectory(prefix="shardkit-bench-") as tmp:
         store = str(Path(tmp) / "store")
         results = ctx.Queue()
-        procs = [ctx.Process(target=_rank_entry, args=(fn, r, world, store, full_env, args, results), daemon=True)
+        procs = [ctx.Process(target=_rank_entry, args=(fn, r, world, store, full_env, args, results), daemon=daemon)
                  for r in range(world)]
         for p in procs:
             p.start()

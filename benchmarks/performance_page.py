@@ -39,6 +39,8 @@ ABOUT = {
                          "1 Gbit/s links, quantized and exact, against torch FSDP2 on gloo"),
     "checkpoint.json": ("`benchmarks/checkpoint.py`", "checkpoint save / load against torch FSDP2 + DCP"),
     "checkpoint_integrity.json": ("`benchmarks/checkpoint_integrity.py`", "the cost of verified, atomic checkpoints"),
+    "checkpoint_async.json": ("`benchmarks/checkpoint_async.py`", "how long a checkpoint save blocks training: "
+                              "asynchronous against synchronous saves and torch's dcp.async_save"),
     "identity_check.json": ("`benchmarks/identity_check.py`", "the cost of comparing collective identities"),
     "powersgd.json": ("`benchmarks/powersgd.py`", "the C++ PowerSGD hook against torch's"),
     "gpu_kernels.json": ("`make gpu-test`", "CUDA kernels and FSDP on one H200 (NCCL, world 1)"),

@@ -241,6 +241,23 @@ def object_collective_device(group: dist.ProcessGroup | None) -> Any:
     return dist.distributed_c10d._get_object_coll_device(group)
 
 
+def group_timeout(group: dist.ProcessGroup) -> timedelta:
+    """The operation timeout ``group`` was created with: its CPU backend's options (gloo, NCCL: ``options._timeout``),
+    else its store's timeout (``distributed_c10d._world.pg_map``: the init_process_group / new_group timeout, which
+    the store is created with), else torch's default. torch keeps no public record of it (2.13, 2.14)."""
+    try:
+        timeout = group._get_backend(torch.device("cpu")).options._timeout
+        if isinstance(timeout, timedelta):
+            return timeout
+    except (AttributeError, RuntimeError):
+        pass
+    entry = dist.distributed_c10d._world.pg_map.get(group)
+    store_timeout = getattr(entry[1], "timeout", None) if entry else None
+    if isinstance(store_timeout, timedelta) and store_timeout.total_seconds() > 0:
+        return store_timeout
+    return dist.distributed_c10d.default_pg_timeout
+
+
 BROADCAST_BUCKET_BYTES = 250 << 20  # torch DDP's broadcast_bucket_size
 
 
@@ -315,6 +332,42 @@ def profiler_enabled_check() -> Callable[[], bool]:
     """The C function telling whether an autograd profiler is recording (``torch._C._autograd._profiler_enabled``),
     returned itself: shardkit's profiler spans cost one C call when none is."""
     return torch._C._autograd._profiler_enabled
+
+
+# --- distributed tensors as DCP sees them: what an asynchronous save (checkpoint/_async.py) re-creates over staged
+# local data, keeping every other property (torch 2.13 and 2.14 alike) -------------------------------------------
+def dtensor_local(tensor: Any) -> torch.Tensor:
+    """A DTensor's local shard, itself (not a copy, no autograd view): ``DTensor._local_tensor``."""
+    return tensor._local_tensor
+
+
+def dtensor_with_local(tensor: Any, local: torch.Tensor) -> Any:
+    """A DTensor with ``tensor``'s spec (mesh, placements, global shape and stride) over ``local`` (same shape and
+    dtype; it may live on another device: torch's own async stagers re-create CPU copies the same way)."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor(local, tensor._spec, requires_grad=False)
+
+
+def sharded_tensor_locals(tensor: Any) -> list[torch.Tensor]:
+    """A torch ShardedTensor's local shards' tensors, in order."""
+    return [shard.tensor for shard in tensor.local_shards()]
+
+
+def sharded_tensor_with_locals(tensor: Any, locals_: list[torch.Tensor]) -> Any:
+    """A ShardedTensor with ``tensor``'s global metadata and local shards' metadata over ``locals_`` (no
+    communication: ``_init_from_local_shards_and_global_metadata``)."""
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+
+    shards = [Shard(local, shard.metadata) for local, shard in zip(locals_, tensor.local_shards())]
+    return ShardedTensor._init_from_local_shards_and_global_metadata(
+        shards, tensor.metadata(), process_group=tensor._process_group)
+
+
+def is_sharded_tensor(value: Any) -> bool:
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    return isinstance(value, ShardedTensor)
 
 
 # --- torch.compile (dynamo) --------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@
 - ``save_model`` writes a plain Hugging Face checkpoint (no prefix, the tied weight once) that
   ``from_pretrained`` loads with no missing key, equal to the trained model.
 - ``save_state`` at one world size, ``load_state`` at another: the resumed run continues as the run that never
-  stopped.
+  stopped; also with ``save_state(async_save=True)``, the next step trained while the save is in flight.
 - ``strategy="auto"`` chooses with shardkit's memory math: a budget that holds DDP's model states gives ddp, one
   that holds only ZeRO-2's or ZeRO-3's gives zero2 or fully_shard, and the run trains as the anchor; one that
   holds only ZeRO-3 + CPU offload's raises, naming it.
@@ -243,7 +243,7 @@ def test_save_model_writes_a_plain_hugging_face_checkpoint(tmp_path, strategy):
 
 # --- save_state at one world size, load_state at another -----------------------------------------------------
 
-def _resume(rank: int, world: int, store: str, strategy: str, directory: str, phase: str):
+def _resume(rank: int, world: int, store: str, strategy: str, directory: str, phase: str, async_save: bool = False):
     from accelerate.utils import InitProcessGroupKwargs
 
     from shardkit.integrations.accelerate import Accelerator, ShardkitPlugin
@@ -257,8 +257,9 @@ def _resume(rank: int, world: int, store: str, strategy: str, directory: str, ph
     model, optimizer = accelerator.prepare(model, optimizer)
     if phase == "save":
         _train(accelerator, model, optimizer, rank, world, range(2))
-        accelerator.save_state(directory)
-        norms = _train(accelerator, model, optimizer, rank, world, range(2, 3))
+        accelerator.save_state(directory, async_save=async_save)
+        norms = _train(accelerator, model, optimizer, rank, world, range(2, 3))  # async: while the save runs
+        accelerator.wait_for_checkpoint()
     else:
         accelerator.load_state(directory)
         norms = _train(accelerator, model, optimizer, rank, world, range(2, 3))
@@ -266,15 +267,16 @@ def _resume(rank: int, world: int, store: str, strategy: str, directory: str, ph
     return {"norms": norms, "params": params if rank == 0 else None}
 
 
-@pytest.mark.parametrize("strategy,save_world,load_world", [("zero2", 2, 3), ("fully_shard", 2, 3), ("fsdp", 3, 2),
-                                                           ("zero1", 2, 1)])
-def test_save_state_resumes_at_another_world_size(tmp_path, strategy, save_world, load_world):
+@pytest.mark.parametrize("strategy,save_world,load_world,async_save",
+                         [("zero2", 2, 3, False), ("fully_shard", 2, 3, False), ("fsdp", 3, 2, False),
+                          ("zero1", 2, 1, False), ("fully_shard", 2, 3, True), ("fsdp", 3, 2, True)])
+def test_save_state_resumes_at_another_world_size(tmp_path, strategy, save_world, load_world, async_save):
     from support.harness import run
 
     directory = str(tmp_path / "checkpoint")
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
-    uninterrupted = run(_resume, save_world, str(tmp_path / "a" / "store"), strategy, directory, "save",
+    uninterrupted = run(_resume, save_world, str(tmp_path / "a" / "store"), strategy, directory, "save", async_save,
                         workdir=tmp_path / "a", backend=None, timeout=120)[0]
     resumed = run(_resume, load_world, str(tmp_path / "b" / "store"), strategy, directory, "load",
                   workdir=tmp_path / "b", backend=None, timeout=120)[0]

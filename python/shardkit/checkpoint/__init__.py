@@ -3,7 +3,9 @@ every file is checksummed, and that load only when every file is the one written
 
 - ``save(state_dict, checkpoint_id)``: DCP's save into a staging directory beside the target, committed by one
   atomic rename once every rank's files are durable, with a manifest of every file's size and CRC32C
-  (computed while writing). An interrupted save leaves the previous checkpoint intact.
+  (computed while writing). An interrupted save leaves the previous checkpoint intact. With
+  ``async_save=True`` it returns an ``AsyncSave`` handle once the state is copied into a staging area, and the
+  process's writer thread runs the same protocol on that copy (``_async``).
 - ``load(state_dict, checkpoint_id, strict=True, verify=True)``: verifies the files (spread over the ranks),
   checks the checkpoint matches the state dict, then ``dcp.load``.
 - ``Checkpointer(root, every=N, keep=K)``: a training loop's checkpoints (``root/step-00000100``): saved every N
@@ -14,7 +16,8 @@ every file is checksummed, and that load only when every file is the one written
 
 The directory stays a plain DCP checkpoint (the manifest is one more file, which DCP ignores): ``dcp.load`` and
 torch's FSDP2 read it unchanged, and plain ``dcp.save`` checkpoints load here, with a warning that they cannot be
-verified. One concern per module: ``_save`` (the commit protocol), ``_commit`` (its directory operations),
+verified. One concern per module: ``_save`` (the commit protocol), ``_async`` (asynchronous saves' staging and
+writer thread), ``_commit`` (its directory operations),
 ``_writer`` (checksums while writing), ``_manifest``, ``_verify``, ``_load``, ``_reader`` (metadata, info,
 consolidate), ``_safe_pickle`` (what every read of a checkpoint unpickles with: never plain pickle), ``_cli``;
 ``_checkpointer`` and ``_rng`` (a training loop's checkpoints: Checkpointer, the RNG states); for the fronts'
@@ -26,6 +29,7 @@ the Checkpointer calls shardkit.state_dict's functions, imported when first used
 
 from __future__ import annotations
 
+from ._async import AsyncSave
 from ._checkpointer import Checkpointer
 from ._cli import add_arguments
 from ._errors import CheckpointIntegrityError, CheckpointSaveError, UnsafeCheckpointError, UnverifiedCheckpointWarning
@@ -34,6 +38,6 @@ from ._reader import consolidate, info, read_metadata
 from ._save import save
 from ._verify import verify
 
-__all__ = ["CheckpointIntegrityError", "CheckpointSaveError", "Checkpointer", "UnsafeCheckpointError",
-           "UnverifiedCheckpointWarning", "add_arguments", "check_matches", "consolidate", "info", "load",
-           "read_metadata", "save", "verify"]
+__all__ = ["AsyncSave", "CheckpointIntegrityError", "CheckpointSaveError", "Checkpointer",
+           "UnsafeCheckpointError", "UnverifiedCheckpointWarning", "add_arguments", "check_matches", "consolidate",
+           "info", "load", "read_metadata", "save", "verify"]

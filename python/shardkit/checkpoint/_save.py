@@ -32,6 +32,18 @@ verification refuses it, naming the file.
 A non-zero rank removes the staging directory only when it reported a failure in step 3 (then rank 0 cannot
 have seen every rank succeed, so cannot be publishing it): deleting a directory that rank 0 is renaming could
 otherwise publish a partial checkpoint. Every wait is a collective, bounded by the process group's timeout.
+
+Step 1 gathers every rank's report, not only rank 0's: a rank that could not stage its state for an asynchronous
+save reports that there, and every rank stops before anything is written.
+
+Asynchronous saves (``async_save=True``, _async.py) run this same protocol (``run_protocol``) on a staged copy of
+the state, on the process's one writer thread, and their agreements — these all-gathers and DCP's own gather and
+scatter of plans — run on a gloo group of the writer's own, created once per training group in the foreground at
+the first asynchronous save (``dist.new_group(ranks, backend="gloo", timeout=<the training group's>)``, which every
+member calls at that same point). Chosen over the training group, where the writer's collectives would interleave
+with training's in a different order on each rank (collectives match by issue order), and over agreeing through
+the Store, because DCP's save itself needs a process group for its plans, and a Store-based agreement would be a
+second protocol with deadlines and clean-up of its own. A synchronous save first waits for the writer to be idle.
 """
 
 from __future__ import annotations
@@ -41,8 +53,9 @@ import errno
 import os
 import uuid
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
@@ -52,6 +65,9 @@ from ._errors import CheckpointSaveError
 from ._manifest import FileRecord, Manifest, write_manifest
 from ._ranks import Ranks
 from ._writer import ChecksummingWriter, WriteLedger
+
+if TYPE_CHECKING:
+    from ._async import AsyncSave
 
 _ANOTHER_RANK_FAILED = "stopped: another rank failed"
 
@@ -101,17 +117,42 @@ def _save_error(ranks: Ranks, target: Path, failures: list[_Failure], detail: st
         f"the previous checkpoint there, if any, is intact. " + "; ".join(causes))
 
 
-def save(state_dict: dict[str, Any], checkpoint_id: str | os.PathLike, *, process_group: Any = None) -> None:
+def save(state_dict: dict[str, Any], checkpoint_id: str | os.PathLike, *, process_group: Any = None,
+         async_save: bool = False) -> AsyncSave | None:
     """Saves ``state_dict`` as the DCP checkpoint directory ``checkpoint_id``, replacing any checkpoint there only
     once the new one is complete on every rank, durable and checksummed (see the module docstring). A
     collective: call it on every rank of ``process_group`` (default: the default group), like ``dcp.save``.
-    Raises CheckpointSaveError, on every rank, when nothing was committed."""
-    ranks = Ranks(process_group)
-    target = Path(os.path.abspath(checkpoint_id))
+    Raises CheckpointSaveError, on every rank, when nothing was committed.
 
+    ``async_save=True``: returns, once ``state_dict`` is copied into the staging area, an ``AsyncSave`` handle
+    (``done()``, ``result(timeout)``, ``status``); the save itself runs on this process's checkpoint writer thread
+    (checkpoint/_async.py), whose ``result()`` raises the CheckpointSaveError this call would have raised. A
+    synchronous save first waits for this process's asynchronous saves still in flight."""
+    from . import _async  # _async runs this module's protocol
+
+    if async_save:
+        return _async.save_async(state_dict, Path(os.path.abspath(checkpoint_id)), process_group)
+    _async.wait_for_writer(Ranks(process_group))
+    run_protocol(state_dict, Path(os.path.abspath(checkpoint_id)), Ranks(process_group))
+    return None
+
+
+def _no_phase(phase: str) -> None:
+    pass
+
+
+def run_protocol(state_dict: dict[str, Any], target: Path, ranks: Ranks, *, staging_failure: str | None = None,
+                 phase: Callable[[str], None] = _no_phase) -> None:
+    """The commit protocol (module docstring) on ``ranks`` (whose group DCP's own gathers run on too).
+    ``staging_failure``: this rank could not stage its state for an asynchronous save (the cause); it takes part
+    in step 1's agreement, which then stops every rank. ``phase`` hears each step's name as it begins
+    ("preparing", "writing", "agreeing", "committing"): an asynchronous save's status."""
     # 1. prepare
+    phase("preparing")
     prepared = _Report()
-    if ranks.rank == 0:
+    if staging_failure is not None:
+        prepared = _Report(failure=_Failure(ranks.rank, "staging its state", staging_failure))
+    elif ranks.rank == 0:
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
             _commit.recover_and_clean(target)
@@ -123,22 +164,27 @@ def save(state_dict: dict[str, Any], checkpoint_id: str | os.PathLike, *, proces
         except Exception as error:  # noqa: BLE001 - whatever it is, every rank must hear of it
             prepared = _Report(failure=_failure(0, "preparing the staging directory", error))
     try:
-        first = ranks.all_gather(prepared)[0]
+        begun = ranks.all_gather(prepared)
     except Exception as error:  # noqa: BLE001 - a peer died or the group broke before the save began
         if prepared.save_id is not None:
             _commit.remove_tree(_commit.staging_path(target, prepared.save_id))
-        raise _save_error(ranks, target, [], f"the ranks could not agree to begin: {error}") from error
-    if first.failure is not None:
-        raise _save_error(ranks, target, [first.failure])
-    save_id = first.save_id
+        known = [prepared.failure] if prepared.failure else []
+        raise _save_error(ranks, target, known, f"the ranks could not agree to begin: {error}") from error
+    refused = [r.failure for r in begun if r.failure is not None]
+    if refused:
+        if prepared.save_id is not None:
+            _commit.remove_tree(_commit.staging_path(target, prepared.save_id))
+        raise _save_error(ranks, target, refused)
+    save_id = begun[0].save_id
     staging = _commit.staging_path(target, save_id)
 
     # 2. write
+    phase("writing")
     writer: ChecksummingWriter | None = None
     try:
         writer = ChecksummingWriter(staging, target, save_id, ranks.rank)
         with ranks.quiet_single_process():
-            dcp.save(state_dict, storage_writer=writer, process_group=process_group, no_dist=not ranks.distributed)
+            dcp.save(state_dict, storage_writer=writer, process_group=ranks.group, no_dist=not ranks.distributed)
         _commit.fsync_directory(staging)
         written = _Report(files=writer.ledger.files)
     except (Exception, CheckpointException) as error:  # noqa: BLE001 - CheckpointException is a BaseException
@@ -146,6 +192,7 @@ def save(state_dict: dict[str, Any], checkpoint_id: str | os.PathLike, *, proces
         written = _Report(failure=_failure(ranks.rank, "writing its files", error, ledger))
 
     # 3. agree
+    phase("agreeing")
     try:
         reports = ranks.all_gather(written)
     except Exception as error:  # noqa: BLE001 - a peer died or the group broke: nobody can commit
@@ -160,6 +207,7 @@ def save(state_dict: dict[str, Any], checkpoint_id: str | os.PathLike, *, proces
         raise _save_error(ranks, target, failures)
 
     # 4. commit
+    phase("committing")
     committed = _Report()
     if ranks.rank == 0:
         committed = _commit_on_rank0(staging, target, save_id, ranks.world, reports)

@@ -29,7 +29,9 @@ The training loop is accelerate's, unchanged. What the subclass changes, and why
 - **save_state / load_state** write the sharded strategies' model and optimizer state with
   ``shardkit.checkpoint.save`` (torch's DCP format, one ``shardkit`` directory inside accelerate's checkpoint
   directory), so a run resumes at another world size; schedulers, RNG states, samplers and registered objects
-  are accelerate's as always. ``ddp`` (replicated state) uses accelerate's own files.
+  are accelerate's as always. ``ddp`` (replicated state) uses accelerate's own files. ``save_state(...,
+  async_save=True)`` saves that state asynchronously (``accelerator.pending_checkpoint``, waited for by the next
+  save_state / load_state or ``wait_for_checkpoint()``); accelerate's own files are written at once, as always.
 - **accelerate's config file** chooses the strategy when no ``shardkit_plugin`` is given (an FSDP config: fully_shard
   or the FSDP1 front, its wrapping classes, ``reshard_after_forward``; see _launch_config.py), and a MULTI_CPU
   launch that started one process alone is refused with the command that starts N. Where ``accelerate launch
@@ -71,6 +73,7 @@ except ImportError as error:  # shardkit does not depend on accelerate
 
 from .. import _torch_compat
 from .. import state_dict as _state_dict
+from ..checkpoint import AsyncSave
 from ..checkpoint import save as _checkpoint_save
 from ..fsdp import FullyShardedDataParallel, MixedPrecision
 from ..zero import ZeroRedundancyOptimizer
@@ -165,6 +168,7 @@ class Accelerator(accelerate.Accelerator):
         _ShardkitPartialState(cpu=bool(kwargs.get("cpu", False)), **(init.to_kwargs() if init else {}))
         super().__init__(*args, **kwargs)
         self._state_dict_placeholder = False  # inside save_state: the models' state is saved by shardkit
+        self.pending_checkpoint: AsyncSave | None = None  # save_state(async_save=True)'s save, until waited for
         # fully_shard replaces each parameter by a sharded DTensor one; an optimizer built before prepare still
         # holds the old objects, so prepare_optimizer swaps them: id(old) -> (old, new), old kept alive.
         self._replaced_parameters: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
@@ -288,19 +292,43 @@ class Accelerator(accelerate.Accelerator):
             state = _wrapping.share_tied(state, self.unwrap_model(model))
         return state
 
-    def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs: Any):
+    def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, *, async_save: bool = False,
+                   **kwargs: Any):
+        """accelerate's save_state; the sharded strategies' models and optimizers through shardkit.checkpoint.
+        ``async_save=True`` (sharded strategies): their state is staged and saved by shardkit's checkpoint writer
+        while training goes on; the handle is ``pending_checkpoint`` (``result()`` waits for it). The next
+        save_state or load_state waits for it first (raising its CheckpointSaveError), so accelerate's clean-up of
+        old checkpoint directories never meets a save in flight. Other strategies ignore ``async_save``."""
+        self.wait_for_checkpoint()
         if not (self._wraps and self.shardkit_plugin.resolved_strategy in SHARDED_STATE):
             return super().save_state(output_dir, safe_serialization, **kwargs)
         pairs = self._models_and_optimizers()
 
         def save_sharded(models: list, weights: list, directory: str) -> None:
-            _checkpoint_save(_wrapping.current_state(pairs), os.path.join(directory, CHECKPOINT_SUBDIR))
+            target = os.path.join(directory, CHECKPOINT_SUBDIR)
+            if async_save:
+                self.pending_checkpoint = _checkpoint_save(_wrapping.current_state(pairs), target, async_save=True)
+            else:
+                _checkpoint_save(_wrapping.current_state(pairs), target)
             weights.clear()  # accelerate writes no model files of its own
 
         with self._shardkit_handles_models_and_optimizers(self._save_model_state_pre_hook, save_sharded):
             return super().save_state(output_dir, safe_serialization, **kwargs)
 
+    def wait_for_checkpoint(self, timeout: float | None = None) -> None:
+        """Waits for ``save_state(async_save=True)``'s save (if any), raising its CheckpointSaveError (or
+        TimeoutError after ``timeout`` seconds, the save going on; a failed save is raised once)."""
+        pending, self.pending_checkpoint = self.pending_checkpoint, None
+        if pending is None:
+            return
+        try:
+            pending.result(timeout)
+        except TimeoutError:
+            self.pending_checkpoint = pending  # still in flight
+            raise
+
     def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **kwargs: Any):
+        self.wait_for_checkpoint()
         if not (self._wraps and self.shardkit_plugin.resolved_strategy in SHARDED_STATE):
             return super().load_state(input_dir, load_kwargs, **kwargs)
         pairs = self._models_and_optimizers()
