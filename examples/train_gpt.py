@@ -20,11 +20,11 @@ few tokens the next one is predictable, so the loss falls), or ``--data FILE``: 
 shardkit.checkpoint (torch.distributed.checkpoint directories, committed whole and checksummed; verified when
 resuming) and load at any world size and with any strategy. ``--checkpoint-dir DIR --checkpoint-every N``
 (shardkit.checkpoint.Checkpointer): the run resumes from DIR's newest whole checkpoint when there is one, saves
-every N steps and at the end (DIR/step-00000050, ...; the newest ``--checkpoint-keep`` kept) with every rank's
-RNG states, and ``--steps`` is then the step the run ends at, so the same command run again (by torchrun after a
-failure, or by hand) continues where the last checkpoint left off: at the same world size, with the weights bit for
-bit those of the run never interrupted and the same loss at every step (each step's batch is drawn from its own
-seed, 1000 * step + rank: the data position is the step).
+every N steps and at the end (DIR/step-00000050, ...; the newest ``--checkpoint-keep`` kept; in the background
+with ``--checkpoint-async``) with every rank's RNG states, and ``--steps`` is then the step the run ends at, so
+the same command run again (by torchrun after a failure, or by hand) continues where the last checkpoint left
+off: at the same world size, with the weights bit for bit those of the run never interrupted and the same loss at
+every step (each step's batch is drawn from its own seed, 1000 * step + rank: the data position is the step).
 
 Rank 0 shows its progress (``--progress``): with tqdm installed and stderr a terminal, a bar on stderr whose
 postfix holds the loss, tokens/s and each rank's peak RSS; otherwise (or with ``--progress lines``) a line on
@@ -94,6 +94,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "the step the run ends at)")
     p.add_argument("--checkpoint-every", type=int, default=None, help="with --checkpoint-dir: save every N steps")
     p.add_argument("--checkpoint-keep", type=int, default=2, help="with --checkpoint-dir: keep the newest K")
+    p.add_argument("--checkpoint-async", action="store_true",
+                   help="with --checkpoint-dir: save in the background (the next step runs while it writes)")
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--json", action="store_true", help="one JSON line per step on rank 0")
     p.add_argument("--progress", choices=("auto", "bar", "lines"), default="auto",
@@ -112,8 +114,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--hook {args.hook} compresses DDP's allreduce; it does not apply to --strategy {args.strategy}")
     if args.checkpoint_dir and args.resume:
         p.error("--checkpoint-dir resumes from its own newest checkpoint; --resume names another: give one")
-    if args.checkpoint_every is not None and not args.checkpoint_dir:
-        p.error("--checkpoint-every saves into --checkpoint-dir, which is missing")
+    if (args.checkpoint_every is not None or args.checkpoint_async) and not args.checkpoint_dir:
+        p.error("--checkpoint-every/--checkpoint-async save into --checkpoint-dir, which is missing")
     if (args.checkpoint or args.resume or args.checkpoint_dir) and importlib.util.find_spec("numpy") is None:
         p.error("--checkpoint/--resume/--checkpoint-dir need numpy: torch.distributed.checkpoint exchanges its plans "
                 "with torch.distributed.gather_object, which converts through numpy (pip install numpy)")
@@ -321,7 +323,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.checkpoint_dir:
         from shardkit.checkpoint import Checkpointer
 
-        checkpointer = Checkpointer(args.checkpoint_dir, every=args.checkpoint_every, keep=args.checkpoint_keep)
+        checkpointer = Checkpointer(args.checkpoint_dir, every=args.checkpoint_every, keep=args.checkpoint_keep,
+                                    async_save=args.checkpoint_async)
         first = checkpointer.load_latest(state) or 0
         args.steps = max(0, args.steps - first)  # --steps is where the run ends
         if not args.steps:
