@@ -339,9 +339,27 @@ def test_rng_states_come_back_per_rank(ranks, tmp_path: Path):
     _seed(5)
     from shardkit.checkpoint import Checkpointer
 
-    with pytest.warns(UserWarning, match=r"was saved by 2 ranks, this job has 1: .* the RNG states are not"):
+    with pytest.warns(UserWarning, match=r"it was saved by 2 ranks, this job has 1: the RNG states are not restored"):
         assert Checkpointer(tmp_path / "ckpts").load_latest({"extra": {"w": torch.zeros(2)}}) == 1
     assert _draws() == expected
+
+
+def test_rng_states_saved_with_generators_this_process_lacks_are_not_restored(monkeypatch, tmp_path: Path):
+    """A checkpoint saved where CUDA was available, resumed on a CPU-only process: the rest loads, with a warning."""
+    from shardkit.checkpoint import Checkpointer, _rng
+
+    capture = _rng.capture
+    monkeypatch.setattr(_rng, "capture", lambda: {**capture(), "cuda": torch.zeros(1, 16, dtype=torch.uint8)})
+    Checkpointer(tmp_path).save(3, {"extra": {"w": torch.ones(2)}})
+    monkeypatch.setattr(_rng, "capture", capture)
+    torch.manual_seed(4)
+    expected = torch.rand(2)
+    torch.manual_seed(4)
+    state = {"extra": {"w": torch.zeros(2)}}
+    with pytest.warns(UserWarning, match=r"its RNG states \['cuda'\] do not fit this process's generators"):
+        assert Checkpointer(tmp_path).load_latest(state) == 3
+    assert state["extra"]["w"].tolist() == [1.0, 1.0]
+    assert torch.equal(torch.rand(2), expected)  # this process's own stream, untouched
 
 
 # --- examples/train_gpt.py, stopped (or killed under torchrun) and resumed ------------------------------------

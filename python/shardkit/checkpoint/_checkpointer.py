@@ -22,7 +22,8 @@ step (``_shardkit.step``):
 - every rank's RNG states (_rng.py: torch CPU, CUDA, Python ``random``, numpy), under per-rank keys
   (``_shardkit_rng.rank3.torch``: DCP would otherwise keep one rank's). Restored at the same world size only;
   at another one there is no rank-for-rank mapping of random streams (two ranks given one stream would draw the
-  same dropout masks), so each rank keeps its own generators and a warning says so.
+  same dropout masks), so each rank keeps its own generators and a warning says so. Likewise, with a warning,
+  where the saved generators do not fit this process's (saved with CUDA or numpy, resumed without).
 
 ``load_latest`` agrees on the candidates once (rank 0 lists the root, one all-gather hands its list to every
 rank, so ranks that see the storage at different moments still choose alike), then tries them newest first:
@@ -54,6 +55,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from . import _commit, _rng
 from ._errors import CheckpointIntegrityError
@@ -157,16 +159,25 @@ class Checkpointer:
     def _load(self, path: Path, state: dict[str, Any], saved_world: int | None, ranks: Ranks) -> None:
         from ..state_dict import set_model_state_dict, set_optimizer_state_dict
 
-        same_world = saved_world == ranks.world
         template = self._state_dicts(state)
         template[_STEP_KEY] = {"step": -1}
-        if same_world:
-            template[_RNG_KEY] = {f"rank{ranks.rank}": _rng.template(self._saved_rng_kinds(path, ranks))}
+        skip_rng = None  # why the RNG states are not restored
+        if saved_world is not None and saved_world != ranks.world:
+            skip_rng = (f"it was saved by {saved_world} ranks, this job has {ranks.world}: the RNG states are not "
+                        "restored (each rank keeps its own generators)")
+        else:
+            saved, local = self._saved_rng_shapes(path, ranks), _rng.capture()
+            shapes = {kind: list(value.shape) for kind, value in local.items()}
+            if saved is not None and saved != shapes:  # saved with CUDA or numpy, or another number of GPUs
+                differ = sorted(k for k in set(saved) | set(shapes) if saved.get(k) != shapes.get(k))
+                skip_rng = (f"its RNG states {differ} do not fit this process's generators ({shapes}, saved "
+                            f"{saved}): the RNG states are not restored")
+            else:
+                template[_RNG_KEY] = {f"rank{ranks.rank}": {k: torch.empty_like(v) for k, v in local.items()}}
         load(template, path, process_group=self.process_group)
-        if saved_world is not None and not same_world:
-            warnings.warn(f"shardkit Checkpointer (rank {ranks.rank}): {path} was saved by {saved_world} ranks, this "
-                          f"job has {ranks.world}: the model, optimizer and data position are restored, the RNG "
-                          "states are not (each rank keeps its own generators)", stacklevel=3)
+        if skip_rng is not None:
+            warnings.warn(f"shardkit Checkpointer (rank {ranks.rank}): {path}: {skip_rng}; the model, optimizer and "
+                          "data position are restored", stacklevel=3)
         for key, value in state.items():  # modules before the optimizers that follow their parameters
             if isinstance(value, nn.Module):
                 set_model_state_dict(value, template[key])
@@ -175,23 +186,25 @@ class Checkpointer:
                 set_optimizer_state_dict(self._module_of(state, key, value), value, template[key])
             elif not isinstance(value, (nn.Module, dict)):
                 value.load_state_dict(template[key])
-        if same_world:
+        if skip_rng is None:
             _rng.restore(template[_RNG_KEY][f"rank{ranks.rank}"])
 
-    def _saved_rng_kinds(self, path: Path, ranks: Ranks) -> list[str]:
-        """The RNG entries rank 0's states hold in the checkpoint (every rank saved the same kinds), as rank 0 reads
-        them from its metadata; this process's own kinds where the metadata cannot be read (its verification then
-        fails and names it)."""
-        kinds = None
+    def _saved_rng_shapes(self, path: Path, ranks: Ranks) -> dict[str, list[int]] | None:
+        """The RNG entries rank 0's states hold in the checkpoint and their shapes (every rank saves the same kinds),
+        as rank 0 reads them from its metadata; None where the metadata cannot be read (its verification then fails
+        and names it)."""
+        shapes = None
         if ranks.rank == 0:
             try:
                 prefix = f"{_RNG_KEY}.rank0."
-                kinds = sorted(key[len(prefix):] for key in read_metadata(path).state_dict_metadata
-                               if key.startswith(prefix))
+                shapes = {key[len(prefix):]: list(meta.size) for key, meta in
+                          read_metadata(path).state_dict_metadata.items()
+                          if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)}
             except Exception:  # noqa: BLE001 - whatever makes it unreadable, verification reports it
-                kinds = None
-        agreed = ranks.all_gather(kinds)[0]
-        return _rng.kinds() if agreed is None else agreed
+                shapes = None
+        agreed = ranks.all_gather(shapes)[0]
+        assert agreed is None or isinstance(agreed, dict)
+        return agreed
 
     # --- save ------------------------------------------------------------------------------------------------
     def save_if_due(self, step: int, state: dict[str, Any]) -> bool:

@@ -16,16 +16,6 @@ from typing import Any
 import torch
 
 
-def kinds() -> list[str]:
-    """The generators this process has, by key."""
-    found = ["torch", "python", "python_gauss"]
-    if torch.cuda.is_available():
-        found.append("cuda")
-    if importlib.util.find_spec("numpy") is not None:
-        found += ["numpy_keys", "numpy_misc"]
-    return found
-
-
 def capture() -> dict[str, torch.Tensor]:
     version, words, gauss = random.getstate()
     if version != 3:
@@ -46,12 +36,6 @@ def capture() -> dict[str, torch.Tensor]:
         state["numpy_keys"] = torch.from_numpy(np.asarray(keys, dtype=np.int64))
         state["numpy_misc"] = torch.tensor([pos, has_gauss, cached], dtype=torch.float64)
     return state
-
-
-def template(names: list[str]) -> dict[str, torch.Tensor]:
-    """Tensors of the right shapes for ``names`` (what capture() returns, here) for a load to fill."""
-    current = capture()
-    return {name: torch.empty_like(current[name]) for name in names if name in current}
 
 
 def restore(state: dict[str, Any]) -> None:
