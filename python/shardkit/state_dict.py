@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 from . import _torch_compat
 from . import _zero_state_dict as zero_state_dict
+from .checkpoint import _checkpointer
 from .checkpoint import _front_protocol as front_protocol
 from .checkpoint._front_protocol import (
     FullStateDictConfig,
@@ -176,3 +177,9 @@ def set_state_dict(model: nn.Module, optimizers: _OptimArg, *, model_state_dict:
     result = set_model_state_dict(model, model_state_dict, options=options)
     set_optimizer_state_dict(model, optimizers, optim_state_dict, options=options)
     return result
+
+
+# The checkpoint package's Checkpointer saves and loads models and optimizers through these (it imports no front).
+_checkpointer.use_state_dict_functions(_checkpointer.StateDictFunctions(
+    get_model=get_model_state_dict, get_optimizer=get_optimizer_state_dict, set_model=set_model_state_dict,
+    set_optimizer=set_optimizer_state_dict))

@@ -39,8 +39,8 @@ the K-1 newest are removed (renamed to a dot name first, so a half-removed one i
 candidate). Never the one just written, never a newer one, never an uncommitted directory or a save's staging
 directory. One async save is in flight at a time: the next save waits for it first (its error raises there).
 
-This module imports the fronts' state-dict functions (shardkit.state_dict) when first used, not at import: the
-checkpoint package imports no front.
+The checkpoint package imports no front (docs/design.md, "Python"): shardkit.state_dict hands this module its
+four functions when it is imported (``use_state_dict_functions``; ``import shardkit`` imports it).
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ import inspect
 import os
 import re
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +71,29 @@ _LEFTOVER = re.compile(r"^\.step-(\d{8,})\.shardkit-(staging|old)-")
 _PRUNING = ".shardkit-pruning"
 _STEP_KEY = "_shardkit"
 _RNG_KEY = "_shardkit_rng"
+
+
+@dataclasses.dataclass(frozen=True)
+class StateDictFunctions:
+    """shardkit.state_dict's get/set functions for models and optimizers of every front."""
+    get_model: Callable[[nn.Module], dict[str, Any]]
+    get_optimizer: Callable[[nn.Module, torch.optim.Optimizer], dict[str, Any]]
+    set_model: Callable[[nn.Module, dict[str, Any]], Any]
+    set_optimizer: Callable[[nn.Module, torch.optim.Optimizer, dict[str, Any]], Any]
+
+
+_FUNCTIONS: list[StateDictFunctions] = []
+
+
+def use_state_dict_functions(functions: StateDictFunctions) -> None:
+    """Called by shardkit.state_dict as it is imported."""
+    _FUNCTIONS[:] = [functions]
+
+
+def _functions() -> StateDictFunctions:
+    if not _FUNCTIONS:
+        raise RuntimeError("shardkit Checkpointer: shardkit.state_dict was not imported (import shardkit)")
+    return _FUNCTIONS[0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,8 +181,7 @@ class Checkpointer:
         return None
 
     def _load(self, path: Path, state: dict[str, Any], saved_world: int | None, ranks: Ranks) -> None:
-        from ..state_dict import set_model_state_dict, set_optimizer_state_dict
-
+        functions = _functions()
         template = self._state_dicts(state)
         template[_STEP_KEY] = {"step": -1}
         skip_rng = None  # why the RNG states are not restored
@@ -180,10 +203,10 @@ class Checkpointer:
                           "data position are restored", stacklevel=3)
         for key, value in state.items():  # modules before the optimizers that follow their parameters
             if isinstance(value, nn.Module):
-                set_model_state_dict(value, template[key])
+                functions.set_model(value, template[key])
         for key, value in state.items():
             if isinstance(value, torch.optim.Optimizer):
-                set_optimizer_state_dict(self._module_of(state, key, value), value, template[key])
+                functions.set_optimizer(self._module_of(state, key, value), value, template[key])
             elif not isinstance(value, (nn.Module, dict)):
                 value.load_state_dict(template[key])
         if skip_rng is None:
@@ -285,14 +308,13 @@ class Checkpointer:
                                 "an optimizer, an object with state_dict/load_state_dict, or a dict")
 
     def _state_dicts(self, state: dict[str, Any]) -> dict[str, Any]:
-        from ..state_dict import get_model_state_dict, get_optimizer_state_dict
-
+        functions = _functions()
         out: dict[str, Any] = {}
         for key, value in state.items():
             if isinstance(value, nn.Module):
-                out[key] = get_model_state_dict(value)
+                out[key] = functions.get_model(value)
             elif isinstance(value, torch.optim.Optimizer):
-                out[key] = get_optimizer_state_dict(self._module_of(state, key, value), value)
+                out[key] = functions.get_optimizer(self._module_of(state, key, value), value)
             elif isinstance(value, dict):
                 out[key] = value
             else:
