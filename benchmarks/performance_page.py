@@ -40,6 +40,7 @@ ABOUT = {
     "checkpoint.json": ("`benchmarks/checkpoint.py`", "checkpoint save / load against torch FSDP2 + DCP"),
     "checkpoint_integrity.json": ("`benchmarks/checkpoint_integrity.py`", "the cost of verified, atomic checkpoints"),
     "identity_check.json": ("`benchmarks/identity_check.py`", "the cost of comparing collective identities"),
+    "trace.json": ("`benchmarks/trace.py`", "the cost of the flight recorder (recording vs SHARDKIT_TRACE_BUFFER=0)"),
     "powersgd.json": ("`benchmarks/powersgd.py`", "the C++ PowerSGD hook against torch's"),
     "gpu_kernels.json": ("`make gpu-test`", "CUDA kernels and FSDP on one H200 (NCCL, world 1)"),
 }
