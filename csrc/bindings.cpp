@@ -102,6 +102,8 @@ PYBIND11_MODULE(_C, m) {
         "Writes every shardkit group's flight recorder into this rank's trace file (comm/trace.h); returns its path.");
   m.def("dump_traces_to", &shardkit::comm::TraceRegistry::dump_to, py::arg("path"), py::arg("reason"),
         py::call_guard<py::gil_scoped_release>(), "As dump_traces, into `path`.");
+  m.def("trace_cost_ns", &shardkit::comm::trace_cost_ns, py::arg("iterations"), py::arg("capacity"),
+        "Nanoseconds per op that recording costs, measured alone on a private ring (benchmarks/trace.py).");
   m.def("trace_dir", &shardkit::comm::trace_dir,
         "Where trace files go: SHARDKIT_TRACE_DIR, else <temp dir>/shardkit_traces/<job> (comm/trace.h).");
   m.def("trace_signal_handler_installed", &shardkit::comm::TraceRegistry::install_signal_handler,

@@ -293,14 +293,18 @@ struct Registry {
   bool signal_ours = false;
   sem_t wake;
   std::atomic<bool> stopping{false};
-  std::thread dumper;
+  // The dumper thread, joined at exit by the process that started it. A process forked from it has no such thread:
+  // it leaves the object alone (joining or destroying it there would be undefined, or terminate).
+  std::thread* dumper = nullptr;
+  pid_t dumper_owner = 0;
 
   Registry() { sem_init(&wake, 0, 0); }
   ~Registry() {
-    if (dumper.joinable()) {
+    if (dumper != nullptr && getpid() == dumper_owner) {
       stopping = true;
       sem_post(&wake);
-      dumper.join();
+      dumper->join();
+      delete dumper;
     }
   }
 };
@@ -428,6 +432,20 @@ std::string TraceRing::failure_dump() {
   return failure_path_;
 }
 
+double trace_cost_ns(int64_t iterations, size_t capacity) {
+  TraceRing ring(capacity, [] { return TraceRing::Group{}; });
+  const std::vector<at::Tensor> tensors{at::ones({1024})};
+  const auto start = std::chrono::steady_clock::now();
+  for (int64_t i = 1; i <= iterations; ++i) {
+    const uint64_t ticket = ring.issued("allreduce", static_cast<uint64_t>(i), 0, std::chrono::milliseconds(1000),
+                                        tensors, tensors);
+    ring.started(ticket, static_cast<uint64_t>(i));
+    ring.ended(ticket, true);
+  }
+  const auto spent = std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - start).count();
+  return iterations > 0 ? spent / static_cast<double>(iterations) : 0.0;
+}
+
 // --- settings ----------------------------------------------------------------------------------------------------
 
 size_t trace_capacity() {
@@ -545,7 +563,8 @@ bool TraceRegistry::install_signal_handler() {
   if (sigaction(SIGUSR1, nullptr, &current) != 0) return false;
   const bool default_disposition = !(current.sa_flags & SA_SIGINFO) && current.sa_handler == SIG_DFL;
   if (!default_disposition) return false;  // the user's (or Python's) handler, or SIG_IGN: theirs stands
-  r.dumper = std::thread(dumper_loop);
+  r.dumper = new std::thread(dumper_loop);
+  r.dumper_owner = getpid();
   struct sigaction ours {};
   ours.sa_handler = on_sigusr1;
   sigemptyset(&ours.sa_mask);

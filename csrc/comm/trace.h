@@ -108,6 +108,10 @@ class TraceRing {
   std::string failure_path_;
 };
 
+// What recording costs, measured alone: `iterations` ops of one 1024-element tensor recorded (issued, started,
+// ended) on a private ring of `capacity` entries, on this thread; nanoseconds per op. For benchmarks/trace.py.
+double trace_cost_ns(int64_t iterations, size_t capacity);
+
 // SHARDKIT_TRACE_BUFFER (entries per group; default 2000; 0: off). Raises on a value that is not a count.
 size_t trace_capacity();
 // SHARDKIT_TRACE_DIR, or `<temp dir>/shardkit_traces/<job>` (job: TORCHELASTIC_RUN_ID, else MASTER_PORT's value).

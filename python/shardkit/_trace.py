@@ -156,10 +156,11 @@ def analyze(dumps: Mapping[int, Mapping[str, Any]]) -> list[GroupReport]:
     for (name, ranks_text), members in sorted(groups.items()):
         per_rank: dict[int, dict[int, Mapping[str, Any]]] = {}
         for rank in members:
-            dump = dumps.get(rank)
-            if dump is None or name not in dump["pg_config"] or str(dump["pg_config"][name]["ranks"]) != ranks_text:
+            found = dumps.get(rank)
+            if found is None or name not in found["pg_config"] or str(found["pg_config"][name]["ranks"]) != ranks_text:
                 continue
-            per_rank[rank] = {int(e["collective_seq_id"]): e for e in dump["entries"] if e["process_group"][0] == name}
+            per_rank[rank] = {int(e["collective_seq_id"]): e for e in found["entries"]
+                              if e["process_group"][0] == name}
         report = GroupReport(name=name, ranks=members, missing=[r for r in members if r not in dumps])
         if not any(per_rank.values()):
             continue
@@ -221,9 +222,9 @@ def _find_behind(report: GroupReport, per_rank: Mapping[int, Mapping[int, Mappin
     others = {r: e for r, e in present.items() if r != last_rank}
     gave_up = [e["time_discovered_completed_ns"] for e in others.values()
                if e["state"] == "failed" and e["time_discovered_completed_ns"]]
-    first_in = min(others.values(), key=lambda e: e["time_created_ns"]) if others else None
     late = present[last_rank]
     if gave_up and late["time_created_ns"] >= min(gave_up):
+        first_in = min(others.values(), key=lambda e: e["time_created_ns"])
         report.behind, report.behind_in = [last_rank], _describe(late)
         report.behind_why = (f"it issued the op {(late['time_created_ns'] - first_in['time_created_ns']) / 1e9:.2f} s "
                              f"after the first rank, when {_ranks(sorted(others))} had already given up on it "
