@@ -100,6 +100,8 @@ def _signature(entry: Mapping[str, Any]) -> str:
 
 def _describe(entry: Mapping[str, Any], sizes: bool = False) -> str:
     text = f"{op_name(entry)} #{entry['collective_seq_id']}"
+    if entry.get("shardkit_unit"):  # the part of the model it moved, where its issuer named one
+        text += f" [{entry['shardkit_unit']}]"
     if sizes:
         text += f" (in {entry['input_sizes']} {entry['input_dtypes']}, out {entry['output_sizes']})"
     return text

@@ -100,6 +100,10 @@ def _known_sequence(rank, world):
     dist.all_gather_into_tensor(torch.empty(6, dtype=torch.bfloat16), torch.ones(3, dtype=torch.bfloat16))
     dist.reduce_scatter_tensor(torch.empty(2, dtype=torch.float64), torch.ones(4, dtype=torch.float64))
     dist.barrier()
+    from shardkit._collective_identity import collectives_for
+
+    with collectives_for("fully_shard unit 'blocks.0'"):  # what FSDP and DDP name their collectives' parts
+        dist.all_reduce(torch.ones(1))
     path = shardkit.dump_traces()
     return path, _trace.load(path)
 
@@ -110,6 +114,7 @@ KNOWN = [
     ("shardkit:_all_gather_base", 3, [[3]], ["BFloat16"], [[6]], ["BFloat16"], "completed"),
     ("shardkit:_reduce_scatter_base", 4, [[4]], ["Double"], [[2]], ["Double"], "completed"),
     ("shardkit:barrier", 5, [], [], [], [], "completed"),
+    ("shardkit:all_reduce", 6, [[1]], ["Float"], [[1]], ["Float"], "completed"),
 ]
 
 
@@ -120,14 +125,15 @@ def test_dump_traces_holds_the_ops_exactly_and_torchs_analyzer_reads_it(ranks, t
         assert dump["version"] == "2.10" and dump["shardkit_rank"] == rank
         assert dump["shardkit_reason"] == "shardkit.dump_traces()"
         assert dump["pg_config"] == {"0": {"name": "0", "desc": "default_pg", "ranks": "[0, 1]"}}
-        assert dump["pg_status"]["0"] == {"last_enqueued_collective": 5, "last_started_collective": 5,
-                                          "last_completed_collective": 5}
+        assert dump["pg_status"]["0"] == {"last_enqueued_collective": 6, "last_started_collective": 6,
+                                          "last_completed_collective": 6}
         entries = _group_entries(dump)
         assert [_summary(e) for e in entries] == KNOWN
         for entry in entries:
             assert entry["time_created_ns"] <= entry["time_discovered_started_ns"] <= \
                 entry["time_discovered_completed_ns"]
-            assert entry["shardkit_unit"] is None and entry["retired"] is True
+            assert entry["retired"] is True
+        assert [e["shardkit_unit"] for e in entries] == [None] * 5 + ["fully_shard unit 'blocks.0'"]
 
     # torch's analyzer, on the copies --for-torch writes (it accepts only the backends it lists)
     from torch.distributed.flight_recorder.components.builder import build_db
@@ -140,9 +146,10 @@ def test_dump_traces_holds_the_ops_exactly_and_torchs_analyzer_reads_it(ranks, t
     details, version = read_dir(args)
     db = build_db(details, args, version)
     assert [c.collective_name for c in db.collectives] == [
-        "gloo:all_reduce", "gloo:broadcast", "gloo:_all_gather_base", "gloo:_reduce_scatter_base", "gloo:barrier"]
+        "gloo:all_reduce", "gloo:broadcast", "gloo:_all_gather_base", "gloo:_reduce_scatter_base", "gloo:barrier",
+        "gloo:all_reduce"]
     assert all(c.pass_check for c in db.collectives)
-    assert [c.collective_seq_id for c in db.collectives] == [1, 2, 3, 4, 5]
+    assert [c.collective_seq_id for c in db.collectives] == [1, 2, 3, 4, 5, 6]
 
 
 def test_a_file_that_names_a_global_is_refused(tmp_path):
