@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <ctime>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -321,9 +322,13 @@ void on_sigusr1(int) {
 
 void dumper_loop() {
   Registry& r = registry();
-  while (true) {
-    if (sem_wait(&r.wake) != 0) {
-      if (errno == EINTR) continue;
+  while (!r.stopping) {
+    // Each wait has a deadline (a second), after which it looks at `stopping` and waits again.
+    timespec until{};
+    clock_gettime(CLOCK_REALTIME, &until);
+    until.tv_sec += 1;
+    if (sem_timedwait(&r.wake, &until) != 0) {
+      if (errno == EINTR || errno == ETIMEDOUT) continue;
       return;
     }
     if (r.stopping) return;
