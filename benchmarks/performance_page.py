@@ -42,6 +42,7 @@ ABOUT = {
     "checkpoint_async.json": ("`benchmarks/checkpoint_async.py`", "how long a checkpoint save blocks training: "
                               "asynchronous against synchronous saves and torch's dcp.async_save"),
     "identity_check.json": ("`benchmarks/identity_check.py`", "the cost of comparing collective identities"),
+    "trace.json": ("`benchmarks/trace.py`", "the cost of the flight recorder (recording vs SHARDKIT_TRACE_BUFFER=0)"),
     "powersgd.json": ("`benchmarks/powersgd.py`", "the C++ PowerSGD hook against torch's"),
     "gpu_kernels.json": ("`make gpu-test`", "CUDA kernels and FSDP on one H200 (NCCL, world 1)"),
 }

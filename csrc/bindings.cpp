@@ -97,6 +97,17 @@ PYBIND11_MODULE(_C, m) {
         "Removes a shared-memory segment's name from /dev/shm if it is there (a failed start-up's cleanup).");
   m.def("process_exited", &shardkit::core::process_exited, py::arg("pid"),
         "Whether the process `pid` of this machine has exited (gone, or a zombie); False for pid <= 0.");
+  m.def("dump_traces", &shardkit::comm::TraceRegistry::dump, py::arg("reason"),
+        py::call_guard<py::gil_scoped_release>(),
+        "Writes every shardkit group's flight recorder into this rank's trace file (comm/trace.h); returns its path.");
+  m.def("dump_traces_to", &shardkit::comm::TraceRegistry::dump_to, py::arg("path"), py::arg("reason"),
+        py::call_guard<py::gil_scoped_release>(), "As dump_traces, into `path`.");
+  m.def("trace_cost_ns", &shardkit::comm::trace_cost_ns, py::arg("iterations"), py::arg("capacity"),
+        "Nanoseconds per op that recording costs, measured alone on a private ring (benchmarks/trace.py).");
+  m.def("trace_dir", &shardkit::comm::trace_dir,
+        "Where trace files go: SHARDKIT_TRACE_DIR, else <temp dir>/shardkit_traces/<job> (comm/trace.h).");
+  m.def("trace_signal_handler_installed", &shardkit::comm::TraceRegistry::install_signal_handler,
+        "Installs shardkit's SIGUSR1 handler where the process has none (idempotent); whether shardkit's is the one.");
   py::class_<ProcessGroupShardkit, c10d::Backend, c10::intrusive_ptr<ProcessGroupShardkit>>(m, "ProcessGroupShardkit")
       .def(py::init([](int rank, int size, const ProcessGroupShardkit::Config& config,
                        c10::intrusive_ptr<c10d::Store> store, c10::intrusive_ptr<c10d::Backend> fallback,

@@ -1,7 +1,10 @@
 #include "comm/backend.h"
 
 #include <algorithm>
+#include <filesystem>
+#include <iostream>
 #include <numeric>
+#include <typeinfo>
 
 #include "comm/abort_cascade.h"
 #include "compat.h"
@@ -50,25 +53,60 @@ bool any_cuda(const std::vector<at::Tensor>& tensors) {
 
 }  // namespace
 
+// Throws `error` again with `message` as its text, as the same kind of error where it is one of those the backend's
+// ops throw (Python sees the same exception type); any other is rethrown as it was.
+[[noreturn]] void rethrow_with(const std::exception& error, const std::string& message) {
+  if (dynamic_cast<const std::invalid_argument*>(&error) != nullptr) throw std::invalid_argument(message);
+  if (typeid(error) == typeid(std::runtime_error)) throw std::runtime_error(message);
+  if (typeid(error) == typeid(c10::Error)) TORCH_CHECK(false, message);
+  throw;
+}
+
 template <typename Body>
-void ProcessGroupShardkit::run_failing_everywhere(Body&& body) {
+void ProcessGroupShardkit::run_failing_everywhere(uint64_t ticket, Body&& body) {
   try {
     body();
   } catch (const std::exception& error) {
+    trace_->ended(ticket, false);
     const std::string message = message_of(error);
     notices_->record_deaths(engine_->take_exited_peers(), message);
     // This group's routes (no-op where one aborted itself: the first reason stands), then the process's others.
     routes().abort(message);
     AbortCascade::abort_others(cascade_token_, message);
-    throw;
+    const std::string note = trace_after_failure(message);
+    if (note.empty()) throw;
+    rethrow_with(error, message + note);
   }
+  trace_->ended(ticket, true);
+}
+
+std::string ProcessGroupShardkit::trace_after_failure(const std::string& message) {
+  if (trace_->capacity() == 0) return "";
+  std::string path = trace_->failure_dump();
+  if (path.empty()) {
+    const std::string planned = trace_dir() + "/shardkit_trace_rank_" + std::to_string(ranks_.name(getRank()));
+    if (trace_->claim_failure_dump(planned)) {
+      try {
+        TraceRegistry::dump_to(planned, message);
+        std::cerr << "shardkit flight recorder (rank " << ranks_.name(getRank()) << "): trace written to " << planned
+                  << std::endl;
+      } catch (const std::exception& error) {
+        return std::string(" [flight recorder: could not write this rank's trace: ") + message_of(error) + "]";
+      }
+    }
+    path = trace_->failure_dump();
+  }
+  const std::string dir = std::filesystem::path(path).parent_path().string();
+  return " [flight recorder: this rank's last collectives are in " + path + "; `python -m shardkit trace " + dir +
+         "` compares the ranks']";
 }
 
 template <typename OpOptions, typename Body>
 c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::launch(c10d::OpType type, const char* profiling_title,
                                                             const char* op, std::vector<at::Tensor> outputs,
                                                             const OpOptions& opts, Body body,
-                                                            const std::vector<at::Tensor>& inputs) {
+                                                            const std::vector<at::Tensor>& inputs,
+                                                            const std::vector<at::Tensor>& traced_inputs) {
   const uint64_t issued = ++seq_;
   const uint64_t identity = core::current_identity();  // on the issuing thread: the op may run on the worker's
   const core::InterHostQuantization quantization = core::current_quantization();  // (the same)
@@ -90,6 +128,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::launch(c10d::OpType type, c
   TORCH_INTERNAL_ASSERT(!cuda, "a CUDA tensor passed validation in a CPU build");
   const std::vector<c10::Device> devices;
 #endif
+  const std::chrono::milliseconds timeout = op_timeout(opts.timeout);
+  const uint64_t ticket = trace_->issued(op, issued, identity, timeout,
+                                         !traced_inputs.empty() ? traced_inputs : !inputs.empty() ? inputs : outputs,
+                                         outputs);
   auto work = c10::make_intrusive<ShardkitWork>(getRank(), type, profiling_title, std::move(outputs), issued,
                                                 devices);
   // Numbered again when it runs: collectives issued from future callbacks run at once (work_queue.h), so the
@@ -98,23 +140,25 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::launch(c10d::OpType type, c
 #ifdef SHARDKIT_WITH_CUDA
   // A CUDA op's body (and the tensors it holds) lives until the op ends on the device: the watchdog keeps it.
   auto shared_body = std::make_shared<Body>(std::move(body));
-  auto run = [this, op, timeout = op_timeout(opts.timeout), identity, compare_across_hosts, quantization,
-              shared_body, ready, work]() {
+  auto run = [this, op, timeout, identity, compare_across_hosts, quantization, shared_body, ready, work, ticket]() {
     const OpContext op_context = context(op, timeout, identity, compare_across_hosts, quantization);
-    if (ready) {  // CUDA tensors: NCCL, or host staging where NCCL cannot serve (comm/nccl/cuda_route.h)
-      run_failing_everywhere([&] {
+    trace_->started(ticket, op_context.seq);
+    if (ready) {  // CUDA tensors: NCCL, or host staging where NCCL cannot serve (comm/nccl/cuda_route.h); the
+                  // recorder's "completed" is when the op is queued on the device
+      run_failing_everywhere(ticket, [&] {
         cuda_->run(op_context, *ready, [&](Engine& engine) { (*shared_body)(engine, op_context); }, work,
                    shared_body);
       });
       return;
     }
-    run_failing_everywhere([&] { (*shared_body)(route(op_context), op_context); });
+    run_failing_everywhere(ticket, [&] { (*shared_body)(route(op_context), op_context); });
   };
 #else
-  auto run = [this, op, timeout = op_timeout(opts.timeout), identity, compare_across_hosts, quantization,
+  auto run = [this, op, timeout, identity, compare_across_hosts, quantization, ticket,
               body = std::move(body)]() mutable {
     const OpContext op_context = context(op, timeout, identity, compare_across_hosts, quantization);
-    run_failing_everywhere([&] { body(route(op_context), op_context); });
+    trace_->started(ticket, op_context.seq);
+    run_failing_everywhere(ticket, [&] { body(route(op_context), op_context); });
   };
 #endif
   if (compat::is_async_op(opts)) {
@@ -155,11 +199,14 @@ void ProcessGroupShardkit::allreduce_now(at::Tensor& tensor, const c10d::ReduceO
               "; use torch.distributed.all_reduce for it");
   args_.check(tensor, "allreduce");
   const ReduceSpec spec = args_.reduce_spec(reduce_op, tensor.scalar_type(), "allreduce");
-  ++seq_;
+  const uint64_t issued = ++seq_;
+  const uint64_t identity = core::current_identity();
+  const uint64_t ticket = trace_->issued("allreduce", issued, identity, op_timeout(timeout), {tensor}, {tensor});
   queue_.run_now([&] {
-    const OpContext op_context = context("allreduce", op_timeout(timeout), core::current_identity(),
-                                         compare_across_hosts_.load(), core::current_quantization());
-    run_failing_everywhere([&] {
+    const OpContext op_context = context("allreduce", op_timeout(timeout), identity, compare_across_hosts_.load(),
+                                         core::current_quantization());
+    trace_->started(ticket, op_context.seq);
+    run_failing_everywhere(ticket, [&] {
       with_contiguous(tensor, [&](at::Tensor& t) { allreduce_with(spec, t, getSize(), route(op_context), op_context); });
     });
   });
@@ -167,13 +214,16 @@ void ProcessGroupShardkit::allreduce_now(at::Tensor& tensor, const c10d::ReduceO
 
 at::Tensor ProcessGroupShardkit::shared_buffer(int64_t bytes, std::string* refused) {
   TORCH_CHECK(bytes >= 0, args_.where("shared_buffer"), "the size must be at least 0 bytes, got ", bytes);
-  ++seq_;
+  const uint64_t issued = ++seq_;
+  const uint64_t ticket = trace_->issued("shared_buffer", issued, core::current_identity(),
+                                         op_timeout(c10d::kUnsetTimeout), {}, {});
   at::Tensor out;
   queue_.run_now([&] {
     const OpContext context = this->context("shared_buffer", op_timeout(c10d::kUnsetTimeout), core::current_identity(),
                                             compare_across_hosts_.load(), core::InterHostQuantization{});
+    trace_->started(ticket, context.seq);
     std::shared_ptr<core::SharedBuffer> buffer;
-    run_failing_everywhere([&] { buffer = engine_->share_buffer(context, static_cast<size_t>(bytes), refused); });
+    run_failing_everywhere(ticket, [&] { buffer = engine_->share_buffer(context, static_cast<size_t>(bytes), refused); });
     if (!buffer) return;  // the caller tells the user why (python/shardkit/_zero_copy.py warns)
     // The tensor (and every view of it) keeps this rank's mapping alive.
     out = at::from_blob(
@@ -282,7 +332,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::reduce_scatter(std::vector<
                     reduce_with(spec.without_premultiply(), out, world, true,
                                 [&](at::Tensor& o) { engine.reduce_scatter(op, flat, o, spec.op); });
                   });
-                });
+                }, {}, in);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
@@ -315,7 +365,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::reduce_scatter_tensor_coale
                                   [&](at::Tensor& o) { engine.reduce_scatter(op, in, o, spec.op); });
                     });
                   }
-                });
+                }, {}, inputs);
 }
 
 // --- data movement ---------------------------------------------------------------------------------------
@@ -345,7 +395,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::allgather(std::vector<std::
                   at::Tensor flat = at::empty({input.numel() * world}, input.options());
                   engine.allgather(op, input.contiguous(), flat);
                   split_flat(flat, out);
-                });
+                }, {}, std::vector<at::Tensor>{input});
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::_allgather_base(at::Tensor& output, at::Tensor& input,
@@ -372,7 +422,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::allgather_into_tensor_coale
                     const at::Tensor in = inputs[i].contiguous();
                     with_contiguous(outputs[i], [&](at::Tensor& out) { engine.allgather(op, in, out); });
                   }
-                });
+                }, {}, inputs);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::allgather_coalesced(
@@ -412,7 +462,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::allgather_coalesced(
                     out.view({-1}).copy_(everyone.narrow(0, offset, n).view(out.scalar_type()));
                     offset += n;
                   }
-                });
+                }, {}, inputs);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::gather(std::vector<std::vector<at::Tensor>>& outputs,
@@ -460,7 +510,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::scatter(std::vector<at::Ten
                 [output, in, root](Engine& engine, const OpContext& op) mutable {
                   const at::Tensor flat = in.empty() ? at::Tensor() : concat_flat(in);
                   with_contiguous(output, [&](at::Tensor& out) { engine.scatter(op, flat, out, root); });
-                });
+                }, {}, in);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::alltoall_base(at::Tensor& output, at::Tensor& input,
@@ -482,7 +532,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::alltoall_base(at::Tensor& o
                   with_contiguous(output, [&](at::Tensor& out) {
                     engine.alltoall(op, in, send_counts, out, recv_counts);
                   });
-                });
+                }, {}, std::vector<at::Tensor>{input});
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::alltoall(std::vector<at::Tensor>& outputs,
@@ -512,7 +562,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::alltoall(std::vector<at::Te
                   at::Tensor out = at::empty({static_cast<int64_t>(total)}, inputs[0].options());
                   engine.alltoall(op, in, send_counts, out, recv_counts);
                   split_flat(out, outputs);
-                });
+                }, {}, inputs);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::barrier(const c10d::BarrierOptions& opts) {

@@ -6,7 +6,9 @@
 // (WorkQueue), where the one routing point, route(), hands it to an Engine (engine.h):
 //   - one host:     ShmEngine, shared memory between the host's ranks;
 //   - several hosts: HierarchicalEngine, shared memory inside each host, gloo among the hosts' leaders.
-// The Work completes its Future with the output tensors (what DDP's comm hooks expect) or the error.
+// The Work completes its Future with the output tensors (what DDP's comm hooks expect) or the error. Every op is
+// recorded in the group's flight recorder (TraceRing, trace.h) as it is issued, starts and ends; a failure writes
+// the process's recorders to this rank's trace file and names it in the error.
 //
 // Point-to-point send/recv and monitoredBarrier go to the inner gloo backend over all ranks
 // (InnerBackends), the existing engine for what shared memory cannot do. Hosts are told apart by the
@@ -25,6 +27,7 @@
 #include "comm/failure_notices.h"
 #include "comm/inner_backends.h"
 #include "comm/tensor_args.h"
+#include "comm/trace.h"
 #include "comm/work_queue.h"
 
 namespace shardkit::comm {
@@ -163,10 +166,13 @@ class ProcessGroupShardkit : public c10d::Backend {
   // device (gather's input on a non-root rank). An op on CUDA tensors runs after what the caller's current
   // stream queued before it; its Work completes once the op is queued on the device, and its wait() makes the
   // caller's stream (not the host) wait for it; the CUDA watchdog follows it to its end (comm/nccl/cuda_route.h).
+  // `traced_inputs`: the op's inputs as its flight-recorder entry shows them (empty: `inputs`, else the outputs,
+  // for in-place ops).
   template <typename OpOptions, typename Body>
   c10::intrusive_ptr<c10d::Work> launch(c10d::OpType type, const char* profiling_title, const char* op,
                                         std::vector<at::Tensor> outputs, const OpOptions& opts, Body body,
-                                        const std::vector<at::Tensor>& inputs = {});
+                                        const std::vector<at::Tensor>& inputs = {},
+                                        const std::vector<at::Tensor>& traced_inputs = {});
   // The routing point for host tensors: the engine topology chose when the group was built. Ops on CUDA
   // tensors go to cuda_ instead, which picks NCCL or host staging (comm/nccl/cuda_route.h).
   Engine& route(const OpContext& op);
@@ -180,10 +186,14 @@ class ProcessGroupShardkit : public c10d::Backend {
     void abort(const std::string& reason) const;
   };
   Routes routes() const;
-  // Runs one op's body; if it fails, records the deaths it saw for the job, aborts this group (peers waiting in
-  // it fail now) and the process's other shardkit groups (abort_cascade.h), then rethrows.
+  // Runs one op's body and marks its flight-recorder entry (`ticket`) ended; if it fails, records the deaths it saw
+  // for the job, aborts this group (peers waiting in it fail now) and the process's other shardkit groups
+  // (abort_cascade.h), writes this rank's trace (the group's first failure only), then rethrows, the error naming
+  // the trace file.
   template <typename Body>
-  void run_failing_everywhere(Body&& body);
+  void run_failing_everywhere(uint64_t ticket, Body&& body);
+  // After a failure: writes the trace if this group has not yet, and returns what the error adds about it.
+  std::string trace_after_failure(const std::string& message);
   // The op as it runs: numbered in run order, named by the global rank, with the identity it was issued under and
   // whether the group compared identities across hosts then.
   OpContext context(const char* op, std::chrono::milliseconds timeout, uint64_t identity, bool compare_across_hosts,
@@ -209,6 +219,7 @@ class ProcessGroupShardkit : public c10d::Backend {
   std::atomic<uint64_t> seq_{0};       // collectives issued on this group (torch's sequence number)
   std::atomic<uint64_t> executed_{0};  // collectives started, in the order ops run (OpContext::seq)
   std::atomic<bool> shut_down_{false};
+  std::shared_ptr<TraceRing> trace_;  // this group's flight recorder (registered with TraceRegistry)
   WorkQueue queue_;  // last: destroyed first, so queued work finishes while the engine still exists
 };
 

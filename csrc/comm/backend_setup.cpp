@@ -86,7 +86,22 @@ ProcessGroupShardkit::ProcessGroupShardkit(int rank, int size, const Config& con
 #ifdef SHARDKIT_WITH_CUDA
   cuda_ = std::make_shared<CudaRoute>(rank, size, *engine_);
 #endif
+  // The flight recorder (trace.h): described at dump time, while the registry holds it (the destructor leaves the
+  // registry first, so a dump never reaches a destroyed group).
+  trace_ = std::make_shared<TraceRing>(trace_capacity(), [this] {
+    TraceRing::Group group;
+    group.name = getGroupUid().empty() ? "shardkit" : getGroupUid();
+    group.description = getGroupDesc().empty() ? "undefined" : getGroupDesc();
+    for (int r = 0; r < getSize(); ++r) group.ranks.push_back(ranks_.name(r));
+    group.rank = getRank();
+    group.global_rank = ranks_.name(getRank());
+    return group;
+  });
   // Last: a constructor that throws leaves nothing registered.
+  if (trace_->capacity() > 0) {
+    TraceRegistry::add(trace_);
+    TraceRegistry::install_signal_handler();
+  }
   cascade_token_ = AbortCascade::join([routes = routes()](const std::string& reason) { routes.abort(reason); });
 }
 
@@ -105,7 +120,10 @@ void ProcessGroupShardkit::Routes::abort(const std::string& reason) const {
 #endif
 }
 
-ProcessGroupShardkit::~ProcessGroupShardkit() { AbortCascade::leave(cascade_token_); }
+ProcessGroupShardkit::~ProcessGroupShardkit() {
+  TraceRegistry::remove(trace_.get());
+  AbortCascade::leave(cascade_token_);
+}
 
 void ProcessGroupShardkit::shutdown() {
   if (shut_down_.exchange(true)) return;  // destroy_process_group(), then the exit hook (backend.py)

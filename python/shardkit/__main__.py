@@ -1,13 +1,14 @@
 """``python -m shardkit <command>``: command-line tools: ``estimate`` (memory math), ``checkpoint``
-(``info [--verify]`` / ``consolidate`` of a torch.distributed.checkpoint directory) and ``scale`` (a training
-script at several world sizes)."""
+(``info [--verify]`` / ``consolidate`` of a torch.distributed.checkpoint directory), ``scale`` (a training
+script at several world sizes) and ``trace`` (the ranks' flight-recorder files compared: who is behind, where they
+diverge; shardkit/_trace.py)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from shardkit import checkpoint, estimate, scale
+from shardkit import _trace, checkpoint, estimate, scale
 
 
 class _Parser(argparse.ArgumentParser):
@@ -48,6 +49,15 @@ def main(argv: list[str] | None = None) -> int:
         usage="shardkit scale [--worlds N ...] [--strategies S ...] [--out DIR] -- SCRIPT [ARGS ...]",
     )
     scale.add_arguments(scale_parser)
+
+    trace_parser = commands.add_parser(
+        "trace",
+        help="compare the ranks' flight-recorder files: which rank is behind, in which collective, where they diverge",
+        description="Reads the shardkit_trace_rank_<r> files a failed or hung job wrote (SHARDKIT_TRACE_DIR; the "
+        "error message names the directory) and says, per group, what every rank last completed, which rank is "
+        "behind and in which collective, and where the ranks' sequences of collectives diverge.",
+    )
+    _trace.add_arguments(trace_parser)
 
     args = parser.parse_args(argv)
     return args.run(args)

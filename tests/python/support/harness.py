@@ -86,9 +86,12 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, workdir: Path, t
 
     ``backend=None`` skips init_process_group. The process group's own timeout is ``pg_timeout``
     (default: the hard timeout), so a collective that waits on a dead peer fails inside the rank.
-    ``env`` is set in every rank before anything else; a list gives each rank its own.
+    ``env`` is set in every rank before anything else; a list gives each rank its own. The flight recorder's
+    trace files go to ``workdir/traces`` unless ``env`` names another SHARDKIT_TRACE_DIR.
     """
     workdir.mkdir(parents=True, exist_ok=True)
+    traces = {"SHARDKIT_TRACE_DIR": str(workdir / "traces")}
+    env = [{**traces, **own} for own in env] if isinstance(env, list) else {**traces, **(env or {})}
     store_path = workdir / f"store-{time.monotonic_ns()}"
     results = _CONTEXT.Queue()
     dump_after = max(1.0, timeout - 2.0)
