@@ -10,7 +10,7 @@ What each test can catch:
   a file truncated at half (with and without a manifest) and a data file of another save that load accepts, or
   refuses on some ranks only, or without naming the file; ``info --verify`` and ``verify`` that miss them;
 - a plain dcp.save checkpoint that no longer loads (or loads without the warning), a shardkit checkpoint that
-  plain dcp.load cannot read, a README snippet that does not run as written.
+  plain dcp.load cannot read. (The README's Checkpoints section, now the Checkpointer loop: test_resume.py.)
 
 Values are compared bit for bit (every tensor's bytes) with what was saved.
 """
