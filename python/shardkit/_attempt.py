@@ -66,10 +66,10 @@ def agree_generation(store: dist.Store, rank: int, size: int, timeout: timedelta
                 still.append(r)
                 ask = f"{_ROOT}/ask/{r}"
                 if store.check([ask]):
-                    nonce = store.get(ask)
-                    if nonce not in answered:
-                        store.set(f"{_ROOT}/answer/{nonce.decode()}", str(generation))
-                        answered.add(nonce)
+                    asked = store.get(ask)
+                    if asked not in answered:
+                        store.set(f"{_ROOT}/answer/{asked.decode()}", str(generation))
+                        answered.add(asked)
             if len(still) < len(pending):
                 pause = _FIRST_POLL
             pending = still
