@@ -115,8 +115,9 @@ def attempt_store(store: dist.Store | None = None, rank: int | None = None, worl
     """A Store for ``dist.init_process_group(backend, store=..., rank=..., world_size=...)`` that a restarted attempt
     under torchrun shares with no earlier attempt, and the rank and world size to pass with it.
 
-    For torch's own backends (gloo, nccl): torchrun keeps one TCPStore across restarts, and their rendezvous reads
-    a killed attempt's entries from it (see this module's docstring). The shardkit backend needs none of this: its
+    For torch's own backends: torchrun keeps one TCPStore across restarts, and their rendezvous reads a killed
+    attempt's entries from it (see this module's docstring). Tested with gloo (tests/python/test_restarts.py); nccl
+    exchanges its unique id through the same Store, and is not tested here. The shardkit backend needs none of this: its
     start-up scopes itself. Without arguments, ``env://``'s rendezvous as torchrun sets it up (MASTER_ADDR,
     MASTER_PORT, RANK, WORLD_SIZE); else the Store given, with ``rank`` and ``world_size`` (both required then).
     Every rank must call it, once per group it makes this way; it returns once all have."""
