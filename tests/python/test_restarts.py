@@ -133,3 +133,50 @@ def _gloo_attempt(rank: int, world_size: int, port: int, late: float, scoped: bo
     except RuntimeError as error:
         return False, str(error)
     return True, ""
+
+
+@pytest.mark.timeout(90)
+def test_the_next_start_up_removes_a_segment_that_a_killed_start_up_left(ranks):
+    """Every rank of a start-up killed between the segment's creation and the last attach (its creator waiting for
+    rank 1, which never attaches): nobody of that attempt is left to remove the segment. The next start-up on the
+    same Store, as torchrun's restart makes it, removes it."""
+    from torch.distributed import TCPStore
+
+    server = TCPStore("127.0.0.1", 0, 2, True, wait_for_workers=False)
+    tag = os.environ["SHARDKIT_SHM_TAG"]
+    before = _segments(tag)
+    killed = ranks.launch(_start_up_on, 2, server.port, True, backend=None, timeout=30.0)
+    assert [o.exitcode for o in killed] == [-9, -9], killed
+    left = _segments(tag) - before
+    assert len(left) == 1, left  # what the killed start-up left
+    assert ranks.run(_start_up_on, 2, server.port, False, backend=None) == [True, True]
+    assert not left & _segments(tag)
+
+
+def _start_up_on(rank: int, world_size: int, port: int, killed_in_attach: bool) -> bool:
+    import signal
+    import threading
+    import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from shardkit import _C
+
+    if killed_in_attach:
+        if rank == 1:
+            _C.ProcessGroupShardkit = lambda *args, **kwargs: time.sleep(60)  # never attaches
+        tag = os.environ["SHARDKIT_SHM_TAG"]
+
+        def die_once_the_segment_exists() -> None:
+            while not _segments(tag):
+                time.sleep(0.0005)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        threading.Thread(target=die_once_the_segment_exists, daemon=True).start()
+    store = dist.TCPStore("127.0.0.1", port, world_size, False, timeout=timedelta(seconds=30))
+    dist.init_process_group("shardkit", store=store, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=30))
+    dist.barrier()
+    dist.destroy_process_group()
+    return True
