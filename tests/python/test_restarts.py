@@ -6,7 +6,10 @@ backend's start-up reads only its own attempt's (python/shardkit/_attempt.py), a
 ``shardkit.attempt_store()``. The worker is support/restart_script.py: on attempt A < the kills, rank 1 kills itself
 after 3 steps; the last attempt trains every front listed, on one group. One job covers the four shardkit fronts
 (each killed attempt trains the next front: four kills, four restarts; an interpreter's start-up is most of an
-attempt's time). ``make chaos`` (tests/chaos/restart_cycles.py) runs 20 cycles per front at random moments.
+attempt's time). Without torchrun: the agreement on a Store holding a dead attempt's entry; gloo reading a dead
+group's listener address from a shared Store (the cause, for torch's own backends) and not on attempt_store; a
+segment left by a start-up killed in its attach, removed by the next start-up. ``make chaos``
+(tests/chaos/restart_cycles.py) runs 20 cycles per front at random moments.
 """
 
 from __future__ import annotations
