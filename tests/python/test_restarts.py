@@ -123,8 +123,8 @@ def _gloo_attempt(rank: int, world_size: int, port: int, late: float, scoped: bo
 
     import torch.distributed as dist
 
-    import shardkit
-
+    if scoped:
+        import shardkit
     if rank == 1:
         time.sleep(late)  # after the imports, whose time varies more than that
     store = dist.TCPStore("127.0.0.1", port, world_size, False, timeout=timedelta(seconds=30))
