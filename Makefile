@@ -66,7 +66,7 @@ py-test: build
 
 # The lint and type gate: reads the sources only (mypy reads python/shardkit/_C.pyi for the extension).
 lint: venv
-	$(VENV)/bin/ruff check python tests/python benchmarks examples
+	$(VENV)/bin/ruff check python tests/python tests/chaos benchmarks examples
 	$(VENV)/bin/mypy --cache-dir $(VENV)/.mypy_cache
 
 # The C++ tests build and run while pip downloads into .venv and the extension compiles (two jobs: the download is
