@@ -10,6 +10,7 @@
 #   make bench-peers .venv-peers (torch 2.13.0 CPU + DeepSpeed from PyPI, no shardkit), then shardkit's allreduce
 #                    against DeepSpeed's CPU shm allreduce (benchmarks/collectives.py --peer deepspeed)
 #   make peer-test   torch's own distributed_test.py on gloo and on shardkit side by side (tests/peer/)
+#   make chaos       kill-and-restart cycles under real torchrun (tests/chaos/; not part of make test: many minutes)
 #   make clean-venv-check  the wheel installed into a venv holding only torch (no numpy), examples run there
 
 PYTHON       ?= python3
@@ -65,7 +66,7 @@ py-test: build
 
 # The lint and type gate: reads the sources only (mypy reads python/shardkit/_C.pyi for the extension).
 lint: venv
-	$(VENV)/bin/ruff check python tests/python benchmarks examples
+	$(VENV)/bin/ruff check python tests/python tests/chaos benchmarks examples
 	$(VENV)/bin/mypy --cache-dir $(VENV)/.mypy_cache
 
 # The C++ tests build and run while pip downloads into .venv and the extension compiles (two jobs: the download is
@@ -90,6 +91,13 @@ $(VENV)/.peer-deps: $(VENV)/.deps
 PEER_ARGS ?=
 peer-test: build $(VENV)/.peer-deps
 	$(VENV)/bin/python tests/peer/run_peer_suite.py $(PEER_ARGS)
+# --- chaos: ranks killed at random moments, jobs restarted by torchrun ------------------------------------------
+# One script a line; each prints its summary and exits non-zero on a failed assertion.
+.PHONY: chaos
+chaos: build
+	$(VENV)/bin/python tests/chaos/restart_cycles.py
+	$(VENV)/bin/python tests/chaos/resume_chaos.py
+
 # --- clean install: the wheel in a venv holding only torch, as docs/install.md says --------------------------
 # tests/python/test_clean_install.py runs `make clean-venv` (so `make test` covers it) and then the examples
 # from that venv. The wheel is rebuilt when a source changes (ninja recompiles only what changed, in

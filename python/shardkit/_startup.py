@@ -8,12 +8,20 @@ It promises a bounded start-up: a rank that fails or dies in it makes every peer
 it and the reason, instead of waiting out the group's timeout (30 minutes by default); and a group that starts on
 every rank or on none.
 
-The start-up talks through the group's c10d Store:
+The start-up talks through the group's c10d Store, and only through its own scope of it: first the group's ranks agree
+a generation number no start-up on that Store used before (``_attempt.py``: under ``shardkit/attempt/``), then every
+key below lives under ``shardkit/attempt/<generation>/``, and that scoped Store is what the inner gloo backends'
+rendezvous, the C++ backend (its failure notices) and, for the default group, the job's death records get. Why:
+torchrun keeps one TCPStore across its restarts, holding every key a killed attempt wrote (its pids, its segment's
+name, its notice, gloo's addresses); unscoped, a restarted start-up read them and failed on the dead attempt's pids or
+listeners. The keys, within the scope:
 
 - ``shardkit/host/<r>``: group rank ``r`` writes ``"<pid> <pid namespace> <host id>"`` first thing, then reads
   every rank's. From here on each rank knows its peers' pids, and watches those on its own host that share its pid
   namespace (``_C.process_exited``; a container sharing the host's /dev/shm but not its pids is not watched).
-- ``shardkit/shm_name/<h>``: host ``h``'s segment name, drawn by its first rank.
+- ``shardkit/shm_name/<h>``: host ``h``'s segment name, drawn by its first rank. Before drawing it, that rank removes
+  any segment named by the last few earlier scopes that is still in /dev/shm (``_remove_stale_segments``: an attempt
+  killed between a segment's creation and its last attach leaves it, with nobody left to remove it).
 - ``shardkit/inter_host_scheme``: where the group spans hosts, rank 0's SHARDKIT_INTER_HOST (rails or leaders).
 - gloo's own rendezvous (the inner backends), through :class:`WatchedStore`.
 - the C++ constructor: the segment's attach protocol and first sync, which watch the same pids and the notice.
@@ -28,7 +36,8 @@ polls from ``_FIRST_POLL`` up to ``_SLICE`` seconds, and between polls looks at 
 the group's deadline. It never lets a Store wait time out: torch's TCPStore client logs a warning for each timed-out
 wait (``[c10d] waitForInput: poll for socket ... timed out``), which a start-up in slices printed once per empty slice
 on every rank. A rank that dies before writing its own host key cannot be told from one that is slow to start; that
-wait ends at the deadline, as torch's own rendezvous does.
+wait ends at the deadline, as torch's own rendezvous does; so does one that dies in the generation agreement, which
+comes before the pids are known.
 
 Environment:
   SHARDKIT_SHM_SLOT_BYTES   bytes per rank and buffer in the shared segment (default 1 MiB); collectives
@@ -48,7 +57,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from . import _C, _topology, _torch_compat
+from . import _C, _attempt, _topology, _torch_compat
 from ._group_backend import cpu_backend
 
 _SLICE = 0.2  # seconds between polls at most: a death is seen within about this (plus the Store's round trip)
@@ -86,6 +95,8 @@ class StartupWatch:
         # connects at the first op), and a Python Store whose object is gone cannot answer. Kept with the group.
         self.kept_stores: list[dist.Store] = []
         self.segment_name: str | None = None  # this host's segment, once agreed
+        self.generation = 0  # the start-up's attempt scope (_attempt.py); `store` is seen through it
+        self.unscoped_store: dist.Store = store  # the Store as torch gave it: earlier start-ups' scopes are there
 
     def name(self, r: int) -> int:
         return self.global_ranks[r]
@@ -282,6 +293,9 @@ class WatchedStore(dist.Store):
 
 # --- the creator: what init_process_group runs for each shardkit group -------------------------------------------
 _DEFAULT_SLOT_BYTES = 1 << 20
+# How many earlier start-ups on a group's Store a host's first rank looks at for segments left in /dev/shm
+# (_remove_stale_segments): a run of attempts each killed before it got that far would need more.
+_SWEPT_GENERATIONS = 8
 # The Stores each group's gloo rendezvous went through (start-up watch wrappers, by group name): kept for the
 # group's life, since gloo may use its Store again later (TORCH_GLOO_LAZY_INIT connects at the first op), and a
 # Python Store whose object is gone cannot answer it.
@@ -342,7 +356,16 @@ def create_backend(options: _torch_compat.BackendOptions, pg_options) -> _C.Proc
     timeout = options.timeout if isinstance(options.timeout, timedelta) else timedelta(seconds=options.timeout)
     # The default group is told no ranks: its ranks are the job's.
     global_ranks = list(options.global_ranks_in_group) or list(range(size))
+    # Everything below reads and writes only this start-up's scope of the Store (_attempt.py: torchrun's Store
+    # outlives a killed attempt, and holds its entries).
+    try:
+        store, generation = _attempt.scoped_store(store, rank, size, timeout,
+                                                  f"shardkit start-up (rank {global_ranks[rank]})")
+    except _attempt.AttemptAgreementFailed as error:
+        raise StartupFailed(str(error)) from error
     watch = StartupWatch(store, rank, global_ranks, timeout)
+    watch.generation = generation
+    watch.unscoped_store = options.store
     try:
         backend = _start(options, watch, global_ranks, timeout)
     except Exception as error:  # whatever ends the start-up, the peers must hear of it
@@ -366,8 +389,23 @@ def _job_store(own: dist.Store, is_default_group: bool) -> dist.Store:
     return own
 
 
+def _remove_stale_segments(watch: StartupWatch, num_hosts: int) -> None:
+    """Removes the names of the segments that the last _SWEPT_GENERATIONS start-ups on this Store agreed, where
+    they are still in /dev/shm: a start-up killed between the segment's creation and its last rank's attach (where
+    the creator unlinks it) leaves it there, and nobody of its attempt is left to remove it. A segment's name is in
+    the Store before the segment exists; names are unique (pid and random), so a name is only ever found on its own
+    host, and an earlier start-up on this Store has ended before this one starts (torchrun stops every worker of an
+    attempt before the next; a group made again in one process was destroyed first)."""
+    for generation in range(max(1, watch.generation - _SWEPT_GENERATIONS), watch.generation):
+        earlier = _attempt.scope(watch.unscoped_store, generation)
+        for host in range(num_hosts):
+            key = f"shardkit/shm_name/{host}"
+            if earlier.check([key]):
+                _C.remove_segment_name(earlier.get(key).decode())
+
+
 def _start(options, watch: StartupWatch, global_ranks: list[int], timeout: timedelta) -> _C.ProcessGroupShardkit:
-    store, rank, size = options.store, options.group_rank, options.group_size
+    store, rank, size = watch.store, options.group_rank, options.group_size
     group_id = _name_part(str(options.group_id), 40)
     topology = _topology.HostTopology.from_host_ids(watch.exchange_hosts(_topology.host_id(), size))
     _topology.record_topology(str(options.group_id), topology)
@@ -381,6 +419,8 @@ def _start(options, watch: StartupWatch, global_ranks: list[int], timeout: timed
     config.local_of = topology.local_of
     config.global_ranks = global_ranks
     config.pids = watch.pids_to_watch()
+    if config.local_rank == 0:
+        _remove_stale_segments(watch, topology.num_hosts)
     config.shm_name = watch.segment_name = _agree_segment_name(watch, config.local_rank, config.host_index, group_id)
     config.slot_bytes = _slot_bytes()
     # torchrun's count of ranks on this machine: with simulated hosts (or several jobs' groups) more

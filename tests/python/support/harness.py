@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -192,12 +192,13 @@ def free_port() -> int:
 
 def run_torchrun(script: Path, nproc: int, *args: str, timeout: float = 120.0,
                  env: dict[str, str] | None = None, python: Path | str = sys.executable,
-                 cwd: Path | None = None) -> subprocess.CompletedProcess:
+                 cwd: Path | None = None, torchrun_args: Sequence[str] = ()) -> subprocess.CompletedProcess:
     """Run ``script`` under real ``torchrun --standalone`` (a free port is picked); returns its output.
 
-    ``python`` is the interpreter whose torch and shardkit run (default: this one); ``cwd`` the job's directory.
+    ``python`` is the interpreter whose torch and shardkit run (default: this one); ``cwd`` the job's directory;
+    ``torchrun_args`` torchrun's own options (``--max-restarts``), before the script.
     """
     cmd = [str(python), "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(script), *args]
+           *torchrun_args, str(script), *args]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=cwd)
