@@ -365,6 +365,8 @@ def sharded_tensor_with_locals(tensor: Any, locals_: list[torch.Tensor]) -> Any:
 
 
 def is_sharded_tensor(value: Any) -> bool:
+    """Whether ``value`` is a torch ``ShardedTensor`` (torch.distributed._shard, private and deprecated in torch: its
+    checkpoints still reach DCP's state dicts)."""
     from torch.distributed._shard.sharded_tensor import ShardedTensor
 
     return isinstance(value, ShardedTensor)

@@ -35,14 +35,14 @@ def _gate_at(status: str) -> threading.Event:
     from shardkit.checkpoint import _async
 
     release = threading.Event()
-    set_status = _async.AsyncSave._set_status
+    set_status = _async._Job._enter
 
     def gated(self, new: str) -> None:
         set_status(self, new)
         if new == status:
             release.wait(30)
 
-    _async.AsyncSave._set_status = gated
+    _async._Job._enter = gated
     return release
 
 
@@ -174,14 +174,14 @@ def _async_save_and_die(rank: int, world: int, path: str, victim: int, phase: st
 
             dcp_filesystem._write_item = write_then_die
         elif phase == "agreeing":
-            set_status = _async.AsyncSave._set_status
+            set_status = _async._Job._enter
 
             def die_when_agreeing(self, status: str) -> None:
                 if status == "agreeing":
                     _kill_this_rank()
                 set_status(self, status)
 
-            _async.AsyncSave._set_status = die_when_agreeing
+            _async._Job._enter = die_when_agreeing
         else:
             assert phase == "committing" and rank == 0
             _commit.publish = _kill_this_rank

@@ -68,7 +68,7 @@ import os
 import threading
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -89,47 +89,50 @@ _WRITER_NICE = 10  # added to the writer thread's nice value (Linux)
 
 # --- the handle ----------------------------------------------------------------------------------------------
 
+class _Progress:
+    """What the writer tells one save's handle: the phase it is in (a sentence), then how the save ended."""
+
+    def __init__(self) -> None:
+        self.status = "staged"
+        self.error: BaseException | None = None
+        self.finished = threading.Event()
+
+    def finish(self, error: BaseException | None) -> None:
+        self.error = error
+        self.status = "committed" if error is None else f"failed: {error}"
+        self.finished.set()
+
+
 class AsyncSave:
     """One asynchronous save (``shardkit.checkpoint.save(..., async_save=True)``): ``done()``, ``result(timeout)``
     and ``status`` (a sentence: "waiting for the save of X to finish", "preparing", "writing", "agreeing",
     "committing", "committed", "failed: ...")."""
 
-    def __init__(self, target: Path, rank: int) -> None:
+    def __init__(self, target: Path, rank: int, progress: _Progress) -> None:
         self.checkpoint_id = str(target)
         self._rank = rank
-        self._finished = threading.Event()
-        self._error: BaseException | None = None
-        self._status = "staged"
+        self._progress = progress  # written by the writer thread only
 
     def __repr__(self) -> str:
-        return f"AsyncSave({self.checkpoint_id!r}: {self._status})"
+        return f"AsyncSave({self.checkpoint_id!r}: {self.status})"
 
     @property
     def status(self) -> str:
-        return self._status
-
-    def _set_status(self, status: str) -> None:
-        """The writer's progress (its protocol's phases); the sentence ``status`` shows."""
-        self._status = status
-
-    def _finish(self, error: BaseException | None) -> None:
-        self._error = error
-        self._status = "committed" if error is None else f"failed: {error}"
-        self._finished.set()
+        return self._progress.status
 
     def done(self) -> bool:
         """Whether the save has ended (committed or failed)."""
-        return self._finished.is_set()
+        return self._progress.finished.is_set()
 
     def result(self, timeout: float | None = None) -> None:
         """Waits for the save to end (``timeout`` seconds at most; None: until it ends, which its own deadlines
         bound) and returns None once it committed. Raises the save's CheckpointSaveError where it failed, or
         TimeoutError, naming the checkpoint, where it has not ended in time (it goes on)."""
-        if not self._finished.wait(timeout):
+        if not self._progress.finished.wait(timeout):
             raise TimeoutError(f"shardkit checkpoint save (rank {self._rank}): the asynchronous save of "
-                               f"{self.checkpoint_id} has not ended after {timeout} s (it is {self._status})")
-        if self._error is not None:
-            raise self._error
+                               f"{self.checkpoint_id} has not ended after {timeout} s (it is {self.status})")
+        if self._progress.error is not None:
+            raise self._progress.error
 
 
 # --- staging -------------------------------------------------------------------------------------------------
@@ -184,7 +187,7 @@ def _leaves(value: Any, path: str, out: list[_Leaf]) -> None:
     elif isinstance(value, dict):
         for key, item in value.items():
             _leaves(item, f"{path}.{key}" if path else str(key), out)
-    elif type(value) in (list, tuple) or (isinstance(value, tuple) and hasattr(value, "_fields")):
+    elif type(value) in (list, tuple):
         for i, item in enumerate(value):
             _leaves(item, f"{path}.{i}" if path else str(i), out)
 
@@ -200,8 +203,6 @@ def _rebuild(value: Any, path: str, staged: Iterator[Any]) -> Any:
         return out
     if type(value) in (list, tuple):
         return type(value)(_rebuild(item, f"{path}.{i}" if path else str(i), staged) for i, item in enumerate(value))
-    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
-        return type(value)(*(_rebuild(item, f"{path}.{i}", staged) for i, item in enumerate(value)))
     try:
         return copy.deepcopy(value)
     except Exception as error:  # noqa: BLE001 - named, with the key, below
@@ -366,21 +367,26 @@ def stage(state_dict: dict[str, Any]) -> _Staged:
 
 # --- the writer ----------------------------------------------------------------------------------------------
 
+# The commit protocol a job runs (_save.run_protocol, handed in by _save.save: this module does not import _save,
+# which imports it): (state, target, ranks, staging_failure=, phase=).
+Protocol = Callable[..., None]
+
+
 @dataclasses.dataclass
 class _Job:
     target: Path
     ranks: Ranks
     staged: _Staged
     handle: AsyncSave
+    progress: _Progress
     timeout: timedelta
+    protocol: Protocol
 
     def run(self) -> None:
-        from ._save import run_protocol
-
         error: BaseException | None = None
         try:
-            run_protocol(self.staged.state, self.target, self.ranks, staging_failure=self.staged.failure,
-                         phase=self.handle._set_status)
+            self.protocol(self.staged.state, self.target, self.ranks, staging_failure=self.staged.failure,
+                          phase=self._enter)
         except CheckpointSaveError as failed:
             error = failed
         except BaseException as unexpected:  # noqa: BLE001 - the writer lives on; the handle tells
@@ -391,7 +397,10 @@ class _Job:
             error.__cause__ = unexpected
         finally:
             self.staged.release()
-        self.handle._finish(error)
+        self.progress.finish(error)
+
+    def _enter(self, phase: str) -> None:
+        self.progress.status = phase
 
 
 class _Writer:
@@ -407,7 +416,7 @@ class _Writer:
         with self._lock:
             ahead = self._queue[-1] if self._queue else self._current
             if ahead is not None:
-                job.handle._set_status(f"waiting for the save of {ahead.target} to finish")
+                job.progress.status = f"waiting for the save of {ahead.target} to finish"
             self._queue.append(job)
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="shardkit-checkpoint-writer", daemon=True)
@@ -488,8 +497,9 @@ def agreement_group(process_group: Any) -> Any:
     return group
 
 
-def save_async(state_dict: dict[str, Any], target: Path, process_group: Any) -> AsyncSave:
-    """``save(..., async_save=True)``: stage, queue on the writer, return the handle."""
+def save_async(state_dict: dict[str, Any], target: Path, process_group: Any, protocol: Protocol) -> AsyncSave:
+    """``save(..., async_save=True)``: stage, queue on the writer (which runs ``protocol`` on the staged copy),
+    return the handle."""
     global _EXIT_HANDLER_REGISTERED
     foreground = Ranks(process_group)
     if foreground.distributed:
@@ -497,12 +507,13 @@ def save_async(state_dict: dict[str, Any], target: Path, process_group: Any) -> 
         ranks, timeout = Ranks(group), _torch_compat.group_timeout(group)
     else:
         ranks, timeout = foreground, dist.distributed_c10d.default_pg_timeout
-    handle = AsyncSave(target, foreground.rank)
+    progress = _Progress()
+    handle = AsyncSave(target, foreground.rank, progress)
     staged = stage(state_dict)
     if not _EXIT_HANDLER_REGISTERED:
         atexit.register(_wait_at_exit)  # after torch's and shardkit's own: runs before them
         _EXIT_HANDLER_REGISTERED = True
-    _WRITER.submit(_Job(target, ranks, staged, handle, timeout))
+    _WRITER.submit(_Job(target, ranks, staged, handle, progress, timeout, protocol))
     return handle
 
 

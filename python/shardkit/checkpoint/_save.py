@@ -55,19 +55,16 @@ import uuid
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from . import _commit
+from . import _async, _commit
 from ._errors import CheckpointSaveError
 from ._manifest import FileRecord, Manifest, write_manifest
 from ._ranks import Ranks
 from ._writer import ChecksummingWriter, WriteLedger
-
-if TYPE_CHECKING:
-    from ._async import AsyncSave
 
 _ANOTHER_RANK_FAILED = "stopped: another rank failed"
 
@@ -118,7 +115,7 @@ def _save_error(ranks: Ranks, target: Path, failures: list[_Failure], detail: st
 
 
 def save(state_dict: dict[str, Any], checkpoint_id: str | os.PathLike, *, process_group: Any = None,
-         async_save: bool = False) -> AsyncSave | None:
+         async_save: bool = False) -> _async.AsyncSave | None:
     """Saves ``state_dict`` as the DCP checkpoint directory ``checkpoint_id``, replacing any checkpoint there only
     once the new one is complete on every rank, durable and checksummed (see the module docstring). A
     collective: call it on every rank of ``process_group`` (default: the default group), like ``dcp.save``.
@@ -128,10 +125,8 @@ def save(state_dict: dict[str, Any], checkpoint_id: str | os.PathLike, *, proces
     (``done()``, ``result(timeout)``, ``status``); the save itself runs on this process's checkpoint writer thread
     (checkpoint/_async.py), whose ``result()`` raises the CheckpointSaveError this call would have raised. A
     synchronous save first waits for this process's asynchronous saves still in flight."""
-    from . import _async  # _async runs this module's protocol
-
     if async_save:
-        return _async.save_async(state_dict, Path(os.path.abspath(checkpoint_id)), process_group)
+        return _async.save_async(state_dict, Path(os.path.abspath(checkpoint_id)), process_group, run_protocol)
     _async.wait_for_writer(Ranks(process_group))
     run_protocol(state_dict, Path(os.path.abspath(checkpoint_id)), Ranks(process_group))
     return None
