@@ -61,19 +61,9 @@ from _harness import (  # noqa: E402
     write_json,
     wrote,
 )
+from checkpoint_integrity import dtensor_state  # noqa: E402
 
 SAVES = ("shardkit async", "shardkit sync", "dcp async thread", "dcp async process")
-
-
-def _state(rank: int, world: int, total_bytes: int, tensors: int) -> dict[str, Any]:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Shard
-
-    mesh = init_device_mesh("cpu", (world,))
-    rows = max(world, total_bytes // tensors // 4 // 1024 // world * world)
-    generator = torch.Generator().manual_seed(rank)
-    local = [torch.rand(rows // world, 1024, generator=generator) for _ in range(tensors)]
-    return {"model": {f"w{i}": DTensor.from_local(t, mesh, [Shard(0)], run_check=False) for i, t in enumerate(local)}}
 
 
 def _step_fn(matmuls: int) -> Callable[[], None]:
@@ -100,7 +90,7 @@ def _rank(rank: int, world: int, store: str, scratch: str, total_bytes: int, ten
 
     bench = init_groups(rank, world, store, 600)
     progress = rank0_progress(rank, "checkpoint_async: ")
-    state = _state(rank, world, total_bytes, tensors)
+    state = dtensor_state(rank, world, total_bytes, tensors)
     step = _step_fn(matmuls)
 
     def path(name: str) -> str:

@@ -64,7 +64,9 @@ from _harness import (  # noqa: E402
 OPERATIONS = ("save", "dcp save", "load", "load verify=False", "dcp load")
 
 
-def _state(rank: int, world: int, total_bytes: int, tensors: int) -> dict[str, Any]:
+def dtensor_state(rank: int, world: int, total_bytes: int, tensors: int) -> dict[str, Any]:
+    """A checkpoint's worth of ``total_bytes`` over the ranks: ``tensors`` row-sharded float32 DTensors under
+    "model" (also benchmarks/checkpoint_async.py's state)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
@@ -92,7 +94,7 @@ def _rank(rank: int, world: int, store: str, scratch: str, total_bytes: int, ten
 
     init_groups(rank, world, store, 600, gloo=False)
     progress = rank0_progress(rank, "checkpoint_integrity: ")
-    state = _state(rank, world, total_bytes, tensors)
+    state = dtensor_state(rank, world, total_bytes, tensors)
     skeleton = _skeleton(state)
     a, b = os.path.join(scratch, "shardkit"), os.path.join(scratch, "dcp")
 

@@ -32,10 +32,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-import torch
-
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "python" / "support" / "resume_train_gpt.py"
+sys.path.insert(0, str(SCRIPT.parent))  # the worker's module also says what "bitwise equal" compares
+from resume_train_gpt import final_bits  # noqa: E402
+
 FRONTS = ("fully_shard", "zero2", "ddp")
 TINY = ["--layers", "2", "--d-model", "32", "--heads", "2", "--vocab", "64", "--seq", "8", "--batch", "2",
         "--log-every", "1000", "--json"]
@@ -70,20 +71,6 @@ def run(args: list[str], kills: str, events: Path, timeout: float) -> subprocess
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
-def final_bits(directory: Path, step: int, scratch: Path) -> dict[str, bytes]:
-    from shardkit import checkpoint
-
-    out = scratch / f"{directory.name}.pt"
-    checkpoint.consolidate(directory / f"step-{step:08d}", out)
-    whole = torch.load(out, weights_only=True)
-
-    def flat(prefix: str, value) -> dict[str, bytes]:
-        if isinstance(value, dict):
-            return {k: v for key, sub in value.items() for k, v in flat(f"{prefix}.{key}", sub).items()}
-        if isinstance(value, torch.Tensor):
-            return {prefix: value.reshape(-1).view(torch.uint8).numpy().tobytes()}
-        return {prefix: repr(value).encode()}
-    return {**flat("model", whole["model"]), **flat("optim", whole["optim"])}
 
 
 def attempts(events: Path, rank: int) -> list[list[dict]]:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import inspect
 import io
 import json
 import os
@@ -26,6 +25,7 @@ import random
 import shutil
 import subprocess
 import sys
+import uuid
 import warnings
 from pathlib import Path
 
@@ -34,6 +34,7 @@ import torch
 
 from support import harness
 from support.fsdp_cases import adamw, block_policy, net, train_global
+from support.resume_train_gpt import final_bits
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "train_gpt.py"
@@ -192,13 +193,6 @@ def test_an_lr_scheduler_and_the_optimizers_settings_come_back(tmp_path: Path):
     assert torch.equal(*moments)
 
 
-def _has_async_save() -> bool:
-    from shardkit import checkpoint
-
-    return "async_save" in inspect.signature(checkpoint.save).parameters
-
-
-@pytest.mark.skipif(not _has_async_save(), reason="shardkit.checkpoint.save has no async_save here (issue #39's r3)")
 def test_async_retention_prunes_only_after_the_save_in_flight_is_committed(tmp_path: Path):
     from shardkit.checkpoint import Checkpointer
 
@@ -408,33 +402,20 @@ def _train_gpt(rank: int, world: int, argv: list[str], port: int, stop_at: int |
     return losses
 
 
-def _final(directory: Path, step: int, tmp_path: Path) -> dict[str, bytes]:
-    """The model and optimizer entries of ``directory/step-<step>``, whole, as bytes."""
-    from shardkit import checkpoint
-
-    out = tmp_path / f"{directory.name}.pt"
-    checkpoint.consolidate(directory / f"step-{step:08d}", out)
-    whole = torch.load(out, weights_only=True)
-
-    def flat(prefix: str, value) -> dict[str, bytes]:
-        if isinstance(value, dict):
-            return {k: v for key, sub in value.items() for k, v in flat(f"{prefix}.{key}", sub).items()}
-        if isinstance(value, torch.Tensor):
-            return {prefix: value.reshape(-1).view(torch.uint8).numpy().tobytes()}
-        return {prefix: repr(value).encode()}
-    return {**flat("model", whole["model"]), **flat("optim", whole["optim"])}
 
 
 RESTARTING = REPO / "tests" / "python" / "support" / "resume_train_gpt.py"
 
 
 def run_restarting(nproc: int, args: list[str], kills: str, events: Path, timeout: float,
-                   max_restarts: int = 3) -> subprocess.CompletedProcess:
+                   max_restarts: int = 3, shm_tag: str = "") -> subprocess.CompletedProcess:
     """tests/python/support/resume_train_gpt.py (train_gpt.py with the faults ``kills`` names) under torchrun
-    --max-restarts (the standalone rendezvous; a port picked free)."""
+    --max-restarts (the standalone rendezvous; a port picked free); ``shm_tag``: SHARDKIT_SHM_TAG, to find the job's
+    shared-memory segments."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            f"--max-restarts={max_restarts}", "--monitor-interval=0.2", str(RESTARTING), *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "SHARDKIT_TEST_KILLS": kills, "SHARDKIT_TEST_EVENTS": str(events)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "SHARDKIT_TEST_KILLS": kills, "SHARDKIT_TEST_EVENTS": str(events),
+           "SHARDKIT_SHM_TAG": shm_tag}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
@@ -460,19 +441,21 @@ def test_train_gpt_stopped_or_killed_and_resumed_ends_bitwise_equal_to_the_unint
     resumed = run(tmp_path / "stopped", None)
     assert sorted(resumed) == [6, 7, 8, 9]  # steps 6 and 7 recomputed
     assert resumed == {step: whole[step] for step in resumed}
-    assert _final(tmp_path / "stopped", 10, tmp_path) == _final(tmp_path / "whole", 10, tmp_path)
+    assert final_bits(tmp_path / "stopped", 10, tmp_path) == final_bits(tmp_path / "whole", 10, tmp_path)
     # keep=2 (the default): the end's checkpoint and the one before it
     assert sorted(p.name for p in (tmp_path / "stopped").iterdir()) == ["step-00000009", "step-00000010"]
 
     killed = tmp_path / "killed"
+    tag = f"resume{uuid.uuid4().hex[:8]}"
     done = run_restarting(2, [*args, "--checkpoint-dir", str(killed)], "0:1:8:step", tmp_path / "events",
-                          timeout=300)
+                          timeout=300, shm_tag=tag)
     assert done.returncode == 0, f"stdout:\n{done.stdout[-3000:]}\nstderr:\n{done.stderr[-3000:]}"
+    assert not [n for n in os.listdir("/dev/shm") if f"shardkit-{tag}-" in n]  # the killed attempt's included
     assert "resumed at step 6" in done.stdout, done.stdout
     events = [json.loads(line) for line in (tmp_path / "events.rank1").read_text().splitlines()]
     assert [e["attempt"] for e in events if e["event"] == "start"] == [0, 1]
     assert [(e["step"], e["where"]) for e in events if e["event"] == "kill"] == [(8, "step")]
-    assert _final(killed, 10, tmp_path) == _final(tmp_path / "whole", 10, tmp_path)
+    assert final_bits(killed, 10, tmp_path) == final_bits(tmp_path / "whole", 10, tmp_path)
 
 
 @pytest.mark.timeout(300)
@@ -481,8 +464,6 @@ def test_train_gpt_with_async_saves_stopped_while_one_is_in_flight_resumes_bitwi
     flight, so the rerun resumes from step 8's checkpoint if it was committed, else from step 4's, skipping what the
     interrupted save left; either way it ends with the uninterrupted run's bits."""
     pytest.importorskip("numpy")
-    if not _has_async_save():
-        pytest.skip("shardkit.checkpoint.save has no async_save here")
     args = [*TINY, "--strategy", "fully_shard", "--steps", "12", "--checkpoint-every", "4", "--checkpoint-async"]
 
     def run(directory: Path, stop_at: int | None) -> dict[int, float]:
@@ -494,7 +475,7 @@ def test_train_gpt_with_async_saves_stopped_while_one_is_in_flight_resumes_bitwi
     resumed = run(tmp_path / "stopped", None)
     assert min(resumed) in (4, 8) and sorted(resumed) == list(range(min(resumed), 12))
     assert resumed == {step: whole[step] for step in resumed}
-    assert _final(tmp_path / "stopped", 12, tmp_path) == _final(tmp_path / "whole", 12, tmp_path)
+    assert final_bits(tmp_path / "stopped", 12, tmp_path) == final_bits(tmp_path / "whole", 12, tmp_path)
 
 
 # --- the README's Checkpoints section, as written --------------------------------------------------------------------

@@ -46,6 +46,26 @@ def _die(step: int, where: str) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def final_bits(directory: Path, step: int, scratch: Path) -> dict[str, bytes]:
+    """The model and optimizer entries of the Checkpointer's ``directory/step-<step>``, whole (consolidated into
+    ``scratch``), as bytes per key: what "bitwise equal to the uninterrupted run" compares."""
+    import torch
+
+    from shardkit import checkpoint
+
+    out = scratch / f"{directory.name}.pt"
+    checkpoint.consolidate(directory / f"step-{step:08d}", out)
+    whole = torch.load(out, weights_only=True)
+
+    def flat(prefix: str, value) -> dict[str, bytes]:
+        if isinstance(value, dict):
+            return {k: v for key, sub in value.items() for k, v in flat(f"{prefix}.{key}", sub).items()}
+        if isinstance(value, torch.Tensor):
+            return {prefix: value.reshape(-1).view(torch.uint8).numpy().tobytes()}
+        return {prefix: repr(value).encode()}
+    return {**flat("model", whole["model"]), **flat("optim", whole["optim"])}
+
+
 def main() -> int:
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     rank = int(os.environ["RANK"])
