@@ -82,9 +82,11 @@ def _jobs() -> dict[str, Job]:
             ("auto", "--evaluate", "--budget", zero3_budget),
             ("zero2", "--wrapped"),  # last: nothing runs after its refused fit
         )),
-        # A job of its own: after the shardkit job's runs, fully_shard's fit here diverged (rank 1 grew the shared
-        # reduce-scatter block, rank 0 did not: "ranks disagree on collective"), an open bug of fully_shard's
-        # SharedReduceInput across many fits in one process, recorded in the session note.
+        # A job of its own: appended to the shardkit job, fully_shard's fit here diverged at its first
+        # reduce-scatter (rank 1 called shared_buffer to grow the block, rank 0 did not: "ranks disagree on
+        # collective"). An open bug in shardkit/fsdp/_fully_shard.py, not in this path: SharedReduceInput is held
+        # weakly per group name (_OnePerGroup), so whether an earlier fit's instance, with its block, is still
+        # alive when the next fit's units ask depends on each rank's garbage collection.
         "async_save": Job(2, ("--async_save",), (("ddp",), ("zero2",), ("fully_shard",))),
         "gloo": Job(2, (), (("gloo",), ("gloo", "--clip", "0"), ("gloo", "--accumulate", "2"),
                             ("gloo", "--evaluate"), ("model_parallel", "--evaluate"))),
