@@ -84,7 +84,7 @@ def _jobs() -> dict[str, Job]:
         )),
         # A job of its own: appended to the shardkit job, fully_shard's fit here diverged at its first
         # reduce-scatter (rank 1 called shared_buffer to grow the block, rank 0 did not: "ranks disagree on
-        # collective"). An open bug in shardkit/fsdp/_fully_shard.py, not in this path: SharedReduceInput is held
+        # collective"). An open bug in shardkit/fsdp/_fully_shard.py (cause not yet proven): SharedReduceInput is held
         # weakly per group name (_OnePerGroup), so whether an earlier fit's instance, with its block, is still
         # alive when the next fit's units ask depends on each rank's garbage collection.
         "async_save": Job(2, ("--async_save",), (("ddp",), ("zero2",), ("fully_shard",))),
