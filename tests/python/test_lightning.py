@@ -11,6 +11,9 @@
   ZeRO-3's.
 - ``trainer.save_checkpoint`` after epoch 1 at 2 ranks, ``fit(ckpt_path=...)`` at 3: ends where the uninterrupted
   2-rank run ended (zero2, fully_shard).
+- Lightning's ``AsyncCheckpointIO`` with the strategy (ddp, zero2, fully_shard): a training step runs while a save is
+  in flight, the file holds bitwise the state of its step, and ``fit(ckpt_path=...)`` from it ends where the
+  uninterrupted run ended (bitwise).
 - zero2 and fully_shard on two simulated hosts (the hierarchical engine).
 - Evaluation (``validate`` / ``test`` / ``predict``) for every strategy: on the fresh model,
   then after a fit (on the model fit left: fully_shard's stays sharded, no re-wrapping, no broadcast of its shards),
@@ -21,7 +24,7 @@
   LightningModule already wrapped.
 - The README's Lightning section is examples/lightning_train.py, and it runs under torchrun.
 
-The script runs several runs in one launch; the runs fixture puts every script run these tests need into four launches
+The script runs several runs in one launch; the runs fixture puts every script run these tests need into five launches
 (``_jobs``), most of a launch being start-up.
 """
 
@@ -79,6 +82,12 @@ def _jobs() -> dict[str, Job]:
             ("auto", "--evaluate", "--budget", zero3_budget),
             ("zero2", "--wrapped"),  # last: nothing runs after its refused fit
         )),
+        # A job of its own: appended to the shardkit job, fully_shard's fit here diverged at its first
+        # reduce-scatter (rank 1 called shared_buffer to grow the block, rank 0 did not: "ranks disagree on
+        # collective"). An open bug in shardkit/fsdp/_fully_shard.py (cause not yet proven): SharedReduceInput is held
+        # weakly per group name (_OnePerGroup), so whether an earlier fit's instance, with its block, is still
+        # alive when the next fit's units ask depends on each rank's garbage collection.
+        "async_save": Job(2, ("--async_save",), (("ddp",), ("zero2",), ("fully_shard",))),
         "gloo": Job(2, (), (("gloo",), ("gloo", "--clip", "0"), ("gloo", "--accumulate", "2"),
                             ("gloo", "--evaluate"), ("model_parallel", "--evaluate"))),
         "two_hosts": Job(2, ("--one_host_per_rank",), (("shardkit",), ("zero2",), ("fully_shard",))),
@@ -87,7 +96,7 @@ def _jobs() -> dict[str, Job]:
     }
 
 
-FLAGS = ("--wrapped", "--evaluate")  # the script's options that take no value
+FLAGS = ("--wrapped", "--evaluate", "--async_save")  # the script's options that take no value
 
 
 def _run_spec(kind: str, *options: str) -> str:
@@ -231,6 +240,21 @@ def test_save_checkpoint_then_fit_resumes_at_another_world_size(runs, strategy):
     resumed = runs(strategy, "--resume", checkpoint.name, world=3)
     assert int(resumed["world"]) == 3
     _assert_same_weights(resumed, runs(strategy), exact=False, what=f"{strategy} resumed at 3 ranks")
+
+
+@pytest.mark.timeout(500)
+@pytest.mark.parametrize("strategy", ["ddp", "zero2", "fully_shard"])
+def test_async_checkpoint_io_saves_the_state_of_its_step_while_training_goes_on(runs, strategy):
+    ours = runs(strategy, "--async_save")
+    # Lightning's AsyncCheckpointIO, a ModelCheckpoint at every epoch end; each background write waited for the next
+    # step (the first save) or fit's end (the last), and holds bitwise the state Lightning built at its step.
+    assert list(ours["metric/async/files"]) == ["epoch=0-step=4.ckpt", "epoch=1-step=8.ckpt"]
+    assert bool(ours["metric/async/step_in_flight/4"])  # training took step 5 while the step-4 save was in flight
+    assert bool(ours["metric/async/bitwise/4"]) and bool(ours["metric/async/bitwise/8"])
+    plain = runs(strategy)
+    _assert_same_weights(ours, plain, exact=True, what=f"{strategy} with async checkpoints")
+    for name in WEIGHTS:  # fit(ckpt_path=the step-4 file) ends where the uninterrupted run ended
+        np.testing.assert_array_equal(ours[f"metric/resumed/{name}"], plain[name], err_msg=f"{strategy}: {name}")
 
 
 # --- evaluation: validate / test / predict, fresh and after fit, and test(ckpt_path="best") ------------------------

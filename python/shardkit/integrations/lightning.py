@@ -50,7 +50,10 @@ Where Lightning's API leaves the choice to the strategy:
   and of the strategy: a checkpoint resumes at any world size, under any of the strategies (ZeRO and fully_shard
   keep their share of it on load). The cost: the whole model and optimizer state pass through rank 0's host
   memory; for models that do not fit there, save with ``shardkit.checkpoint`` (sharded, as the accelerate
-  integration's ``save_state`` does).
+  integration's ``save_state`` does). Asynchronous saves are Lightning's own ``AsyncCheckpointIO`` plugin, which
+  needs nothing from the strategy: in lightning 2.6.6 it clones every tensor of the checkpoint on the calling
+  thread (after the gathering above) and its thread only runs the wrapped CheckpointIO's ``save_checkpoint``
+  on rank 0 (no collective there), so the file holds the state of its step (tests/python/test_lightning.py).
 - **After fit** the LightningModule holds the trained weights: plain tensors for ddp and ZeRO, DTensor shards
   for fully_shard (FSDP2 cannot be undone in place; ``.full_tensor()`` or ``lightning_module_state_dict()`` gives
   them whole).

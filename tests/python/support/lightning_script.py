@@ -18,13 +18,20 @@ backend: its runs are all gloo and model_parallel, or all of the shardkit kinds.
 Options: ``--budget GB`` (auto's memory_budget_gb), ``--accumulate N``, ``--epochs N``, ``--clip V`` (0: none),
 ``--save CKPT`` (``trainer.save_checkpoint`` after fit), ``--resume CKPT`` (``fit(ckpt_path=CKPT)``),
 ``--wrapped`` (the LightningModule wraps its net in torch's DDP in ``configure_model``; fit must refuse it),
-``--evaluate``: the evaluation sequence below; and the job's alone, ``--one_host_per_rank`` (every rank on a
-simulated host of its own, for the whole job).
+``--evaluate``: the evaluation sequence below; ``--async_save``: the asynchronous checkpoint run below; and
+the job's alone, ``--one_host_per_rank`` (every rank on a simulated host of its own, for the whole job).
 
 ``--evaluate``: ``validate`` on the fresh model, then ``fit`` with a validation loader and a ``ModelCheckpoint``
 (in RESULT.i.checkpoints) keeping the epoch of the highest ``val_loss`` (the first, not the weights fit ends with),
 then ``validate``, ``test``, ``predict`` on the model fit left, then ``test(ckpt_path="best")``; the result holds
 each metric (logged with ``sync_dist``) and rank 0's predictions.
+
+``--async_save``: ``fit`` with Lightning's ``AsyncCheckpointIO`` over a ``TorchCheckpointIO`` that writes each
+file only once training has taken a step after it (or fit has ended), and a ``ModelCheckpoint`` saving at every
+epoch end (in RESULT.i.async); the LightningModule's ``on_save_checkpoint`` keeps a deep copy of each checkpoint as
+Lightning built it (the state at its step). After fit, rank 0 reads each file back and records whether it equals
+that copy bitwise and whether a training step ran while it was in flight; then a new Trainer resumes from the
+epoch-0 file (``fit(ckpt_path=...)``) and its final weights are recorded as ``resumed/NAME``.
 
 The data's global batch is 12 samples at any world size (DistributedSampler's split), 4 batches per epoch, so runs
 at different world sizes see the same arithmetic. Rank 0 writes each run's result (an .npz): the weights after fit
@@ -35,6 +42,7 @@ with.
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 
 import numpy as np
@@ -49,7 +57,7 @@ GLOO_KINDS = ("gloo", "model_parallel")
 SHARDKIT_KINDS = ("shardkit", "ddp", "zero1", "zero2", "fully_shard", "auto")
 # A run's own options (``:NAME=VALUE``, a flag ``:NAME``): the type each VALUE converts to, bool for a flag.
 RUN_OPTIONS = {"budget": float, "accumulate": int, "epochs": int, "clip": float, "save": str, "resume": str,
-               "wrapped": bool, "evaluate": bool}
+               "wrapped": bool, "evaluate": bool, "async_save": bool}
 
 
 def main() -> None:
@@ -65,6 +73,7 @@ def main() -> None:
     parser.add_argument("--one_host_per_rank", action="store_true")
     parser.add_argument("--wrapped", action="store_true")
     parser.add_argument("--evaluate", action="store_true")
+    parser.add_argument("--async_save", action="store_true")
     args = parser.parse_args()
     runs = [parse_run(spec, args) for spec in args.runs.split(",")]
     kinds = [kind for kind, _ in runs]
@@ -146,6 +155,11 @@ def run(kind: str, args: argparse.Namespace, world: int, result: str) -> None:
         def predict_step(self, batch, batch_idx):
             return self.net(batch[0])
 
+        def on_save_checkpoint(self, checkpoint) -> None:
+            if args.async_save:  # the state at this step, as Lightning built it, before any write
+                saved_states[checkpoint["global_step"]] = copy.deepcopy(
+                    {key: checkpoint[key] for key in ("state_dict", "optimizer_states", "lr_schedulers")})
+
         def configure_optimizers(self):
             optimizer = torch.optim.AdamW(self.parameters(), lr=1e-2)
             scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
@@ -158,17 +172,20 @@ def run(kind: str, args: argparse.Namespace, world: int, result: str) -> None:
             facts.update(wrapper=type(trainer.strategy.model).__name__,
                          optimizer=type(trainer.strategy.optimizers[0]).__name__)
 
-    if kind in ("gloo", "shardkit"):
-        strategy = DDPStrategy(process_group_backend=kind)
-    elif kind == "model_parallel":
-        strategy = ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1,
+    def new_strategy():
+        if kind in ("gloo", "shardkit"):
+            return DDPStrategy(process_group_backend=kind)
+        if kind == "model_parallel":
+            return ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1,
                                          process_group_backend="gloo")
-    else:
         from shardkit.integrations.lightning import ShardkitStrategy
 
-        strategy = ShardkitStrategy(kind, auto_wrap=["Linear"] if kind == "fully_shard" else None,
-                                    memory_budget_gb=args.budget if kind == "auto" else None)
+        return ShardkitStrategy(kind, auto_wrap=["Linear"] if kind == "fully_shard" else None,
+                                memory_budget_gb=args.budget if kind == "auto" else None)
+
+    strategy = new_strategy()
     facts: dict = {}
+    saved_states: dict = {}
     pl.seed_everything(0, verbose=False)
     x = torch.randn(SAMPLES, 8, generator=torch.Generator().manual_seed(1))
     data = torch.utils.data.TensorDataset(x, x.sum(dim=1, keepdim=True).sin())
@@ -183,10 +200,15 @@ def run(kind: str, args: argparse.Namespace, world: int, result: str) -> None:
         # keeps the epoch of the highest val_loss, the first: so test(ckpt_path="best") must load other weights
         best = ModelCheckpoint(dirpath=f"{result}.checkpoints", monitor="val_loss", mode="max", save_top_k=1)
         callbacks.append(best)
+    plugins: list = []
+    if args.async_save:
+        steps, async_io, in_flight = _held_writes(pl)
+        plugins.append(async_io)
+        callbacks += [steps, ModelCheckpoint(dirpath=f"{result}.async", save_top_k=-1, every_n_epochs=1)]
     trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_epochs=args.epochs,
                          accumulate_grad_batches=args.accumulate, gradient_clip_val=args.clip or None,
-                         logger=False, enable_checkpointing=args.evaluate, enable_progress_bar=False,
-                         enable_model_summary=False, callbacks=callbacks)
+                         logger=False, enable_checkpointing=args.evaluate or args.async_save,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks, plugins=plugins)
     error = ""
     metrics: dict = {}
     try:
@@ -206,6 +228,16 @@ def run(kind: str, args: argparse.Namespace, world: int, result: str) -> None:
         if not args.wrapped:
             raise
         error = str(refused)
+    if args.async_save:  # fit's teardown waited for the writes
+        metrics.update(_compare_async_saves(f"{result}.async", saved_states, in_flight)
+                       if dist.get_rank() == 0 else {})
+        resumed = pl.Trainer(accelerator="cpu", devices=world, strategy=new_strategy(),
+                             max_epochs=args.epochs, gradient_clip_val=args.clip or None, logger=False,
+                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+        again = Regression()
+        resumed.fit(again, loader, ckpt_path=f"{result}.async/epoch=0-step=4.ckpt")
+        metrics.update({f"resumed/{k}": (v.full_tensor() if isinstance(v, DTensor) else v).detach()
+                        for k, v in again.state_dict().items()})
     if args.save:
         trainer.save_checkpoint(args.save)  # every rank: a collective for the sharded strategies
     # The LightningModule's own weights after fit (fully_shard: DTensor shards, gathered in state_dict order).
@@ -227,6 +259,66 @@ def run(kind: str, args: argparse.Namespace, world: int, result: str) -> None:
                  planned_params=np.array(plan.num_params if plan else 0),
                  wrapper=np.array(facts.get("wrapper", "")), optimizer=np.array(facts.get("optimizer", "")),
                  **{f"metric/{k}": np.asarray(v) for k, v in metrics.items()}, **weights, **initial)
+
+
+def _held_writes(pl):
+    """(a callback tracking training's steps, Lightning's ``AsyncCheckpointIO`` over a ``TorchCheckpointIO`` whose
+    background writes each wait for a step after their own or for the end of fit, so that a step runs while every
+    save but fit's last is in flight, and ``in_flight``: saved step -> whether a step ran while it was)."""
+    import threading
+
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
+
+    progress = threading.Condition()
+    seen = {"step": 0, "ended": False}
+    in_flight: dict[int, bool] = {}
+
+    class Held(TorchCheckpointIO):
+        def save_checkpoint(self, checkpoint, path, storage_options=None) -> None:
+            step = checkpoint["global_step"]
+            with progress:
+                if not progress.wait_for(lambda: seen["step"] > step or seen["ended"], timeout=120):
+                    raise TimeoutError(f"the write of {path} (step {step}) saw no later step nor fit's end in 120 s")
+                in_flight[step] = seen["step"] > step
+            super().save_checkpoint(checkpoint, path, storage_options)
+
+    class Steps(pl.Callback):
+        def on_train_batch_end(self, trainer, *args) -> None:
+            with progress:
+                seen["step"] = trainer.global_step
+                progress.notify_all()
+
+        def on_train_end(self, trainer, pl_module) -> None:
+            with progress:
+                seen["ended"] = True
+                progress.notify_all()
+
+    return Steps(), AsyncCheckpointIO(Held()), in_flight
+
+
+def _compare_async_saves(directory: str, saved_states: dict, in_flight: dict) -> dict:
+    """Each file of ``directory`` against the state Lightning built at its step: ``async/files``, and per file
+    ``async/bitwise/STEP``, ``async/step_in_flight/STEP``."""
+    out: dict = {"async/files": np.array(sorted(os.listdir(directory)))}
+    for name in sorted(os.listdir(directory)):
+        written = torch.load(os.path.join(directory, name), weights_only=True)
+        step = written["global_step"]
+        out[f"async/bitwise/{step}"] = _same(written, saved_states[step])
+        out[f"async/step_in_flight/{step}"] = in_flight[step]
+    return out
+
+
+def _same(written, expected) -> bool:
+    """Whether every entry of ``expected`` is in ``written``, tensors bitwise (same dtype, shape and bytes)."""
+    if isinstance(expected, torch.Tensor):
+        return (isinstance(written, torch.Tensor) and written.dtype == expected.dtype
+                and written.shape == expected.shape
+                and torch.equal(written.reshape(-1).view(torch.uint8), expected.reshape(-1).view(torch.uint8)))
+    if isinstance(expected, dict):
+        return isinstance(written, dict) and all(k in written and _same(written[k], v) for k, v in expected.items())
+    if isinstance(expected, (list, tuple)):
+        return len(written) == len(expected) and all(_same(w, e) for w, e in zip(written, expected))
+    return written == expected
 
 
 if __name__ == "__main__":
