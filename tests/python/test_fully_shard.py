@@ -602,3 +602,37 @@ def test_an_old_flat_checkpoint_is_refused_naming_the_layouts_and_consolidates(r
     plain = torch.load(tmp_path / "plain.pt", weights_only=True)["model"]
     assert {k: v.shape for k, v in plain.items()} == {k: v.shape for k, v in tiny_lm().state_dict().items()}
     assert all(torch.equal(plain[k], v) for k, v in tiny_lm().state_dict().items())
+
+
+# --- a second model on the same group, the first still alive on one rank only ------------------------------------
+
+def _second_model_while_the_first_lives_on_one_rank(rank: int, world: int) -> list[float]:
+    """Rank 0 keeps its first model (as a callback or a reference cycle may); rank 1 frees it. The second model's
+    units are larger, so its first reduce-scatter needs a larger shared block: whether to grow it (a collective)
+    must not depend on which ranks still hold the first model's."""
+    import gc
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import shardkit
+
+    mesh = init_device_mesh("cpu", (world,))
+    tokens = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(rank))
+    first = _wrap(shardkit.fully_shard, tiny_lm(depth=2), mesh)
+    first(tokens).sum().backward()
+    if rank == 1:
+        del first
+        gc.collect()
+    second = _wrap(shardkit.fully_shard, tiny_lm(seed=1, depth=2, vocab=4 * VOCAB), mesh)
+    losses = []
+    for _ in range(2):
+        loss = second(tokens).float().pow(2).mean()
+        loss.backward()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.timeout(60)
+def test_a_model_freed_on_one_rank_only_changes_no_collective_of_the_next(ranks):
+    got = ranks.run(_second_model_while_the_first_lives_on_one_rank, 2, timeout=50)
+    assert all(len(losses) == 2 for losses in got), got

@@ -125,22 +125,36 @@ class _Unit:
 
 class _OnePerGroup:
     """One instance per process group, shared by the units sharded over it (held weakly: it goes with them).
-    A subclass is made with its group alone."""
+    A subclass is made with its group alone.
+
+    Every unit's registration (``for_group``) returns the instance to its fresh state (``reset``): what an instance
+    holds decides collectives (whether to grow a shared block, a ledger's numbering), and whether the previous
+    model's instance is still alive when a new model's units register depends on each rank's garbage collector
+    (a model freed on one rank, still referenced from a reference cycle or a callback on another). Registration
+    runs in program order, the same on every rank, so after it every rank holds the same state. Units register
+    when ``fully_shard`` is applied, never during a collective."""
 
     _by_group: weakref.WeakValueDictionary[str, Any]
 
     def __init__(self, group: dist.ProcessGroup) -> None:
         self.group = group
+        self.reset()
 
     def __init_subclass__(cls) -> None:
         super().__init_subclass__()
         cls._by_group = weakref.WeakValueDictionary()  # group name -> instance, per subclass
 
+    def reset(self) -> None:
+        """The state of an instance just made for the group."""
+        raise NotImplementedError
+
     @classmethod
     def for_group(cls, group: dist.ProcessGroup):
         found = cls._by_group.get(group.group_name)
-        if found is None or found.group is not group:  # a group of that name made anew
+        if found is None or found.group is not group:  # none alive, or a group of that name made anew
             found = cls._by_group[group.group_name] = cls(group)
+        else:
+            found.reset()
         return found
 
 
@@ -153,9 +167,8 @@ class UnitLedger(_OnePerGroup):
     own end-of-backward callback (queued at the root's pre-backward), so it sees that callback's collectives
     too. One per group (``for_group``)."""
 
-    def __init__(self, group: dist.ProcessGroup) -> None:
-        super().__init__(group)
-        self.ledger = CollectiveLedger(group, "shard group", "shardkit.fully_shard")
+    def reset(self) -> None:
+        self.ledger = CollectiveLedger(self.group, "shard group", "shardkit.fully_shard")
         self._graph_task: int | None = None  # the backward pass whose check is queued
         self.checks = 0  # backwards that ended with the check
 
@@ -205,8 +218,7 @@ class SharedReduceInput(_OnePerGroup):
     making pages resident past the kept part (one MIN allreduce) are collectives on the group, issued by every
     rank at the same reduce-scatter. One per group (``for_group``)."""
 
-    def __init__(self, group: dist.ProcessGroup) -> None:
-        super().__init__(group)
+    def reset(self) -> None:
         self._memory: ResidentSharedMemory | None = None
         self._sizes: dict[int, int] = {}  # id(unit) -> bytes of its input: the same values on every rank
         self._lent: torch.Tensor | None = None
