@@ -16,9 +16,17 @@ time lost, split into
               interpreters' start, shardkit's start-up, building the model),
   load        load_latest (listing, verifying every file, loading),
   recompute   the steps trained again: from the loaded checkpoint's step up to the killed step.
+
+Then, per front, a resume at another world size (``--reshard-world``, 4 by default; 0 skips it): a world-2 run to a
+random checkpoint step s (a multiple of ``--every`` up to half of ``--steps``, drawn from the seed and the front),
+whose checkpoint of step s is resumed at that world size twice: once uninterrupted to the end, once with 3 faults
+drawn as above after step s (a fault before the first save there resumes from the world-2 checkpoint again). Asserts
+the same of the faulted run, against the uninterrupted run at that world size from that step, and prints the same
+figures.
 Exit status 1 if any front failed.
 
     python tests/chaos/resume_chaos.py [--seed 0] [--steps 300] [--every 25] [--fronts fully_shard zero2 ddp]
+        [--reshard-world 4]
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -43,11 +52,11 @@ TINY = ["--layers", "2", "--d-model", "32", "--heads", "2", "--vocab", "64", "--
 WORLD = 2
 
 
-def faults(rng: random.Random, steps: int, every: int) -> list[tuple[int, int, int, str]]:
-    """(attempt, rank, step, where) for attempts 0-2: steps increasing, so each attempt reaches its own (it
-    resumes at or before the previous fault's step)."""
+def faults(rng: random.Random, steps: int, every: int, world: int = WORLD,
+           low: int = 2) -> list[tuple[int, int, int, str]]:
+    """(attempt, rank, step, where) for attempts 0-2, steps from ``low``: steps increasing, so each attempt reaches
+    its own (it resumes at or before the previous fault's step)."""
     chosen: list[tuple[int, int, int, str]] = []
-    low = 2
     for attempt in range(3):
         high = low + (steps - 10 - low) // (3 - attempt)
         where = rng.choice(["step", "step", "save"])
@@ -59,13 +68,13 @@ def faults(rng: random.Random, steps: int, every: int) -> list[tuple[int, int, i
                 step = rng.choice(candidates)
         if where == "step":
             step = rng.randint(low, high)
-        chosen.append((attempt, rng.randrange(WORLD), step, where))
+        chosen.append((attempt, rng.randrange(world), step, where))
         low = step + 1
     return chosen
 
 
-def run(args: list[str], kills: str, events: Path, timeout: float) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}",
+def run(args: list[str], kills: str, events: Path, timeout: float, world: int = WORLD) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
            "--max-restarts=3", "--monitor-interval=0.2", str(SCRIPT), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "SHARDKIT_TEST_KILLS": kills, "SHARDKIT_TEST_EVENTS": str(events)}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
@@ -117,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--every", type=int, default=25)
     p.add_argument("--fronts", nargs="+", choices=FRONTS, default=list(FRONTS))
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per torchrun job")
+    p.add_argument("--reshard-world", type=int, default=4, help="the other world size to resume at (0: none)")
     options = p.parse_args(argv)
     rng = random.Random(options.seed)
     failed = False
@@ -140,15 +150,54 @@ def main(argv: list[str] | None = None) -> int:
                 problems += found
                 if final_bits(chaotic, options.steps, scratch) != final_bits(whole, options.steps, scratch):
                     problems.append("the final weights or optimizer state differ from the uninterrupted run's")
-            print(f"{front}: faults {kills}: {'FAILED' if problems else 'bitwise equal to the uninterrupted run'}")
-            for problem in problems:
-                print(f"  problem: {problem}")
-            for f in figures:
-                print(f"  attempt {f['attempt']}: rank {f['rank']} killed at step {f['step']} ({f['where']}), "
-                      f"resumed at {f['resumed']}: lost {f['restart']:.2f} s restart + {f['load']:.2f} s load + "
-                      f"{f['recompute']:.2f} s recomputing {f['recomputed_steps']} steps")
-            failed |= bool(problems)
+            failed |= summary(f"{front}: faults {kills}", problems, figures)
+            if options.reshard_world:
+                failed |= resharded(front, args, options, scratch)
     return 1 if failed else 0
+
+
+def summary(title: str, problems: list[str], figures: list[dict[str, float]]) -> bool:
+    """Prints a job's outcome and figures; True if it failed."""
+    print(f"{title}: {'FAILED' if problems else 'bitwise equal to the uninterrupted run'}", flush=True)
+    for problem in problems:
+        print(f"  problem: {problem}")
+    for f in figures:
+        print(f"  attempt {f['attempt']}: rank {f['rank']} killed at step {f['step']} ({f['where']}), "
+              f"resumed at {f['resumed']}: lost {f['restart']:.2f} s restart + {f['load']:.2f} s load + "
+              f"{f['recompute']:.2f} s recomputing {f['recomputed_steps']} steps", flush=True)
+    return bool(problems)
+
+
+def resharded(front: str, args: list[str], options: argparse.Namespace, scratch: Path) -> bool:
+    """The world-2 checkpoint of a random step resumed at ``--reshard-world`` with 3 faults, against the same
+    resume uninterrupted; True if it failed."""
+    world = options.reshard_world
+    rng = random.Random(f"{options.seed}-reshard-{front}")  # apart from the world-2 draws, which stay as they were
+    start = rng.choice(range(options.every, options.steps // 2 + 1, options.every))
+    chosen = faults(rng, options.steps, options.every, world, low=start + 1)
+    kills = ",".join(f"{a}:{r}:{s}:{w}" for a, r, s, w in chosen)
+    base = scratch / f"{front}-world{WORLD}-to-{start}"
+    problems = []
+    done = run([*args[:args.index("--steps") + 1], str(start), *args[args.index("--steps") + 2:], "--checkpoint-dir",
+                str(base)], "", scratch / f"{base.name}-events", options.timeout)
+    if done.returncode != 0:
+        problems.append(f"{base.name}: exit {done.returncode}\n{done.stderr[-3000:]}")
+    whole, chaotic = scratch / f"{front}-world{world}-whole", scratch / f"{front}-world{world}-chaos"
+    for directory, plan in ((whole, ""), (chaotic, kills)):
+        if problems:
+            break
+        directory.mkdir()
+        shutil.copytree(base / f"step-{start:08d}", directory / f"step-{start:08d}")
+        done = run([*args, "--checkpoint-dir", str(directory)], plan, scratch / f"{directory.name}-events",
+                   options.timeout, world)
+        if done.returncode != 0:
+            problems.append(f"{directory.name}: exit {done.returncode}\n{done.stderr[-3000:]}")
+    figures: list[dict[str, float]] = []
+    if not problems:
+        problems, figures = lost_time(scratch / f"{chaotic.name}-events", chosen)
+        if final_bits(chaotic, options.steps, scratch) != final_bits(whole, options.steps, scratch):
+            problems.append("the final weights or optimizer state differ from the uninterrupted run's")
+    return summary(f"{front}: world {WORLD} step {start} resumed at world {world}, faults {kills}", problems, figures)
 
 
 if __name__ == "__main__":
