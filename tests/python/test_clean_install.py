@@ -95,7 +95,7 @@ def test_gpt_example_with_auto(clean_python, outside):
     refused = harness.run_torchrun(REPO / "examples" / "train_gpt.py", 1, *tiny, "--checkpoint", str(outside / "c"),
                                    timeout=JOB_TIMEOUT_S, python=clean_python, cwd=outside)
     assert refused.returncode != 0
-    assert "--checkpoint/--resume need numpy: torch.distributed.checkpoint exchanges its plans" in refused.stderr
+    assert "--checkpoint/--resume/--checkpoint-dir need numpy: torch.distributed.checkpoint exchanges" in refused.stderr
 
 
 def test_quickstart(clean_python, outside):
