@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import secrets
 import time
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -49,50 +50,52 @@ class AttemptAgreementFailed(RuntimeError):
     """The ranks of a start-up did not agree an attempt scope within the deadline; the message names who waited."""
 
 
+def _poll(done: Callable[[], bool], deadline: float, timed_out: Callable[[], str]) -> None:
+    """Calls ``done`` until it returns True, pausing from _FIRST_POLL doubling up to _SLICE between calls; raises
+    AttemptAgreementFailed with ``timed_out()`` once ``deadline`` (time.monotonic()) has passed."""
+    pause = _FIRST_POLL
+    while not done():
+        if time.monotonic() > deadline:
+            raise AttemptAgreementFailed(timed_out())
+        time.sleep(pause)
+        pause = min(2 * pause, _SLICE)
+
+
 def agree_generation(store: dist.Store, rank: int, size: int, timeout: timedelta, where: str) -> int:
     """The generation number this start-up's ranks agree on ``store`` (new on that Store; see the module
     docstring). ``where`` names the rank in errors."""
     deadline = time.monotonic() + timeout.total_seconds()
+    seconds = f"{timeout.total_seconds():.0f} s"
     if rank == 0:
         generation = store.add(f"{_ROOT}/count", 1)
-        pending = list(range(1, size))
+        pending = set(range(1, size))
         answered: set[bytes] = set()
-        pause = _FIRST_POLL
-        while pending:
-            still = []
-            for r in pending:
+
+        def everyone_joined() -> bool:
+            """Answers every rank's nonce not answered yet (a dead attempt's stale one gets an answer nobody waits
+            for); True once every rank has joined ``generation``."""
+            for r in sorted(pending):
                 if store.check([f"{_ROOT}/{generation}/joined/{r}"]):
+                    pending.discard(r)
                     continue
-                still.append(r)
                 ask = f"{_ROOT}/ask/{r}"
                 if store.check([ask]):
-                    asked = store.get(ask)
-                    if asked not in answered:
-                        store.set(f"{_ROOT}/answer/{asked.decode()}", str(generation))
-                        answered.add(asked)
-            if len(still) < len(pending):
-                pause = _FIRST_POLL
-            pending = still
-            if not pending:
-                break
-            if time.monotonic() > deadline:
-                raise AttemptAgreementFailed(
-                    f"{where}: timed out after {timeout.total_seconds():.0f} s waiting for group rank(s) "
-                    f"{', '.join(map(str, pending))} to join the start-up (attempt generation {generation})")
-            time.sleep(pause)
-            pause = min(2 * pause, _SLICE)
+                    nonce = store.get(ask)
+                    if nonce not in answered:
+                        store.set(f"{_ROOT}/answer/{nonce.decode()}", str(generation))
+                        answered.add(nonce)
+            return not pending
+
+        _poll(everyone_joined, deadline,
+              lambda: f"{where}: timed out after {seconds} waiting for group rank(s) "
+                      f"{', '.join(map(str, sorted(pending)))} to join the start-up (attempt generation {generation})")
         return generation
     nonce = secrets.token_hex(12)
     store.set(f"{_ROOT}/ask/{rank}", nonce)
     answer = f"{_ROOT}/answer/{nonce}"
-    pause = _FIRST_POLL
-    while not store.check([answer]):
-        if time.monotonic() > deadline:
-            raise AttemptAgreementFailed(
-                f"{where}: timed out after {timeout.total_seconds():.0f} s waiting for group rank 0 to start "
-                "(the start-up's attempt agreement)")
-        time.sleep(pause)
-        pause = min(2 * pause, _SLICE)
+    _poll(lambda: store.check([answer]), deadline,
+          lambda: f"{where}: timed out after {seconds} waiting for group rank 0 to start (the start-up's attempt "
+                  "agreement)")
     generation = int(store.get(answer))
     store.set(f"{_ROOT}/{generation}/joined/{rank}", "1")
     return generation
