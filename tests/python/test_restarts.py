@@ -107,7 +107,9 @@ def test_gloo_reads_a_dead_attempts_address_unless_on_attempt_store(ranks):
     first = ranks.run(_gloo_attempt, 2, server.port, 0.0, False, backend=None)
     assert [ok for ok, _ in first] == [True, True], first
     plain = ranks.run(_gloo_attempt, 2, server.port, None, False, backend=None)
-    assert not plain[0][0] and "Connection refused" in plain[0][1], plain
+    # A connect to the dead listener: refused, or (the port's state after the exit varies) timed out.
+    assert not plain[0][0] and "connectFullMesh failed" in plain[0][1], plain
+    assert "Connection refused" in plain[0][1] or "Connect timeout" in plain[0][1], plain
     scoped = ranks.run(_gloo_attempt, 2, server.port, 1.0, True, backend=None)
     assert [ok for ok, _ in scoped] == [True, True], scoped
 
