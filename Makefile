@@ -23,7 +23,8 @@ TORCH_CUDA   := torch==2.14.1
 PIP_FLAGS    := --disable-pip-version-check -q
 LINT_DEPS    := ruff==0.17.6 mypy==2.4.1
 # torchft: tests/python/test_torchft*.py (its Rust Lighthouse ships in the wheel and is started in-process)
-TEST_DEPS    := pytest pytest-timeout numpy ninja 'setuptools>=77' wheel transformers==5.23.0 accelerate==1.15.0 lightning==2.6.6 matplotlib==3.11.2 torchft==0.2.0 $(LINT_DEPS)
+BUILD_DEPS   := ninja 'setuptools>=77' wheel numpy
+TEST_DEPS    := pytest pytest-timeout $(BUILD_DEPS) transformers==5.23.0 accelerate==1.15.0 lightning==2.6.6 matplotlib==3.11.2 torchft==0.2.0 $(LINT_DEPS)
 # iproute2 (ip netns, veth) and util-linux (unshare): the namespace hosts of tests/python/test_two_hosts.py
 APT_PACKAGES := libgtest-dev cmake ninja-build g++ iproute2 util-linux
 BUILD_CPP    := build/cpp
@@ -33,7 +34,7 @@ CUDA_HOME    ?= $(if $(wildcard /usr/local/cuda/include/cuda_runtime.h),/usr/loc
 export MAX_JOBS ?= 2
 CSRC := $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' 2>/dev/null) setup.py pyproject.toml
 
-.PHONY: test lint matrix demo cuda-check gpu-test bench bench-peers peer-test apt-deps venv build cpp-test py-test clean-venv clean-venv-check clean
+.PHONY: test lint matrix demo cuda-check gpu-test bench bench-peers peer-test apt-deps venv build cpp-test py-test clean-venv clean-venv-torch clean-venv-check clean
 
 # --- set-up -------------------------------------------------------------------------------------------
 apt-deps:
@@ -43,14 +44,21 @@ apt-deps:
 	  $$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -q $$missing; \
 	fi
 
-$(VENV)/.deps: Makefile
+# Two steps, so the extension compiles while the test deps install: .torch holds what the build imports (torch, the
+# build tools, and numpy, which torch imports when present: it must not be half-installed while the build runs);
+# .deps adds the rest, torch pinned again so that nothing moves it.
+$(VENV)/.torch: Makefile
 	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install $(PIP_FLAGS) $(TORCH_CPU) $(BUILD_DEPS)
+	touch $@
+
+$(VENV)/.deps: $(VENV)/.torch
 	$(VENV)/bin/pip install $(PIP_FLAGS) $(TORCH_CPU) $(TEST_DEPS)
 	touch $@
 
 venv: apt-deps $(VENV)/.deps
 
-$(VENV)/.built: $(VENV)/.deps $(CSRC)
+$(VENV)/.built: $(VENV)/.torch $(CSRC)
 	$(VENV)/bin/pip install $(PIP_FLAGS) --no-build-isolation --no-deps -e .
 	touch $@
 
@@ -70,11 +78,12 @@ lint: venv
 	$(VENV)/bin/ruff check python tests/python tests/chaos benchmarks examples
 	$(VENV)/bin/mypy --cache-dir $(VENV)/.mypy_cache
 
-# The C++ tests build and run while pip downloads into .venv and the extension compiles (two jobs: the download is
-# mostly waiting on the network), then pytest, with the lint beside it (~40 s of one core, while pytest's ranks
-# leave about a fifth of the cores idle).
+# Set-up in three jobs: the C++ tests build and run; pip installs torch into .venv, then the extension compiles
+# while the test deps install; torch installs into the clean-install venv (test_clean_install.py) meanwhile
+# (pip's downloads and unpacking leave a core mostly idle). Then pytest, with the lint beside it (~40 s of one
+# core, while pytest's ranks leave about a fifth of the cores idle).
 test:
-	$(MAKE) --no-print-directory -j2 cpp-test build
+	$(MAKE) --no-print-directory -j3 cpp-test build clean-venv-torch
 	$(MAKE) --no-print-directory -j2 py-test lint
 
 # The everyday matrix whole (every combination of front x settings, per entry point; make test runs its pairwise
@@ -129,6 +138,7 @@ $(CLEAN_VENV)/.shardkit: $(CLEAN_TORCH) $(WHEEL_DIR)/.built
 	touch $@
 
 clean-venv: $(CLEAN_VENV)/.shardkit
+clean-venv-torch: $(CLEAN_TORCH)
 
 clean-venv-check: venv
 	$(VENV)/bin/python -m pytest tests/python/test_clean_install.py -ra
