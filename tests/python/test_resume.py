@@ -419,13 +419,26 @@ def run_restarting(nproc: int, args: list[str], kills: str, events: Path, timeou
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
+def _stop_and_rerun(run, whole: dict[int, float], tmp_path: Path) -> None:
+    """In-process: the run stops before step 8 (the newest checkpoint is step 6's) and the same command runs again:
+    it recomputes steps 6 and 7 with the uninterrupted run's losses and ends with its bits."""
+    first = run(tmp_path / "stopped", 8)
+    assert sorted(first) == list(range(8))
+    assert sorted(p.name for p in (tmp_path / "stopped").iterdir()) == ["step-00000003", "step-00000006"]
+    resumed = run(tmp_path / "stopped", None)
+    assert sorted(resumed) == [6, 7, 8, 9]  # steps 6 and 7 recomputed
+    assert resumed == {step: whole[step] for step in resumed}
+    assert final_bits(tmp_path / "stopped", 10, tmp_path) == final_bits(tmp_path / "whole", 10, tmp_path)
+
+
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("strategy", ["fully_shard", "zero2", "ddp", "fsdp"])
 def test_train_gpt_stopped_or_killed_and_resumed_ends_bitwise_equal_to_the_uninterrupted_run(ranks, tmp_path: Path,
                                                                                              strategy: str):
-    """In-process first (the run stops before step 8 and the same command runs again), then under torchrun
-    --max-restarts (rank 1 SIGKILLs itself as attempt 0 begins step 8; torchrun restarts the job): both resume
-    at step 6's checkpoint and end with the uninterrupted run's bits."""
+    """Under torchrun --max-restarts (rank 1 SIGKILLs itself as attempt 0 begins step 8; torchrun restarts the job):
+    the job resumes at step 6's checkpoint and ends with the uninterrupted run's bits, keeping the last two
+    checkpoints. For fully_shard also stopped and rerun in-process (_stop_and_rerun); what the resume does is the
+    same code for every front, which the killed runs exercise."""
     pytest.importorskip("numpy")  # DCP's plans travel through numpy
     args = [*TINY, "--strategy", strategy, "--steps", "10", "--checkpoint-every", "3"]
 
@@ -435,15 +448,8 @@ def test_train_gpt_stopped_or_killed_and_resumed_ends_bitwise_equal_to_the_unint
 
     whole = run(tmp_path / "whole", None)
     assert sorted(whole) == list(range(10))
-    first = run(tmp_path / "stopped", 8)  # stops before step 8: the newest checkpoint is step 6's
-    assert sorted(first) == list(range(8))
-    assert sorted(p.name for p in (tmp_path / "stopped").iterdir()) == ["step-00000003", "step-00000006"]
-    resumed = run(tmp_path / "stopped", None)
-    assert sorted(resumed) == [6, 7, 8, 9]  # steps 6 and 7 recomputed
-    assert resumed == {step: whole[step] for step in resumed}
-    assert final_bits(tmp_path / "stopped", 10, tmp_path) == final_bits(tmp_path / "whole", 10, tmp_path)
-    # keep=2 (the default): the end's checkpoint and the one before it
-    assert sorted(p.name for p in (tmp_path / "stopped").iterdir()) == ["step-00000009", "step-00000010"]
+    if strategy == "fully_shard":
+        _stop_and_rerun(run, whole, tmp_path)
 
     killed = tmp_path / "killed"
     tag = f"resume{uuid.uuid4().hex[:8]}"
@@ -456,6 +462,8 @@ def test_train_gpt_stopped_or_killed_and_resumed_ends_bitwise_equal_to_the_unint
     assert [e["attempt"] for e in events if e["event"] == "start"] == [0, 1]
     assert [(e["step"], e["where"]) for e in events if e["event"] == "kill"] == [(8, "step")]
     assert final_bits(killed, 10, tmp_path) == final_bits(tmp_path / "whole", 10, tmp_path)
+    # keep=2 (the default): the end's checkpoint and the one before it
+    assert sorted(p.name for p in killed.iterdir()) == ["step-00000009", "step-00000010"]
 
 
 @pytest.mark.timeout(300)

@@ -51,9 +51,21 @@ def test_scale_reports_throughput_efficiency_and_memory(tmp_path: Path):
         assert done.stdout.rstrip().endswith("(no matplotlib: no plot)"), done.stdout
 
 
+# A training script that fails as train_gpt.py does on a bad flag (argparse's exit code and message), without
+# importing torch in each worker first.
+FAILING = """
+import argparse
+parser = argparse.ArgumentParser(prog="train")
+parser.add_argument("--hook", choices=["none", "powersgd"])
+parser.parse_args(["--hook", "nonsense"])
+"""
+
+
 @pytest.mark.timeout(200)
 def test_a_failing_run_is_reported_and_the_exit_code_says_so(tmp_path: Path):
-    done = _scale(tmp_path, "--strategies", "ddp", "--", str(EXAMPLE), *TINY, "--hook", "nonsense")
+    script = tmp_path / "failing.py"
+    script.write_text(FAILING)
+    done = _scale(tmp_path, "--strategies", "ddp", "--", str(script))
     assert done.returncode == 1
     rows = json.loads((tmp_path / "scale.json").read_text())["rows"]
     assert [row["world"] for row in rows] == [1, 2]
