@@ -17,7 +17,7 @@ import weakref
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -249,7 +249,7 @@ def process_group_over(backend: Any, store: dist.Store, rank: int, size: int, na
     group._set_default_backend(custom)
     for device in devices:
         group._register_backend(torch.device(device), custom, backend)
-    group._set_group_name(name)
+    group._set_group_name(cast(Any, name))  # a GroupName (a str) where torch's stub says so
     return group
 
 

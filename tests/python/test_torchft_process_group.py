@@ -249,8 +249,21 @@ def _abort_mid_op(rank, world, port, prefix, one_host):
 
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
     pg = ProcessGroupShardkit(timeout=timedelta(seconds=30))
-    _configure(pg, port, f"{prefix}/q7", rank, world, quorum=7)
     outcome = {}
+    # A receive that waits for a send that never comes (torchft's checkpoint transport's), aborted the same way.
+    _configure(pg, port, f"{prefix}/q6", rank, world, quorum=6)
+    if rank == 0:
+        work = pg.recv([torch.empty(10)], 1, 3)
+        threading.Timer(0.3, pg.abort).start()
+        start = time.monotonic()
+        with pytest.raises(RuntimeError) as failure:
+            work.wait()
+        outcome["recv_ended_after_s"] = time.monotonic() - start
+        outcome["recv_error"] = str(failure.value)
+        store.set(f"{prefix}/recv-aborted", "1")
+    else:  # (ending its own group closes the connection the receive waits on: only once rank 0 is done)
+        store.wait([f"{prefix}/recv-aborted"])
+    _configure(pg, port, f"{prefix}/q7", rank, world, quorum=7)
     if rank == 0:  # an allreduce rank 1 never issues, aborted from another thread after 0.3 s
         aborted_at = {}
 
@@ -298,6 +311,9 @@ def test_abort_ends_an_op_in_flight_naming_quorum_and_rank(ranks, store_port, ho
     assert reason in first["error"], first["error"]
     assert first["ended_after_abort_s"] < 1.0, first
     assert reason in first["errored"], first["errored"]
+    assert "recv from rank 1 did not complete" in first["recv_error"], first["recv_error"]
+    assert "the process group of quorum 6 was aborted by rank 0" in first["recv_error"], first["recv_error"]
+    assert first["recv_ended_after_s"] < 1.3, first
     if hosts is None:
         assert reason in second["error"], second["error"]
 

@@ -110,10 +110,10 @@ class _PointToPointWork(dist.Work):
             raise
         if not done:
             why = self.quorum.aborted or "it was aborted"
-            error = RuntimeError(f"torchft-shardkit (rank {self.quorum.rank}, quorum {self.quorum.quorum_id}): "
-                                 f"{self.what} did not complete: {why}")
-            self.quorum.record(error)
-            raise error
+            failure = RuntimeError(f"torchft-shardkit (rank {self.quorum.rank}, quorum {self.quorum.quorum_id}): "
+                                   f"{self.what} did not complete: {why}")
+            self.quorum.record(failure)
+            raise failure
         return True
 
     def is_completed(self) -> bool:
@@ -132,6 +132,7 @@ class ProcessGroupShardkit(ProcessGroupWrapper):
     # Whether the groups it makes are isolated (BackendConfig.isolated). Always, but for the test that shows what
     # isolation prevents (tests/python/test_torchft_process_group.py).
     _isolated = True
+    _pg: Any  # torchft's: the current group (a torch ProcessGroup), or None
 
     def __init__(self, timeout: timedelta = timedelta(seconds=60), *, comm: Quantized | None = None) -> None:
         super().__init__(timeout=timeout)
