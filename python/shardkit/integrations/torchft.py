@@ -29,7 +29,8 @@ What it promises, beyond torchft's ``ProcessGroup`` interface:
 - ``set_timeout()`` applies to the next ``configure`` (its Store and start-up) and, as every op's default deadline,
   to the current group's next ops. An op's own ``opts.timeout`` wins, as on any shardkit group.
 - Nothing stays behind a group: no /dev/shm segment (named in the Store, unlinked once every local rank mapped it), no
-  thread, no Store connection, whatever the number of configures.
+  thread, no Store connection, whatever the number of configures. Except across hosts, where an op aborted while gloo
+  runs it keeps its gloo backend for the process's life (gloo cannot cancel an op; docs/reliability.md).
 
 Ops: every one torchft's Manager and its wrappers issue (allreduce with SUM, AVG and the other reductions,
 allreduce_coalesced, allgather, allgather_into_tensor_coalesced, broadcast, reduce_scatter and
