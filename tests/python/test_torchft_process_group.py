@@ -250,6 +250,19 @@ def _abort_mid_op(rank, world, port, prefix, one_host):
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
     pg = ProcessGroupShardkit(timeout=timedelta(seconds=30))
     outcome = {}
+    # set_timeout: the current group's ops wait that long (and the next configure's start-up).
+    _configure(pg, port, f"{prefix}/q5", rank, world, quorum=5)
+    if rank == 0:
+        pg.set_timeout(timedelta(seconds=0.5))
+        start = time.monotonic()
+        with pytest.raises(RuntimeError) as failure:
+            pg.allreduce([torch.ones(10)], AllreduceOptions()).wait()
+        outcome["timed_out_after_s"] = time.monotonic() - start
+        outcome["timeout_error"] = str(failure.value)
+        pg.set_timeout(timedelta(seconds=30))
+        store.set(f"{prefix}/timed-out", "1")
+    else:
+        store.wait([f"{prefix}/timed-out"])
     # A receive that waits for a send that never comes (torchft's checkpoint transport's), aborted the same way.
     _configure(pg, port, f"{prefix}/q6", rank, world, quorum=6)
     if rank == 0:
@@ -314,6 +327,7 @@ def test_abort_ends_an_op_in_flight_naming_quorum_and_rank(ranks, store_port, ho
     assert "recv from rank 1 did not complete" in first["recv_error"], first["recv_error"]
     assert "the process group of quorum 6 was aborted by rank 0" in first["recv_error"], first["recv_error"]
     assert first["recv_ended_after_s"] < 1.3, first
+    assert 0.4 < first["timed_out_after_s"] < 2.0 and "Timed out" in first["timeout_error"], first
     if hosts is None:
         assert reason in second["error"], second["error"]
 
