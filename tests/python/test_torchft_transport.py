@@ -25,6 +25,7 @@ import torch
 
 pytest.importorskip("torchft")
 
+from shardkit import _C  # noqa: E402
 from shardkit.integrations._torchft_transport import (  # noqa: E402
     PROTOCOL,
     ChecksummedTransport,
@@ -141,6 +142,37 @@ def _corrupted_then_clean(rank: int, world_size: int, store_port: int) -> list[s
     return said
 
 
+def _dtensors(rank: int, world_size: int, store_port: int) -> list[str]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    g = torch.Generator().manual_seed(rank)
+    own = {"model": {"rep": DTensor.from_local(torch.randn(4, 3, generator=g), mesh, [Replicate()], run_check=False),
+                     "shard": DTensor.from_local(torch.randn(2, 5, generator=g).to(torch.bfloat16), mesh, [Shard(0)],
+                                                 run_check=False)},
+           "step": 3}
+    pg = _gloo(rank, world_size, store_port, "dtensors")
+    if rank == 0:
+        transport = ChecksummedTransport(pg, timeout=TIMEOUT)
+        transport.send_checkpoint([1], step=3, state_dict=own, timeout=TIMEOUT)
+        transport.send_checkpoint([1], step=4, state_dict=own, timeout=TIMEOUT)
+        return [str(own["model"]["rep"].to_local().sum().item())]
+    got = ChecksummedTransport(pg, timeout=TIMEOUT, state_dict=lambda: own).recv_checkpoint(0, PROTOCOL, 3, TIMEOUT)
+    sent = torch.Generator().manual_seed(0)
+    sent_rep, sent_shard = torch.randn(4, 3, generator=sent), torch.randn(2, 5, generator=sent).to(torch.bfloat16)
+    for name, local in (("rep", sent_rep), ("shard", sent_shard)):
+        tensor = got["model"][name]
+        assert isinstance(tensor, DTensor), type(tensor)
+        assert (tensor.device_mesh, tensor.placements, tensor.shape) == (own["model"][name].device_mesh,
+                                                                          own["model"][name].placements,
+                                                                          own["model"][name].shape)
+        _assert_same(tensor.to_local(), local, name)
+    with pytest.raises(CheckpointTransferError) as refused:
+        ChecksummedTransport(pg, timeout=TIMEOUT).recv_checkpoint(0, PROTOCOL, 4, TIMEOUT)
+    return [str(refused.value)]
+
+
 @pytest.fixture
 def store_port():
     from torch.distributed import TCPStore
@@ -160,11 +192,24 @@ def test_bytes_changed_on_the_wire_are_refused_naming_the_tensor_then_a_clean_tr
     sender, receiver = ranks.run(_corrupted_then_clean, 2, store_port, backend=None, timeout=45)
     assert sender == ["flipped 1"]
     corrupt, unreadable = receiver
-    assert corrupt.startswith("refused the state of step 7 from rank 0: 1 of 12 tensors arrived with bytes other "
-                              "than the sender's: ['model']['fc.weight'] (CRC32C 0x"), corrupt
+    # What the receiver computed is the CRC32C of exactly the flipped bytes: they are what crossed the wire.
+    sent = _state(1)["model"]["fc.weight"].reshape(-1).view(torch.uint8).clone()
+    flipped = sent.clone()
+    flipped[flipped.numel() // 2] ^= 0x10
+    crc = [_C.crc32c(bytes(t.tolist())) for t in (flipped, sent)]
+    assert corrupt == ("refused the state of step 7 from rank 0: 1 of 12 tensors arrived with bytes other than the "
+                       f"sender's: ['model']['fc.weight'] (CRC32C {crc[0]:#010x}, sent {crc[1]:#010x})"), corrupt
     assert unreadable.startswith("the state of step 9 from rank 0: the sender refused to send it: the state of "
                                  "step 9: shardkit refuses to read it"), unreadable
     assert "_Opaque" in unreadable
+
+
+@pytest.mark.timeout(60)
+def test_dtensors_are_rebuilt_over_the_receivers_own_mesh_and_placements(ranks, store_port):
+    _, (refused,) = ranks.run(_dtensors, 2, store_port, backend="gloo", timeout=45)
+    assert refused == ("the state of step 4 from rank 0: ['model']['rep'] is a DTensor, and no state_dict was given: "
+                       "a received DTensor takes its mesh and placements from this side's own DTensor "
+                       "(ChecksummedTransport(state_dict=...))")
 
 
 def test_a_peer_on_another_transport_is_refused_before_anything_is_received():
@@ -178,7 +223,7 @@ def test_tensor_subclasses_and_sparse_tensors_are_refused_by_name():
     from shardkit.integrations import _torchft_transport as module
 
     with pytest.raises(TypeError, match=r"\['a'\]\[1\] is a torch.sparse_coo tensor"):
-        module._split({"a": [torch.ones(1), torch.eye(2).to_sparse()]}, "", [])
+        module._split({"a": [torch.ones(1), torch.eye(2).to_sparse()]}, "", [], torch.arange(2))
 
 
 # --- under torchft's Manager --------------------------------------------------------------------------------------

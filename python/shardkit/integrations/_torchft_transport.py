@@ -32,16 +32,24 @@ The wire, per destination, in this order (tags as torchft's PGTransport: the rec
 
 1. tag 1: an int64 header ``[magic, version, step, status, length, crc32c]``; ``status`` 0: the metadata follows,
    ``length`` bytes with that CRC32C; 1: the sender refused to send, and ``length`` bytes of UTF-8 say why.
-2. tag 2: the metadata, ``torch.save({"step", "tensors": [(key path, dtype, shape, nbytes, crc32c)], "tree"})``
-   where ``tree`` is the state with each tensor replaced by a 0-d int64 tensor holding its index in ``tensors``.
+2. tag 2: the metadata, ``torch.save({"step", "tree", "tensors": [(key path, dtype, shape, nbytes, crc32c,
+   global shape or None)]})`` where ``tree`` is the state with each tensor replaced by a 0-d int64 tensor holding
+   its index in ``tensors``.
 3. tag 3 + i: tensor i's bytes (none for an empty tensor).
 
 The receiver waits for every tensor before it raises a mismatch, so a refused transfer leaves nothing in flight
 on the group: the sender's sends all complete and the group stays usable for the next quorum. Tensors are CPU or
 ``device`` tensors (like PGTransport's ``device``; the checksum is taken on a host copy for a non-CPU device).
-Plain tensors and Parameters only: a DTensor, a sparse or quantized tensor or another tensor subclass is refused
-by name (the sender says which key). Sends are synchronous: ``send_checkpoint`` returns when every byte is sent,
+Plain tensors, Parameters and DTensors: a DTensor's local tensor travels, and the receiver rebuilds it over the
+mesh and placements of its own DTensor at that key path (``state_dict``, as PGTransport's argument: a mesh
+cannot travel without pickle). A sparse or quantized tensor or another tensor subclass is refused by name (the
+sender says which key). Sends are synchronous: ``send_checkpoint`` returns when every byte is sent,
 so ``disallow_checkpoint`` has nothing to wait for.
+
+Why not wrap PGTransport and check around it: its receiver unpickles the sender's metadata with plain pickle
+before anything could be checked, and a checksum sent beside it would need a second channel whose order against
+PGTransport's tags the wrapper does not own; it also sends each tensor's whole storage (a slice of a large tensor
+sends the large tensor). Sending the bytes here costs the same sends (one per tensor, on the same group).
 """
 
 from __future__ import annotations
@@ -52,12 +60,13 @@ import io
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any, Callable, TypeVar
 
 import torch
+from torch.distributed.tensor import DTensor
 from torchft.checkpointing.transport import CheckpointTransport
 
-from .. import _C
+from .. import _C, _torch_compat
 from ..checkpoint._errors import CheckpointIntegrityError, UnsafeCheckpointError
 from ..checkpoint._safe_pickle import load_weights_only
 
@@ -79,43 +88,65 @@ class CheckpointTransferError(CheckpointIntegrityError):
 
 @dataclass
 class _Entry:
-    """One tensor of the transfer, as the metadata describes it."""
+    """One tensor of the transfer, as the metadata describes it: for a DTensor, its local tensor's, and the
+    DTensor's global shape (None for a plain tensor)."""
 
     path: str
     dtype: torch.dtype
     shape: tuple[int, ...]
     nbytes: int
     crc32c: int
+    global_shape: tuple[int, ...] | None = None
 
 
 def _key(path: str, key: Any) -> str:
     return f"{path}[{key!r}]"
 
 
-def _split(value: Any, path: str, tensors: list[tuple[str, torch.Tensor]]) -> Any:
-    """``value`` with each tensor replaced by a 0-d int64 marker holding its index in ``tensors`` (to which it is
-    appended with its key path). Descends dicts (of any class, keys kept in order), lists, tuples and namedtuples;
-    anything else is a leaf for torch.save."""
+def _split(value: Any, path: str, tensors: list[tuple[str, torch.Tensor, tuple[int, ...] | None]],
+           markers: torch.Tensor) -> Any:
+    """``value`` with each tensor replaced by a marker: ``markers[i]``, a 0-d int64 view holding i, its index in
+    ``tensors`` (to which it is appended with its key path, and for a DTensor its local tensor and global shape);
+    the markers are views of one storage, which torch.save writes once. Descends dicts (of any class, keys kept in
+    order), lists, tuples and namedtuples; anything else is a leaf for torch.save."""
     if isinstance(value, torch.Tensor):
+        where = path or "the state"
+        global_shape = None
+        if isinstance(value, DTensor):
+            global_shape = tuple(value.shape)
+            value = _torch_compat.dtensor_local(value)
         if type(value) not in (torch.Tensor, torch.nn.Parameter):
-            raise TypeError(f"{path or 'the state'} is a {type(value).__name__}: ChecksummedTransport sends plain "
-                            "tensors only (a DTensor's or another subclass's metadata cannot travel without pickle)")
+            raise TypeError(f"{where} is a {type(value).__name__}: ChecksummedTransport sends plain tensors and "
+                            "DTensors only (another subclass's metadata cannot travel without pickle)")
         if value.layout != torch.strided or value.is_quantized:
-            raise TypeError(f"{path or 'the state'} is a {value.layout} {'quantized ' * value.is_quantized}tensor: "
+            raise TypeError(f"{where} is a {value.layout} {'quantized ' * value.is_quantized}tensor: "
                             "ChecksummedTransport sends dense strided tensors only")
-        tensors.append((path or "the state", value))
-        return torch.tensor(len(tensors) - 1, dtype=torch.int64)
+        tensors.append((where, value, global_shape))
+        return markers[len(tensors) - 1]
     if isinstance(value, dict):
         out = copy.copy(value)  # keeps the class (OrderedDict, ...) and the key order; values replaced below
         for key, item in value.items():
-            out[key] = _split(item, _key(path, key), tensors)
+            out[key] = _split(item, _key(path, key), tensors, markers)
         return out
     if isinstance(value, list):
-        return [_split(item, f"{path}[{i}]", tensors) for i, item in enumerate(value)]
+        return [_split(item, f"{path}[{i}]", tensors, markers) for i, item in enumerate(value)]
     if type(value) is tuple or (isinstance(value, tuple) and hasattr(value, "_fields")):
-        items = [_split(item, f"{path}[{i}]", tensors) for i, item in enumerate(value)]
+        items = [_split(item, f"{path}[{i}]", tensors, markers) for i, item in enumerate(value)]
         return tuple(items) if type(value) is tuple else type(value)(*items)
     return value
+
+
+def _leaves(value: Any, path: str, out: dict[str, Any]) -> dict[str, Any]:
+    """Every leaf of ``value`` by its key path, as ``_split`` names them."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _leaves(item, _key(path, key), out)
+    elif isinstance(value, list) or type(value) is tuple or (isinstance(value, tuple) and hasattr(value, "_fields")):
+        for i, item in enumerate(value):
+            _leaves(item, f"{path}[{i}]", out)
+    else:
+        out[path or "the state"] = value
+    return out
 
 
 def _join(tree: Any, received: list[torch.Tensor], used: list[bool]) -> Any:
@@ -178,12 +209,18 @@ class ChecksummedTransport(CheckpointTransport[T]):
         pg: the process group, normally the Manager's own (its ranks are the replica ranks torchft passes).
         timeout: the default deadline of one whole transfer (the Manager passes its own timeout per call).
         device: where tensors are sent from and received into (CPU by default; a CUDA device for NCCL groups).
+        state_dict: the receiving side's own state, laid out as what it receives (the Manager's: ``{"user": ...,
+            "torchft": ...}``), called when a DTensor arrives: it is rebuilt over the mesh and placements of the
+            DTensor at its key path there (as torchft's PGTransport's argument of that name, which it also uses
+            to receive in place; this transport never receives into live tensors, see the module docstring).
     """
 
-    def __init__(self, pg: Any, timeout: timedelta, device: torch.device | str = "cpu") -> None:
+    def __init__(self, pg: Any, timeout: timedelta, device: torch.device | str = "cpu",
+                 state_dict: Callable[[], Any] | None = None) -> None:
         self._pg = pg
         self._timeout = timeout
         self._device = torch.device(device)
+        self._state_dict = state_dict
 
     def metadata(self) -> str:
         """What the recovering side checks before it receives: this transport's protocol name and version."""
@@ -197,14 +234,20 @@ class ChecksummedTransport(CheckpointTransport[T]):
 
     # --- the sender -------------------------------------------------------------------------------------------
     def send_checkpoint(self, dst_ranks: list[int], step: int, state_dict: T, timeout: timedelta) -> None:
+        """Sends ``state_dict`` (as of ``step``) to each of ``dst_ranks``, every tensor with the CRC32C of its bytes;
+        returns when every send has completed, within ``timeout`` in all. A state it cannot send (a value
+        weights_only would refuse, a tensor kind it does not carry) raises CheckpointTransferError after telling
+        the receivers why."""
         deadline = _Deadline(timeout or self._timeout)
         try:
-            tensors: list[tuple[str, torch.Tensor]] = []
-            tree = _split(state_dict, "", tensors)
-            entries = [self._describe(path, tensor) for path, tensor in tensors]
+            tensors: list[tuple[str, torch.Tensor, tuple[int, ...] | None]] = []
+            count = sum(isinstance(leaf, torch.Tensor) for leaf in _leaves(state_dict, "", {}).values())
+            tree = _split(state_dict, "", tensors, torch.arange(count, dtype=torch.int64))
+            entries = [self._describe(*described) for described in tensors]
             buffer = io.BytesIO()
-            torch.save({"step": step, "tensors": [(e.path, e.dtype, list(e.shape), e.nbytes, e.crc32c)
-                                                  for e in entries], "tree": tree}, buffer)
+            torch.save({"step": step, "tree": tree, "tensors": [
+                (e.path, e.dtype, list(e.shape), e.nbytes, e.crc32c,
+                 None if e.global_shape is None else list(e.global_shape)) for e in entries]}, buffer)
             metadata = buffer.getvalue()
             # What the receiver will do with these bytes, done here first: a value weights_only refuses is
             # reported by the sender, which knows whose it is, instead of by a receiver left guessing.
@@ -217,7 +260,7 @@ class ChecksummedTransport(CheckpointTransport[T]):
         self._send_header(dst_ranks, step, _OK, metadata, deadline)
         works: list[tuple[Any, str, int]] = []
         copies = 0
-        for index, (path, tensor) in enumerate(tensors):
+        for index, (path, tensor, _) in enumerate(tensors):
             if entries[index].nbytes == 0:
                 continue
             data, copied = self._wire_bytes(tensor)
@@ -229,9 +272,9 @@ class ChecksummedTransport(CheckpointTransport[T]):
                 works, copies = [], 0
         self._wait_all(works, step, deadline)
 
-    def _describe(self, path: str, tensor: torch.Tensor) -> _Entry:
+    def _describe(self, path: str, tensor: torch.Tensor, global_shape: tuple[int, ...] | None) -> _Entry:
         data, _ = self._wire_bytes(tensor)
-        return _Entry(path, tensor.dtype, tuple(tensor.shape), data.numel(), _crc32c(data))
+        return _Entry(path, tensor.dtype, tuple(tensor.shape), data.numel(), _crc32c(data), global_shape)
 
     def _wire_bytes(self, tensor: torch.Tensor) -> tuple[torch.Tensor, bool]:
         """The bytes that go on the wire for ``tensor``, and whether they are a temporary copy."""
@@ -264,6 +307,10 @@ class ChecksummedTransport(CheckpointTransport[T]):
 
     # --- the receiver -----------------------------------------------------------------------------------------
     def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> T:
+        """The state ``src_rank`` sends for ``step``, every tensor checked against its CRC32C, within ``timeout`` in
+        all. Raises CheckpointTransferError naming each tensor whose bytes differ (its key path), the step and the
+        source rank, once every byte has arrived; or naming what else was wrong (``metadata`` not this protocol's,
+        a header or metadata that does not read, a sender that refused, a receive that failed or timed out)."""
         where = f"the state of step {step} from rank {src_rank}"
         if metadata != PROTOCOL:
             raise CheckpointTransferError(f"{where}: the sender's transport is {metadata!r}, not {PROTOCOL!r} "
@@ -289,7 +336,8 @@ class ChecksummedTransport(CheckpointTransport[T]):
             raise CheckpointTransferError(f"{where}: the sender sent step {sent_step} (status {status})")
         try:
             meta = load_weights_only(raw, f"the metadata of {where}")
-            entries = [_Entry(str(p), d, tuple(int(n) for n in s), int(b), int(c)) for p, d, s, b, c in meta["tensors"]]
+            entries = [_Entry(str(p), d, tuple(int(n) for n in s), int(b), int(c),
+                              None if g is None else tuple(int(n) for n in g)) for p, d, s, b, c, g in meta["tensors"]]
             tree = meta["tree"]
         except UnsafeCheckpointError as error:
             raise CheckpointTransferError(str(error)) from error
@@ -328,12 +376,39 @@ class ChecksummedTransport(CheckpointTransport[T]):
                 f"refused {where}: {len(mismatched)} of {len(entries)} tensors arrived with bytes other than the "
                 f"sender's: {', '.join(mismatched[:8])}{' ...' if len(mismatched) > 8 else ''}")
 
+        if any(entry.global_shape is not None for entry in entries):
+            received = self._as_dtensors(entries, received, where)
         used = [False] * len(received)
         state = _join(tree, received, used)
         if not all(used):
             raise CheckpointTransferError(f"{where}: the metadata's tree does not place tensor "
                                           f"{entries[used.index(False)].path}")
         return state
+
+    def _as_dtensors(self, entries: list[_Entry], received: list[torch.Tensor], where: str) -> list[torch.Tensor]:
+        """``received`` with each DTensor entry's local tensor made a DTensor over the spec (mesh, placements) of
+        the DTensor at the same key path in this side's own state (``state_dict``): what a peer cannot send
+        without pickle."""
+        own = _leaves(self._state_dict(), "", {}) if self._state_dict is not None else {}
+        out = list(received)
+        for index, entry in enumerate(entries):
+            if entry.global_shape is None:
+                continue
+            mine = own.get(entry.path)
+            if not isinstance(mine, DTensor):
+                held = "no state_dict was given" if self._state_dict is None else (
+                    f"this side's state_dict holds {type(mine).__name__ if entry.path in own else 'nothing'} there")
+                raise CheckpointTransferError(f"{where}: {entry.path} is a DTensor, and {held}: a received DTensor "
+                                              "takes its mesh and placements from this side's own DTensor "
+                                              "(ChecksummedTransport(state_dict=...))")
+            local = _torch_compat.dtensor_local(mine)
+            if (tuple(mine.shape), tuple(local.shape), local.dtype) != (entry.global_shape, entry.shape, entry.dtype):
+                raise CheckpointTransferError(
+                    f"{where}: {entry.path} is a DTensor of global shape {list(entry.global_shape)} with a local "
+                    f"{entry.dtype} {list(entry.shape)}; this side's is {list(mine.shape)} with a local {local.dtype} "
+                    f"{list(local.shape)}")
+            out[index] = _torch_compat.dtensor_with_local(mine, received[index].to(local.device))
+        return out
 
     @staticmethod
     def _wait(work: Any, what: str, deadline: _Deadline) -> None:
