@@ -9,6 +9,8 @@ serves on port 0. What is asserted:
   subclass overriding the one method that hands bytes to the group) is refused naming that tensor's key path, the
   step and the source rank, and the next transfer on the same group arrives intact;
 - a value weights_only will not read is refused by the sender, and the receiver says why;
+- DTensors arrive as DTensors over the receiver's own mesh and placements (its state_dict), and without one they
+  are refused by name;
 - under torchft's Manager (a Lighthouse in the test process, two replica groups of one rank), the recovering
   replica's first recovery is corrupted and refused, that step is not committed and its model is not touched,
   the next quorum recovers it, and both replicas end with bitwise-equal parameters and optimizer state.
@@ -28,8 +30,8 @@ pytest.importorskip("torchft")
 from shardkit import _C  # noqa: E402
 from shardkit.integrations._torchft_transport import (  # noqa: E402
     PROTOCOL,
-    ChecksummedTransport,
     CheckpointTransferError,
+    ChecksummedTransport,
 )
 
 TIMEOUT = timedelta(seconds=20)

@@ -58,9 +58,10 @@ import copy
 import ctypes
 import io
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 import torch
 from torch.distributed.tensor import DTensor
