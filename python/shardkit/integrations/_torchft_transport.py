@@ -109,7 +109,7 @@ def _split(value: Any, path: str, tensors: list[tuple[str, torch.Tensor, tuple[i
     """``value`` with each tensor replaced by a marker: ``markers[i]``, a 0-d int64 view holding i, its index in
     ``tensors`` (to which it is appended with its key path, and for a DTensor its local tensor and global shape);
     the markers are views of one storage, which torch.save writes once. Descends dicts (of any class, keys kept in
-    order), lists, tuples and namedtuples; anything else is a leaf for torch.save."""
+    order), lists and plain tuples; anything else is a leaf for torch.save (whose weights_only reading decides)."""
     if isinstance(value, torch.Tensor):
         where = path or "the state"
         global_shape = None
@@ -129,11 +129,9 @@ def _split(value: Any, path: str, tensors: list[tuple[str, torch.Tensor, tuple[i
         for key, item in value.items():
             out[key] = _split(item, _key(path, key), tensors, markers)
         return out
-    if isinstance(value, list):
-        return [_split(item, f"{path}[{i}]", tensors, markers) for i, item in enumerate(value)]
-    if type(value) is tuple or (isinstance(value, tuple) and hasattr(value, "_fields")):
+    if isinstance(value, list) or type(value) is tuple:
         items = [_split(item, f"{path}[{i}]", tensors, markers) for i, item in enumerate(value)]
-        return tuple(items) if type(value) is tuple else type(value)(*items)
+        return items if isinstance(value, list) else tuple(items)
     return value
 
 
@@ -142,7 +140,7 @@ def _leaves(value: Any, path: str, out: dict[str, Any]) -> dict[str, Any]:
     if isinstance(value, dict):
         for key, item in value.items():
             _leaves(item, _key(path, key), out)
-    elif isinstance(value, list) or type(value) is tuple or (isinstance(value, tuple) and hasattr(value, "_fields")):
+    elif isinstance(value, list) or type(value) is tuple:
         for i, item in enumerate(value):
             _leaves(item, f"{path}[{i}]", out)
     else:
@@ -163,11 +161,9 @@ def _join(tree: Any, received: list[torch.Tensor], used: list[bool]) -> Any:
         for key, item in tree.items():
             tree[key] = _join(item, received, used)
         return tree
-    if isinstance(tree, list):
-        return [_join(item, received, used) for item in tree]
-    if type(tree) is tuple or (isinstance(tree, tuple) and hasattr(tree, "_fields")):
+    if isinstance(tree, list) or type(tree) is tuple:
         items = [_join(item, received, used) for item in tree]
-        return tuple(items) if type(tree) is tuple else type(tree)(*items)
+        return items if isinstance(tree, list) else tuple(items)
     return tree
 
 
