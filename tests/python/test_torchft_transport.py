@@ -4,7 +4,7 @@ Ranks are processes of the harness, each configuring torchft's ProcessGroupGloo 
 serves on port 0. What is asserted:
 - a state of every shape the Manager hands over (nested dicts and lists, OrderedDict, int keys, tuples, fp32 /
   bf16 / int / bool tensors, non-contiguous views, a 0-d and an empty tensor, Python scalars and strings) arrives
-  bitwise, with its containers' classes;
+  bitwise, with its containers' classes, and a receive with nothing sent ends at its deadline;
 - a transfer whose bytes are changed on the wire (one byte of one tensor flipped after its CRC32C was taken, by a
   subclass overriding the one method that hands bytes to the group) is refused naming that tensor's key path, the
   step and the source rank, and the next transfer on the same group arrives intact;
@@ -19,6 +19,7 @@ serves on port 0. What is asserted:
 from __future__ import annotations
 
 import collections
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -112,12 +113,23 @@ class _Opaque:
 
 
 def _round_trip(rank: int, world_size: int, store_port: int) -> bool:
+    from torch.distributed import TCPStore
+
     pg = _gloo(rank, world_size, store_port, "round-trip")
+    store = TCPStore("localhost", store_port, is_master=False, timeout=TIMEOUT)
     transport = ChecksummedTransport(pg, timeout=TIMEOUT)
     if rank == 0:
         transport.send_checkpoint([1], step=5, state_dict=_state(0), timeout=TIMEOUT)
+        store.wait(["round-trip-done"])  # alive, sending nothing, while rank 1 waits out its deadline
     else:
         _assert_same(transport.recv_checkpoint(0, PROTOCOL, step=5, timeout=TIMEOUT), _state(0))
+        # A live sender that never sends: the receive ends at its deadline, naming what it waited for.
+        start = time.monotonic()
+        with pytest.raises(CheckpointTransferError, match=r"^the state of step 6 from rank 0: receiving the header "
+                                                          r"failed: .*[Tt]imed out"):
+            transport.recv_checkpoint(0, PROTOCOL, step=6, timeout=timedelta(seconds=1))
+        assert time.monotonic() - start < 10
+        store.set("round-trip-done", "1")
     return True
 
 

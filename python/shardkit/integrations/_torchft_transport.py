@@ -198,6 +198,22 @@ class _Deadline:
         return timedelta(seconds=max(self._end - time.monotonic(), 0.001))
 
 
+def _posted(post: Callable[[], Any], what: str) -> Any:
+    """The Work ``post()`` returns; a send or receive refused when posted (gloo raises at once when the peer's
+    connection is gone) raises CheckpointTransferError naming ``what``."""
+    try:
+        return post()
+    except Exception as error:
+        raise CheckpointTransferError(f"{what} failed: {error}") from error
+
+
+def _completed(work: Any, deadline: _Deadline) -> None:
+    """Waits for ``work`` within ``deadline``. A gloo send or receive that was aborted returns False instead of
+    raising: that is a failure too, never bytes to trust."""
+    if work.wait(deadline.left()) is False:
+        raise RuntimeError("the operation did not complete (aborted)")
+
+
 class ChecksummedTransport(CheckpointTransport[T]):
     """torchft's CheckpointTransport over ``pg`` (a torchft ProcessGroup: its ``send`` and ``recv``), every tensor
     checked against the CRC32C its sender took. See the module's docstring for the promises and the wire.
@@ -262,7 +278,9 @@ class ChecksummedTransport(CheckpointTransport[T]):
                 continue
             data, copied = self._wire_bytes(tensor)
             for dst in dst_ranks:
-                works.append((self._send_tensor_bytes(path, data, dst, _FIRST_TENSOR_TAG + index), path, dst))
+                work = _posted(lambda: self._send_tensor_bytes(path, data, dst, _FIRST_TENSOR_TAG + index),
+                               f"step {step}: sending {path} to rank {dst}")
+                works.append((work, path, dst))
             copies += data.numel() if copied else 0
             if copies > _COPY_WINDOW:  # let the temporary copies go before making more
                 self._wait_all(works, step, deadline)
@@ -286,8 +304,9 @@ class ChecksummedTransport(CheckpointTransport[T]):
         body = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self._device)
         works = []
         for dst in dst_ranks:
-            works.append((self._pg.send([header], dst, _HEADER_TAG), "the header", dst))
-            works.append((self._pg.send([body], dst, _METADATA_TAG), "the metadata", dst))
+            for what, tensor, tag in (("the header", header, _HEADER_TAG), ("the metadata", body, _METADATA_TAG)):
+                work = _posted(lambda: self._pg.send([tensor], dst, tag), f"step {step}: sending {what} to rank {dst}")
+                works.append((work, what, dst))
         self._wait_all(works, step, deadline)
 
     def _send_tensor_bytes(self, path: str, data: torch.Tensor, dst_rank: int, tag: int) -> Any:
@@ -298,7 +317,7 @@ class ChecksummedTransport(CheckpointTransport[T]):
     def _wait_all(works: list[tuple[Any, str, int]], step: int, deadline: _Deadline) -> None:
         for work, what, dst in works:
             try:
-                work.wait(deadline.left())
+                _completed(work, deadline)
             except Exception as error:
                 raise CheckpointTransferError(f"step {step}: sending {what} to rank {dst} failed: {error}") from error
 
@@ -314,7 +333,8 @@ class ChecksummedTransport(CheckpointTransport[T]):
                                           "(every replica group must use ChecksummedTransport)")
         deadline = _Deadline(timeout or self._timeout)
         header = torch.zeros(6, dtype=torch.int64, device=self._device)
-        self._wait(self._pg.recv([header], src_rank, _HEADER_TAG), f"{where}: receiving the header", deadline)
+        what = f"{where}: receiving the header"
+        self._wait(_posted(lambda: self._pg.recv([header], src_rank, _HEADER_TAG), what), what, deadline)
         magic, version, sent_step, status, length, crc = (int(v) for v in header.cpu())
         if magic != _MAGIC or version != _VERSION:
             raise CheckpointTransferError(f"{where}: the header is not {PROTOCOL}'s (magic {magic:#x}, version "
@@ -322,7 +342,8 @@ class ChecksummedTransport(CheckpointTransport[T]):
         if not 0 < length <= _MAX_METADATA:
             raise CheckpointTransferError(f"{where}: the header announces {length} bytes of metadata")
         body = torch.empty(length, dtype=torch.uint8, device=self._device)
-        self._wait(self._pg.recv([body], src_rank, _METADATA_TAG), f"{where}: receiving the metadata", deadline)
+        what = f"{where}: receiving the metadata"
+        self._wait(_posted(lambda: self._pg.recv([body], src_rank, _METADATA_TAG), what), what, deadline)
         raw = _host_bytes(body)
         if _C.crc32c(raw) != crc:
             raise CheckpointTransferError(f"{where}: the metadata arrived with bytes other than the sender's "
@@ -357,7 +378,9 @@ class ChecksummedTransport(CheckpointTransport[T]):
             received.append(tensor)
         for index, tensor in enumerate(received):
             if entries[index].nbytes:
-                pending.append((index, self._pg.recv([_as_bytes(tensor)], src_rank, _FIRST_TENSOR_TAG + index)))
+                target, tag = _as_bytes(tensor), _FIRST_TENSOR_TAG + index
+                pending.append((index, _posted(lambda: self._pg.recv([target], src_rank, tag),
+                                               f"{where}: receiving {entries[index].path}")))
 
         # Check each as it lands, but refuse only once all have: the sender's sends complete, nothing is left in
         # flight on the group for the next quorum to trip over.
@@ -410,6 +433,6 @@ class ChecksummedTransport(CheckpointTransport[T]):
     @staticmethod
     def _wait(work: Any, what: str, deadline: _Deadline) -> None:
         try:
-            work.wait(deadline.left())
+            _completed(work, deadline)
         except Exception as error:
             raise CheckpointTransferError(f"{what} failed: {error}") from error
