@@ -10,7 +10,9 @@ names. shardkit reads both here instead:
 - ``SafeFileSystemReader``: FileSystemReader reading its metadata with ``load_metadata``;
 - ``SafeLoadPlanner``: DefaultLoadPlanner reading each non-tensor value with ``torch.load(weights_only=True)``
   (what it allows can be extended with torch.serialization.add_safe_globals); a value it cannot read raises,
-  naming the key and why. Tensors are read into the state dict's own tensors as before.
+  naming the key and why. Tensors are read into the state dict's own tensors as before;
+- ``load_weights_only``: any other ``torch.save`` bytes a peer sent (the torchft transport's metadata), read the
+  same way.
 
 torch's public ``weights_only`` machinery reads ``torch.save`` files only, not the plain pickle of ``.metadata``:
 hence the unpickler of its own here.
@@ -103,6 +105,19 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             _torch_compat.set_state_dict_element(self.original_state_dict, self.mappings[key], loaded)
         else:
             self.state_dict[key] = loaded
+
+
+def load_weights_only(raw: bytes, source: str) -> Any:
+    """The object ``torch.save`` wrote into ``raw`` (bytes from ``source``, e.g. a peer), read with
+    ``torch.load(weights_only=True)``: containers, plain values, dtypes, sizes and tensors, nothing that runs code.
+    Raises UnsafeCheckpointError naming ``source`` and what weights_only refused (or why the bytes do not read)."""
+    try:
+        return torch.load(io.BytesIO(raw), weights_only=True)
+    except Exception as error:  # noqa: BLE001 - UnpicklingError for a refused global, others for bad bytes
+        raise UnsafeCheckpointError(
+            f"{source}: shardkit refuses to read it: torch.load(weights_only=True) cannot "
+            f"({type(error).__name__}: {_reason(error)}); only what weights_only reads is accepted "
+            "(torch.serialization.add_safe_globals adds a class you trust)") from error
 
 
 def refusal(error: BaseException, reader: SafeFileSystemReader) -> UnsafeCheckpointError | None:
