@@ -15,7 +15,10 @@ Manager's allreduce; replica groups of one rank); ``ddp`` is ``shardkit.Distribu
 that averages each bucket inside the replica group on its shardkit group (when it has several ranks) and then
 across the groups through the Manager. The cross-group process group (``--ft-pg``): torchft's
 ``ProcessGroupGloo``, or ``shardkit.integrations.torchft.ProcessGroupShardkit`` (shared memory between the groups on
-one host). Inside a group the ranks use ``dist.init_process_group("shardkit")``.
+one host). Inside a group the ranks use ``dist.init_process_group("shardkit")``. A healing group receives the
+model and optimizer through torchft's default HTTPTransport (``--transport http``; it reads what the peer sends with
+``weights_only=False``) or shardkit's ChecksummedTransport (``--transport checksummed``: over the cross-group process
+group, every tensor's CRC32C checked on receipt, nothing unpickled).
 
 What the Manager decides, per step: ``optimizer.zero_grad()`` (torchft's Optimizer wrapper) asks the lighthouse for
 the quorum; each bucket's gradient is summed over the participating groups and divided by their number (a group
@@ -52,14 +55,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 import shardkit
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpt_model import GPT, ModelConfig  # noqa: E402
 
-FRONTS = ("torchft_ddp", "ddp")
+FRONTS = ("torchft_ddp", "ddp", "fully_shard")
 FT_PGS = ("gloo", "shardkit")
+TRANSPORTS = ("http", "checksummed")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -67,6 +72,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--front", choices=FRONTS, default="ddp")
     p.add_argument("--ft-pg", choices=FT_PGS, default="gloo", help="the process group across replica groups")
+    p.add_argument("--transport", choices=TRANSPORTS, default="http",
+                   help="how a healing group receives the state: torchft's HTTPTransport (it unpickles what the "
+                        "peer sends), or shardkit's ChecksummedTransport over the cross-group process group")
     p.add_argument("--replica-id", type=int, default=int(os.environ.get("REPLICA_GROUP_ID", "0")),
                    help="this replica group's number (default: $REPLICA_GROUP_ID, else 0)")
     p.add_argument("--lighthouse", default=None, help="the lighthouse's address (default: $TORCHFT_LIGHTHOUSE)")
@@ -121,9 +129,9 @@ def initial_model(cfg: ModelConfig) -> GPT:
     return GPT(cfg)
 
 
-def parameters_hash(module: torch.nn.Module) -> str:
+def parameters_hash(params: dict[str, torch.Tensor]) -> str:
     digest = hashlib.sha256()
-    for name, p in module.named_parameters():
+    for name, p in params.items():
         digest.update(name.encode())
         digest.update(p.detach().contiguous().view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
@@ -169,6 +177,19 @@ def make_ft_pg(kind: str, timeout: timedelta) -> Any:
     return ProcessGroupShardkit(timeout=timeout)
 
 
+def make_transport(kind: str, pg: Any, timeout: timedelta) -> Any:
+    """The Manager's checkpoint transport: None (torchft's default, HTTPTransport), or shardkit's checksummed one."""
+    if kind == "http":
+        return None
+    try:
+        from shardkit.integrations._torchft_transport import ChecksummedTransport
+    except ImportError as e:
+        raise NotImplementedError(f"--transport checksummed needs shardkit.integrations._torchft_transport."
+                                  f"ChecksummedTransport, which this shardkit does not have ({e}); use --transport "
+                                  "http") from e
+    return ChecksummedTransport(pg, timeout=timeout)
+
+
 def manager_allreduce_hook(manager: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """shardkit DDP's comm hook under torchft: the bucket averaged inside the replica group (its shardkit group,
     when it has several ranks), then across the participating groups by the Manager (sum / participants; a healing
@@ -183,9 +204,60 @@ def manager_allreduce_hook(manager: Any, bucket: dist.GradBucket) -> torch.futur
     return done
 
 
+def fully_shard_across_groups(module: GPT, manager: Any) -> GPT:
+    """HSDP with torchft as the replicate dimension: each block, then the root, sharded over the group's ranks by
+    shardkit.fully_shard (its reduce-scatter averages inside the group), and every unit's reduce-scatter output
+    averaged across the participating groups by the Manager (FSDP2's all-reduce hook)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for block in module.blocks:
+        shardkit.fully_shard(block)
+    shardkit.fully_shard(module)
+
+    def across_groups(output: torch.Tensor) -> None:
+        manager.allreduce(output).wait()
+
+    for unit in module.modules():
+        if isinstance(unit, FSDPModule):
+            unit.set_all_reduce_hook(across_groups)
+    return module
+
+
+def local_shards(value: Any) -> Any:
+    """``value`` (a state dict, nested) with each DTensor replaced by this rank's shard of it: what a peer group's rank
+    of the same group rank holds too, sent as plain tensors (a transport need not know DTensors)."""
+    if isinstance(value, DTensor):
+        return value.to_local()
+    if isinstance(value, dict):
+        return type(value)((k, local_shards(v)) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return type(value)(local_shards(v) for v in value)
+    return value
+
+
+def load_local_shards(module: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """The inverse of local_shards for fully_shard's model and AdamW: shards copied into the parameters' own, and
+    the optimizer's per-parameter tensors (exp_avg, exp_avg_sq: the parameter's shape) made DTensors like their
+    parameter before the optimizer loads them."""
+    for name, param in module.state_dict().items():
+        (param.to_local() if isinstance(param, DTensor) else param).copy_(state["model"][name])
+    optim = state["optim"]
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for index, entries in optim["state"].items():
+        p = params[index]
+        if isinstance(p, DTensor):
+            for key, v in entries.items():
+                if isinstance(v, torch.Tensor) and v.shape == p.to_local().shape and v.dim() > 0:
+                    entries[key] = DTensor.from_local(v, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+    optimizer.load_state_dict(optim)
+
+
 def build(args: argparse.Namespace, cfg: ModelConfig, manager: Any, group_world: int):
     """(the wrapped model, its plain module)."""
     module = initial_model(cfg)
+    if args.front == "fully_shard":
+        model = fully_shard_across_groups(module, manager)
+        return model, model
     if args.front == "torchft_ddp":
         if group_world > 1:
             raise NotImplementedError(f"--front torchft_ddp: torchft's DistributedDataParallel reduces across replica "
@@ -213,9 +285,9 @@ def wait_until_ready(ready_dir: Path, replica: int, replicas: int, deadline_s: f
         time.sleep(0.05)
 
 
-def arm_kill(module: torch.nn.Module, marker: Path) -> None:
-    """SIGKILLs this process when the backward reaches the final LayerNorm (the first gradients of the step):
-    mid-step, before this group's gradients reach the cross-group allreduce."""
+def arm_kill(output: torch.Tensor, marker: Path) -> None:
+    """SIGKILLs this process when the backward starts (at the model's output: any front), mid-step, before this
+    group's gradients reach the cross-group allreduce; ``marker`` records when."""
 
     def kill(grad: torch.Tensor) -> torch.Tensor:
         marker.write_text(json.dumps({"pid": os.getpid(), "t": time.time()}))
@@ -224,7 +296,7 @@ def arm_kill(module: torch.nn.Module, marker: Path) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
         return grad
 
-    module.norm.weight.register_hook(kill)  # type: ignore[union-attr]
+    output.register_hook(kill)
 
 
 def process_start_time() -> float:
@@ -248,13 +320,19 @@ def main(argv: list[str] | None = None) -> int:
     model = module = optimizer = None
 
     def load_state_dict(state: dict[str, Any]) -> None:
+        if args.front == "fully_shard":
+            load_local_shards(module, optimizer.optim, state)
+            return
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optim"])
 
     def state_dict() -> dict[str, Any]:
-        return {"model": model.state_dict(), "optim": optimizer.state_dict()}
+        state = {"model": model.state_dict(), "optim": optimizer.state_dict()}
+        return local_shards(state) if args.front == "fully_shard" else state
 
-    manager = Manager(pg=make_ft_pg(args.ft_pg, timeout), load_state_dict=load_state_dict, state_dict=state_dict,
+    ft_pg = make_ft_pg(args.ft_pg, timeout)
+    manager = Manager(pg=ft_pg, checkpoint_transport=make_transport(args.transport, ft_pg, timeout),
+                      load_state_dict=load_state_dict, state_dict=state_dict,
                       min_replica_size=args.min_replicas, replica_id=f"replica_{args.replica_id}",
                       lighthouse_addr=args.lighthouse, store_addr=store_host, store_port=store_port,
                       rank=group_rank, world_size=group_world, timeout=timeout,
@@ -283,10 +361,11 @@ def main(argv: list[str] | None = None) -> int:
         # here rather than at the first allreduce.
         manager.wait_quorum()
         step = manager.current_step()
-        if args.kill_at_step == step and group_rank == args.kill_rank and not args.kill_marker.exists():
-            arm_kill(module, args.kill_marker)
         tokens, targets = batch_for(cfg, step, shard)
-        loss = F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
+        logits = model(tokens)
+        if args.kill_at_step == step and group_rank == args.kill_rank and not args.kill_marker.exists():
+            arm_kill(logits, args.kill_marker)
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
         loss.backward()
         optimizer.step()  # steps only if the step is committed
         committed = manager.current_step() == step + 1
@@ -301,8 +380,10 @@ def main(argv: list[str] | None = None) -> int:
             break
     if records is not None:
         records.close()
-        torch.save({"step": manager.current_step(), "hash": parameters_hash(module),
-                    "params": {n: p.detach().clone() for n, p in module.named_parameters()}},
+        # fully_shard: every rank's shard, whole (a collective inside the group); the hash is then the model's.
+        full = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+                for n, p in module.named_parameters()}
+        torch.save({"step": manager.current_step(), "hash": parameters_hash(full), "params": full},
                    args.records / f"replica{args.replica_id}.rank{group_rank}.final.pt")
     if group_rank == 0:
         print(f"replica group {args.replica_id}: trained to step {manager.current_step()}, loss {loss.item():.4f}",

@@ -7,8 +7,10 @@ every other step end far below the process groups' timeout); it commits steps al
 missed steps averaged over group 0 alone); group 1 rejoins, heals from group 0 and trains with it again; both end on
 the same step with bitwise equal parameters; and every loss a participating rank recorded, like the final parameters,
 is what a one-process float32 reference gives that replays the run's participation step by step
-(support/torchft_replay.py). Fronts: torchft's own DDP wrapper and shardkit's DDP; across the groups torchft's gloo
-process group or shardkit's (shardkit.integrations.torchft, also with the groups on two simulated hosts).
+(support/torchft_replay.py). Fronts: torchft's own DDP wrapper, shardkit's DDP and shardkit.fully_shard (HSDP with
+torchft as the replicate dimension); groups of one rank (restarted by the test) and of two (each under torchrun, which
+restarts it); across the groups torchft's gloo process group or shardkit's (shardkit.integrations.torchft, also with
+the groups on two simulated hosts).
 """
 
 from __future__ import annotations
@@ -191,15 +193,17 @@ def _check(records_dir: Path, marker: Path, group_world: int) -> dict[str, float
 
 
 @pytest.mark.timeout(110)
-@pytest.mark.parametrize("front", ["torchft_ddp", "ddp"])
+@pytest.mark.parametrize("front", ["torchft_ddp", "ddp", "fully_shard"])
 def test_group_dies_and_rejoins_over_gloo(tmp_path, lighthouse, front):
     _run(tmp_path, lighthouse, front, "gloo")
 
 
 @pytest.mark.timeout(110)
-def test_group_of_two_ranks_dies_and_rejoins_under_torchrun(tmp_path, lighthouse):
-    """Replica groups of 2 ranks, each under torchrun: rank 1 of group 1 dies, torchrun restarts group 1."""
-    _run(tmp_path, lighthouse, "ddp", "gloo", group_world=2)
+@pytest.mark.parametrize("front", ["ddp", "fully_shard"])
+def test_group_of_two_ranks_dies_and_rejoins_under_torchrun(tmp_path, lighthouse, front):
+    """Replica groups of 2 ranks, each under torchrun: rank 1 of group 1 dies, torchrun restarts group 1. With
+    fully_shard this is HSDP: sharded inside a group, replicated across the groups by torchft."""
+    _run(tmp_path, lighthouse, front, "gloo", group_world=2)
 
 
 @needs_shardkit_pg
