@@ -7,13 +7,15 @@ This script is one replica group: run one per group, each under its own ``torchr
 
     torchft_lighthouse --min_replicas 1 --join_timeout_ms 10000 --heartbeat_timeout_ms 1000 &
     export TORCHFT_LIGHTHOUSE=http://$(hostname):29510
-    torchrun --nproc_per_node=1 --max-restarts=3 examples/torchft_train.py --replica-id 0 --steps 200 &
-    torchrun --nproc_per_node=1 --max-restarts=3 examples/torchft_train.py --replica-id 1 --steps 200
+    torchrun --standalone --nproc_per_node=2 --max-restarts=3 examples/torchft_train.py --replica-id 0 --steps 200 &
+    torchrun --standalone --nproc_per_node=2 --max-restarts=3 examples/torchft_train.py --replica-id 1 --steps 200
 
 Fronts (``--front``): ``torchft_ddp`` is torchft's own DistributedDataParallel (torch's DDP whose comm hook is the
 Manager's allreduce; replica groups of one rank); ``ddp`` is ``shardkit.DistributedDataParallel`` with a comm hook
 that averages each bucket inside the replica group on its shardkit group (when it has several ranks) and then
-across the groups through the Manager. The cross-group process group (``--ft-pg``): torchft's
+across the groups through the Manager; ``fully_shard`` is HSDP: ``shardkit.fully_shard`` on each block and the
+root over the group's ranks, each unit's reduce-scatter output then averaged across the groups through the Manager
+(FSDP2's all-reduce hook). The cross-group process group (``--ft-pg``): torchft's
 ``ProcessGroupGloo``, or ``shardkit.integrations.torchft.ProcessGroupShardkit`` (shared memory between the groups on
 one host). Inside a group the ranks use ``dist.init_process_group("shardkit")``. A healing group receives the
 model and optimizer through torchft's default HTTPTransport (``--transport http``; it reads what the peer sends with
@@ -190,11 +192,12 @@ def make_transport(kind: str, pg: Any, timeout: timedelta) -> Any:
     return ChecksummedTransport(pg, timeout=timeout)
 
 
-def manager_allreduce_hook(manager: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """shardkit DDP's comm hook under torchft: the bucket averaged inside the replica group (its shardkit group,
-    when it has several ranks), then across the participating groups by the Manager (sum / participants; a healing
-    group contributes zeros). A failed cross-group allreduce is swallowed by the Manager, which then refuses to
-    commit the step, so the bucket's value does not matter then."""
+def manager_allreduce_hook(manager, bucket):  # no annotations: torch DDP compares them as objects, these are strings
+    """``(manager, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]``, the DDP comm hook under
+    torchft: the bucket averaged inside the replica group (its shardkit group, when it has several ranks), then
+    across the participating groups by the Manager (sum / participants; a healing group contributes zeros). A failed
+    cross-group allreduce is swallowed by the Manager, which then refuses to commit the step, so the bucket's value
+    does not matter then."""
     buffer = bucket.buffer()
     if dist.get_world_size() > 1:
         dist.all_reduce(buffer, op=dist.ReduceOp.AVG)
@@ -252,6 +255,25 @@ def load_local_shards(module: torch.nn.Module, optimizer: torch.optim.Optimizer,
     optimizer.load_state_dict(optim)
 
 
+def torchft_ddp(manager: Any, module: torch.nn.Module) -> torch.nn.Module:
+    """torchft's DistributedDataParallel with its comm hook replaced by manager_allreduce_hook.
+
+    Why: torchft 0.2.0's own hook (``torchft/ddp.py`` ``_comm_hook``) waits for the Manager's allreduce and then
+    asserts that the work's future was set up (``assert fut._fut``); when the allreduce fails, as it does at once
+    when a peer group dies in it (gloo: "Connection closed by peer"), ``_ManagedWork.wait`` reports the error to the
+    Manager and returns before it sets the future up, so the assertion fails and takes the survivor down with it
+    (seen here: the surviving group exited with ``AssertionError`` in ``_comm_hook``). The replacement waits the same
+    way and returns a completed future of the bucket; a failed step is then refused by ``should_commit`` as torchft
+    intends. Everything else is torchft's wrapper (a dummy process group for torch DDP's construction, buckets
+    never rebuilt)."""
+    from torchft.ddp import DistributedDataParallel
+
+    class _DistributedDataParallel(DistributedDataParallel):
+        _comm_hook = staticmethod(manager_allreduce_hook)
+
+    return _DistributedDataParallel(manager, module)
+
+
 def build(args: argparse.Namespace, cfg: ModelConfig, manager: Any, group_world: int):
     """(the wrapped model, its plain module)."""
     module = initial_model(cfg)
@@ -263,9 +285,7 @@ def build(args: argparse.Namespace, cfg: ModelConfig, manager: Any, group_world:
             raise NotImplementedError(f"--front torchft_ddp: torchft's DistributedDataParallel reduces across replica "
                                       f"groups only, so the {group_world} ranks of this group would drift apart; "
                                       "use --front ddp (shardkit's DDP averages inside the group first)")
-        from torchft.ddp import DistributedDataParallel
-
-        return DistributedDataParallel(manager, module), module
+        return torchft_ddp(manager, module), module
     model = shardkit.DistributedDataParallel(module)
     # The buckets stay as first laid out (no rebuild on the second iteration): a group that restarts is on its
     # first iteration while its peers are past their second, and every group must reduce the same buckets.

@@ -170,9 +170,12 @@ def _check(records_dir: Path, marker: Path, group_world: int) -> dict[str, float
         assert g0.attempts[-1]["step"] == g1.attempts[-1]["step"] >= STEPS - 1
         assert g0.attempts[-1]["participants"] == g1.attempts[-1]["participants"] == 2
         if g == 0:
+            first = next(a for a in g1.attempts if a["t_start"] >= restarted_at)
             figures.update(kill_to_next_survivor_step_s=kill_to_next_step, survivor_longest_step_s=longest,
                            restart_to_rejoined_s=after[0]["t_end"] - restarted_at,
-                           kill_to_rejoined_s=after[0]["t_end"] - killed_at)
+                           kill_to_rejoined_s=after[0]["t_end"] - killed_at,
+                           restart_to_first_step_s=first["t_start"] - restarted_at,  # start-up: imports, groups
+                           healing_step_s=after[0]["t_end"] - after[0]["t_start"])  # quorum, transfer, load
     # Bitwise equal parameters on every rank, and the reference's (float32, the run's participation replayed).
     finals = {key: torch.load(records_dir / f"replica{key[0]}.rank{key[1]}.final.pt", weights_only=True)
               for key in records}
