@@ -67,7 +67,8 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("local_of", &ProcessGroupShardkit::Config::local_of)
       .def_readwrite("global_ranks", &ProcessGroupShardkit::Config::global_ranks)
       .def_readwrite("pids", &ProcessGroupShardkit::Config::pids)
-      .def_readwrite("rails", &ProcessGroupShardkit::Config::rails);
+      .def_readwrite("rails", &ProcessGroupShardkit::Config::rails)
+      .def_readwrite("isolated", &ProcessGroupShardkit::Config::isolated);
   m.attr("ABORT_KEY") = shardkit::comm::kAbortKey;
   m.def("describe_identity", &shardkit::core::describe_identity, py::arg("identity"),
         "What a collective identity stands for in this process ('FSDP unit ...', or that it is unknown).");
@@ -141,6 +142,11 @@ PYBIND11_MODULE(_C, m) {
       .def("compare_identities_across_hosts", &ProcessGroupShardkit::compare_identities_across_hosts,
            "From the next op on, host leaders compare every op's collective identity before its inter-host steps.")
       .def("job_store", &ProcessGroupShardkit::job_store, "The Store where this job's deaths are recorded.")
+      .def("abort_with", &ProcessGroupShardkit::abort_with, py::arg("reason"), py::call_guard<py::gil_scoped_release>(),
+           "Ends the group now, from any thread: the op in flight and every later one fail with `reason`; the "
+           "process's other groups are untouched. shutdown_now() still ends its threads.")
+      .def("first_failure", &ProcessGroupShardkit::first_failure,
+           "The error message of the group's first failed op, or None while none failed.")
       .def("shutdown_now", &ProcessGroupShardkit::shutdown, py::call_guard<py::gil_scoped_release>(),
            "destroy_process_group()'s shutdown (idempotent), the GIL released while the worker finishes what is "
            "queued: what may still drop Python objects there can take it.")

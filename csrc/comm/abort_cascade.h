@@ -8,6 +8,9 @@
 // closed connections and the Store notice (failure_notices.h). The reason names the root cause (a dead rank by its
 // global rank), so every survivor's error does too.
 //
+// A group whose failure the job survives (ProcessGroupShardkit::Config::isolated: torchft's cross-replica group)
+// does not join: its failure aborts no other group, and no other group's aborts it.
+//
 // Each group joins with the function that aborts it (holding what it aborts weakly: a group destroyed meanwhile is
 // simply skipped). abort_others copies the functions under the registry's lock and calls them outside it, so an
 // abort that takes time (a Store on a slow host) holds up neither other aborts nor a group's destruction.

@@ -69,11 +69,17 @@ void ProcessGroupShardkit::run_failing_everywhere(uint64_t ticket, Body&& body) 
   } catch (const std::exception& error) {
     trace_->ended(ticket, false);
     const std::string message = message_of(error);
+    // In the job's Store, or for an isolated group in its own (Config::isolated: FailureNotices was given none).
     notices_->record_deaths(engine_->take_exited_peers(), message);
-    // This group's routes (no-op where one aborted itself: the first reason stands), then the process's others.
+    // This group's routes (no-op where one aborted itself: the first reason stands), then the process's others,
+    // unless this group's failures stay its own.
     routes().abort(message);
-    AbortCascade::abort_others(cascade_token_, message);
+    if (!config_.isolated) AbortCascade::abort_others(cascade_token_, message);
     const std::string note = trace_after_failure(message);
+    {
+      std::lock_guard<std::mutex> lock(failure_mutex_);
+      if (!first_failure_) first_failure_ = message + note;
+    }
     if (note.empty()) throw;
     rethrow_with(error, message + note);
   }
@@ -579,19 +585,19 @@ void ProcessGroupShardkit::monitoredBarrier(const c10d::BarrierOptions& opts, bo
 c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::send(std::vector<at::Tensor>& tensors, int dst_rank, int tag) {
   args_.check(args_.single(tensors, "send"), "send");
   refuse_cuda_point_to_point(tensors, "send");
-  return inner_->all_ranks(args_.where("send"))->send(tensors, dst_rank, tag);
+  return track_point_to_point(inner_->all_ranks(args_.where("send"))->send(tensors, dst_rank, tag));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::recv(std::vector<at::Tensor>& tensors, int src_rank, int tag) {
   args_.check(args_.single(tensors, "recv"), "recv");
   refuse_cuda_point_to_point(tensors, "recv");
-  return inner_->all_ranks(args_.where("recv"))->recv(tensors, src_rank, tag);
+  return track_point_to_point(inner_->all_ranks(args_.where("recv"))->recv(tensors, src_rank, tag));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
   args_.check(args_.single(tensors, "recv"), "recv");
   refuse_cuda_point_to_point(tensors, "recv");
-  return inner_->all_ranks(args_.where("recv"))->recvAnysource(tensors, tag);
+  return track_point_to_point(inner_->all_ranks(args_.where("recv"))->recvAnysource(tensors, tag));
 }
 
 void ProcessGroupShardkit::refuse_cuda_point_to_point(const std::vector<at::Tensor>& tensors, const char* op) const {

@@ -21,7 +21,10 @@
 #include <atomic>
 #include <chrono>
 #include <memory>
+#include <mutex>
+#include <optional>
 #include <string>
+#include <vector>
 
 #include "comm/engine.h"
 #include "comm/failure_notices.h"
@@ -55,12 +58,20 @@ class ProcessGroupShardkit : public c10d::Backend {
     // Across hosts: every rank has a rail (`inter_host` below) and large ops use them (hierarchical_engine.h). The
     // creator sets it the same on every rank, only where hosts hold equal numbers of consecutive ranks.
     bool rails = false;
+    // A group whose failures stay its own: it neither joins the process's abort cascade (abort_cascade.h: its
+    // failure aborts no other group, another group's failure does not abort it) nor records deaths in the job's
+    // Store (the `job_store` given to the constructor is ignored; failure_notices.h then uses the group's own).
+    // For a group whose failure the job survives: torchft's cross-replica group
+    // (python/shardkit/integrations/torchft.py), where a replica that dies is replaced while the replica groups of
+    // the others, shardkit groups of the same processes, go on. False: today's behaviour, every group's failure ends
+    // the process's others.
+    bool isolated = false;
   };
 
   // Blocks until every local rank has mapped the shared segment; a local peer that exits meanwhile, a failure of
   // the start-up elsewhere (the Store notice) or the timeout ends the wait with an error naming the rank.
   // `store` is the group's Store (failure notices, failure_notices.h); `job_store` the world group's, where
-  // deaths are recorded for every group to read (null: the group's own); `fallback` is gloo over all ranks;
+  // deaths are recorded for every group to read (null, or an isolated group: the group's own); `fallback` is gloo over all ranks;
   // `inter_host` this rank's rail, gloo among the ranks at its local position on every host (ranked by host): set on
   // each host's local rank 0 (the leaders' group) when num_hosts > 1, on every rank with `rails`, null otherwise.
   ProcessGroupShardkit(int rank, int size, const Config& config, c10::intrusive_ptr<c10d::Store> store,
@@ -75,6 +86,16 @@ class ProcessGroupShardkit : public c10d::Backend {
   // aborts: "terminate called without an active exception").
   void shutdown() override;
   void setTimeout(std::chrono::milliseconds timeout) override { timeout_ = timeout; }
+  // Ends the group now, from any thread: the op in flight and every later one fail with `reason` (on this host's
+  // other ranks too: the shared segment's abort flag; other hosts learn through closed connections and the Store
+  // notice), and so do point-to-point sends and receives still waiting. The process's other groups are not
+  // touched. Idempotent: the first reason stands. shutdown() is still needed to end the group's threads.
+  void abort_with(const std::string& reason);
+  // c10d's abort (ProcessGroup.abort()): abort_with a reason naming this rank.
+  void abort() override;
+  // The first failure of one of this group's ops (its error message), or nullopt while none failed: what an
+  // owner that survives a failure (torchft's Manager, through errored()) asks after the fact.
+  std::optional<std::string> first_failure() const;
 
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
                                            const c10d::BroadcastOptions& opts = c10d::BroadcastOptions()) override;
@@ -188,8 +209,8 @@ class ProcessGroupShardkit : public c10d::Backend {
   Routes routes() const;
   // Runs one op's body and marks its flight-recorder entry (`ticket`) ended; if it fails, records the deaths it saw
   // for the job, aborts this group (peers waiting in it fail now) and the process's other shardkit groups
-  // (abort_cascade.h), writes this rank's trace (the group's first failure only), then rethrows, the error naming
-  // the trace file.
+  // (abort_cascade.h; not where Config::isolated), writes this rank's trace (the group's first failure only),
+  // keeps the first failure's message (first_failure()), then rethrows, the error naming the trace file.
   template <typename Body>
   void run_failing_everywhere(uint64_t ticket, Body&& body);
   // After a failure: writes the trace if this group has not yet, and returns what the error adds about it.
@@ -199,6 +220,8 @@ class ProcessGroupShardkit : public c10d::Backend {
   OpContext context(const char* op, std::chrono::milliseconds timeout, uint64_t identity, bool compare_across_hosts,
                     core::InterHostQuantization quantization);
   std::chrono::milliseconds op_timeout(std::chrono::milliseconds requested) const;
+  // A point-to-point op's gloo Work, remembered (weakly) so that abort_with() can end it while it waits.
+  c10::intrusive_ptr<c10d::Work> track_point_to_point(c10::intrusive_ptr<c10d::Work> work);
   void refuse_cuda_point_to_point(const std::vector<at::Tensor>& tensors, const char* op) const;
   // allreduce of a sparse COO tensor (SUM only, like gloo's): every rank's indices and values, gathered.
   c10::intrusive_ptr<c10d::Work> allreduce_sparse_coo(const at::Tensor& tensor, const c10d::AllreduceOptions& opts);
@@ -220,6 +243,10 @@ class ProcessGroupShardkit : public c10d::Backend {
   std::atomic<uint64_t> executed_{0};  // collectives started, in the order ops run (OpContext::seq)
   std::atomic<bool> shut_down_{false};
   std::shared_ptr<TraceRing> trace_;  // this group's flight recorder (registered with TraceRegistry)
+  mutable std::mutex failure_mutex_;
+  std::optional<std::string> first_failure_;  // under failure_mutex_
+  std::mutex point_to_point_mutex_;
+  std::vector<c10::weak_intrusive_ptr<c10d::Work>> point_to_point_;  // under point_to_point_mutex_; pruned as it grows
   WorkQueue queue_;  // last: destroyed first, so queued work finishes while the engine still exists
 };
 

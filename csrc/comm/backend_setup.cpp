@@ -1,5 +1,6 @@
 // ProcessGroupShardkit's set-up and teardown: the start-up (the host's shared-memory group, its engine, the CUDA
-// route), its place in the process's abort cascade, and destroy_process_group(). The collectives are in backend.cpp.
+// route), its place in the process's abort cascade, abort and destroy_process_group(). The collectives are in
+// backend.cpp.
 #include "comm/backend.h"
 
 #include <numeric>
@@ -44,7 +45,9 @@ ProcessGroupShardkit::ProcessGroupShardkit(int rank, int size, const Config& con
               "shardkit (rank ", rank, "): pids must have one entry per rank, got ", config.pids.size());
   core::PeerNames named_ranks{{}, config.pids};
   for (int r = 0; r < size; ++r) named_ranks.names.push_back(ranks_.name(r));
-  notices_ = std::make_shared<FailureNotices>(store, std::move(job_store), rank, named_ranks,
+  // An isolated group records deaths in its own Store only (Config::isolated).
+  notices_ = std::make_shared<FailureNotices>(store, config.isolated ? nullptr : std::move(job_store), rank,
+                                              named_ranks,
                                               config.num_hosts > 1 ? config.host_of : std::vector<int>{});
   HostLayout layout{config.host_of, config.local_of};
   // This host's ranks, in local order (all ranks on one host).
@@ -102,7 +105,9 @@ ProcessGroupShardkit::ProcessGroupShardkit(int rank, int size, const Config& con
     TraceRegistry::add(trace_);
     TraceRegistry::install_signal_handler();
   }
-  cascade_token_ = AbortCascade::join([routes = routes()](const std::string& reason) { routes.abort(reason); });
+  if (!config.isolated) {  // an isolated group's failures stay its own (Config::isolated); token 0 joins nothing
+    cascade_token_ = AbortCascade::join([routes = routes()](const std::string& reason) { routes.abort(reason); });
+  }
 }
 
 ProcessGroupShardkit::Routes ProcessGroupShardkit::routes() const {
@@ -118,6 +123,43 @@ void ProcessGroupShardkit::Routes::abort(const std::string& reason) const {
 #ifdef SHARDKIT_WITH_CUDA
   if (auto route = cuda.lock()) route->abort(reason);
 #endif
+}
+
+void ProcessGroupShardkit::abort_with(const std::string& reason) {
+  routes().abort(reason);
+  // Sends and receives go to the inner gloo backend, outside the routes: abort those still waiting (gloo's abort
+  // wakes a blocked wait, which then returns false). Copied out of the lock: an abort may take a moment.
+  std::vector<c10::intrusive_ptr<c10d::Work>> waiting;
+  {
+    std::lock_guard<std::mutex> lock(point_to_point_mutex_);
+    for (const auto& weak : point_to_point_) {
+      if (auto work = weak.lock(); work && !work->isCompleted()) waiting.push_back(std::move(work));
+    }
+    point_to_point_.clear();
+  }
+  for (const auto& work : waiting) work->abort();
+}
+
+void ProcessGroupShardkit::abort() {
+  abort_with("shardkit (rank " + std::to_string(ranks_.name(getRank())) + "): the process group was aborted");
+}
+
+std::optional<std::string> ProcessGroupShardkit::first_failure() const {
+  std::lock_guard<std::mutex> lock(failure_mutex_);
+  return first_failure_;
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::track_point_to_point(c10::intrusive_ptr<c10d::Work> work) {
+  std::lock_guard<std::mutex> lock(point_to_point_mutex_);
+  if (point_to_point_.size() >= 64) {  // forget the ended ones, so that the list stays as short as what waits
+    std::vector<c10::weak_intrusive_ptr<c10d::Work>> live;
+    for (const auto& weak : point_to_point_) {
+      if (auto held = weak.lock(); held && !held->isCompleted()) live.push_back(weak);
+    }
+    point_to_point_ = std::move(live);
+  }
+  point_to_point_.emplace_back(work);
+  return work;
 }
 
 ProcessGroupShardkit::~ProcessGroupShardkit() {

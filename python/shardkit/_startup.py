@@ -347,9 +347,14 @@ def _agree_segment_name(watch: StartupWatch, local_rank: int, host_index: int, g
     return watch.get(key, "waiting for the host's first rank to name the shared-memory segment").decode()
 
 
-def create_backend(options: _torch_compat.BackendOptions, pg_options) -> _C.ProcessGroupShardkit:
+def create_backend(options: _torch_compat.BackendOptions, pg_options, *, isolated: bool = False
+                   ) -> _C.ProcessGroupShardkit:
     """The creator registered with torch (backend.register_backend): the group's backend, or on every rank the
-    error of the rank that failed first (StartupWatch.failed)."""
+    error of the rank that failed first (StartupWatch.failed).
+
+    ``isolated`` (never from torch; shardkit's torchft process group passes it): a group whose failures stay its
+    own (``BackendConfig.isolated``): it records deaths in its own Store only, not the job's, and neither aborts
+    the process's other groups when it fails nor is aborted by theirs."""
     if pg_options is not None:
         raise ValueError(f"the shardkit backend takes no pg_options, got {pg_options!r}")
     store, rank, size = options.store, options.group_rank, options.group_size
@@ -367,7 +372,7 @@ def create_backend(options: _torch_compat.BackendOptions, pg_options) -> _C.Proc
     watch.generation = generation
     watch.unscoped_store = options.store
     try:
-        backend = _start(options, watch, global_ranks, timeout)
+        backend = _start(options, watch, global_ranks, timeout, isolated)
     except Exception as error:  # whatever ends the start-up, the peers must hear of it
         raise watch.failed(error) from error
     except BaseException as error:  # an interrupt: the peers hear of it, the caller gets it as it is
@@ -380,9 +385,9 @@ def create_backend(options: _torch_compat.BackendOptions, pg_options) -> _C.Proc
 
 def _job_store(own: dist.Store, is_default_group: bool) -> dist.Store:
     """Where this group records deaths for the whole job (csrc/comm/failure_notices.h): the default group's Store,
-    as its shardkit backend holds it; the group's own where it is the default group, or the default group is not
-    shardkit's."""
-    if not is_default_group:
+    as its shardkit backend holds it; the group's own where it is the default group, the default group is not
+    shardkit's, or there is none (a group built outside init_process_group: shardkit's torchft process group)."""
+    if not is_default_group and dist.is_initialized():
         world = cpu_backend(_torch_compat.default_group())
         if isinstance(world, _C.ProcessGroupShardkit):
             return world.job_store()
@@ -404,7 +409,16 @@ def _remove_stale_segments(watch: StartupWatch, num_hosts: int) -> None:
                 _C.remove_segment_name(earlier.get(key).decode())
 
 
-def _start(options, watch: StartupWatch, global_ranks: list[int], timeout: timedelta) -> _C.ProcessGroupShardkit:
+def forget_group(group_id: str) -> None:
+    """Drops what this module and _topology.py keep for the group ``group_id`` (its gloo rendezvous Stores, its
+    host records), once the group has ended: for groups made and ended many times in one process (shardkit's torchft
+    process group makes one per quorum), whose kept Stores would otherwise hold a Store connection each."""
+    _GLOO_STORES.pop(str(group_id), None)
+    _topology.forget_group(str(group_id))
+
+
+def _start(options, watch: StartupWatch, global_ranks: list[int], timeout: timedelta,
+           isolated: bool = False) -> _C.ProcessGroupShardkit:
     store, rank, size = watch.store, options.group_rank, options.group_size
     group_id = _name_part(str(options.group_id), 40)
     topology = _topology.HostTopology.from_host_ids(watch.exchange_hosts(_topology.host_id(), size))
@@ -427,6 +441,7 @@ def _start(options, watch: StartupWatch, global_ranks: list[int], timeout: timed
     # processes compete for the cores than this host's group holds, and waits should spin less.
     config.processes_on_machine = _env_int("LOCAL_WORLD_SIZE", 0)
     config.timeout = timeout
+    config.isolated = isolated
 
     fallback = connect_gloo(watch, dist.PrefixStore("shardkit/gloo", store), rank, size, timeout,
                             "the inner gloo backend")
@@ -441,7 +456,7 @@ def _start(options, watch: StartupWatch, global_ranks: list[int], timeout: timed
                                       config.host_index, topology.num_hosts, timeout, what)
     _GLOO_STORES[str(options.group_id)] = watch.kept_stores
     watch.all_connected(size)
-    job_store = _job_store(store, not options.global_ranks_in_group)
+    job_store = store if isolated else _job_store(store, not options.global_ranks_in_group)
     backend = _C.ProcessGroupShardkit(rank, size, config, store, fallback, inter_host, job_store)
     watch.all_started(size)
     return backend

@@ -107,6 +107,13 @@ def record_scheme(group_name: str, scheme: str) -> None:
     _SCHEMES[group_name] = scheme
 
 
+def forget_group(group_name: str) -> None:
+    """Drops the records of the group ``group_name``, which has ended (a torchft process group makes a new group
+    for every quorum: their records must not pile up)."""
+    _TOPOLOGIES.pop(group_name, None)
+    _SCHEMES.pop(group_name, None)
+
+
 def host_topology(group: dist.ProcessGroup | None = None) -> HostTopology:
     """How the shardkit backend of ``group`` (default: the world group) grouped its ranks by host."""
     pg = group if group is not None else dist.group.WORLD

@@ -223,6 +223,36 @@ def default_group() -> dist.ProcessGroup:
     return dist.distributed_c10d._get_default_group()
 
 
+def backend_options(store: dist.Store, group_rank: int, group_size: int, timeout: timedelta, group_id: str,
+                    global_ranks: list[int]) -> Any:
+    """What c10d hands a backend creator registered with ``extended_api=True`` (``distributed_c10d.
+    _DistributedBackendOptions``), made by hand: shardkit's torchft process group (integrations/torchft.py) builds a
+    shardkit backend outside ``new_group``, through the same creator (``_startup.create_backend``)."""
+    options = dist.distributed_c10d._DistributedBackendOptions()
+    options.store = store
+    options.group_rank = group_rank
+    options.group_size = group_size
+    options.timeout = timeout
+    options.group_id = group_id
+    options.global_ranks_in_group = list(global_ranks)
+    return options
+
+
+def process_group_over(backend: Any, store: dist.Store, rank: int, size: int, name: str,
+                       devices: list[str]) -> dist.ProcessGroup:
+    """A ``ProcessGroup`` whose collectives on ``devices``' tensors run on ``backend`` (a custom backend, as
+    ``init_process_group`` assembles one: ``ProcessGroup._set_default_backend``, ``_register_backend``), named
+    ``name`` (``_set_group_name``, which also names the backend's flight-recorder ring). Not in torch's registry of
+    groups (``_world``): its owner, not ``destroy_process_group``, ends it."""
+    group = dist.ProcessGroup(store, rank, size)
+    custom = dist.ProcessGroup.BackendType.CUSTOM
+    group._set_default_backend(custom)
+    for device in devices:
+        group._register_backend(torch.device(device), custom, backend)
+    group._set_group_name(name)
+    return group
+
+
 def live_process_groups() -> list[dist.ProcessGroup]:
     """Every process group not destroyed yet (the keys of ``distributed_c10d._world.pg_map``): shardkit shuts down
     the backends nobody destroyed at the interpreter's exit."""

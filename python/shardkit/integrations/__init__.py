@@ -5,6 +5,8 @@ yourself: shardkit does not depend on any of them):
 - ``shardkit.integrations.transformers``: ``Trainer`` and ``ShardkitTrainingArguments`` for the Hugging Face
   Trainer (built on the accelerate integration).
 - ``shardkit.integrations.lightning``: ``ShardkitStrategy`` for Lightning.
+- ``shardkit.integrations.torchft``: ``ProcessGroupShardkit``, torchft's reconfigurable (fault-tolerant) process group
+  on shardkit's backend.
 
 What they share, the wrapping itself (strategies, ``auto``, ZeRO optimizers, clipping, accumulation), is
 ``_wrapping``, which imports no training library.
