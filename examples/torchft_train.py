@@ -101,6 +101,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ready-dir", type=Path, default=None,
                    help="(tests) at the first start, wait until --replicas groups have written their file here")
     p.add_argument("--replicas", type=int, default=None, help="the number of replica groups in the job")
+    p.add_argument("--min-step-seconds", type=float, default=0.0,
+                   help="(tests) make each step last at least this long, as a real model's would (the survivors of a "
+                        "tiny model otherwise spin through steps and starve a restarting group of CPU)")
     p.add_argument("--finish-together", action="store_true",
                    help="after --steps, train on until a step that all --replicas groups took part in")
     args = p.parse_args(argv)
@@ -388,6 +391,7 @@ def main(argv: list[str] | None = None) -> int:
         loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
         loss.backward()
         optimizer.step()  # steps only if the step is committed
+        time.sleep(max(0.0, t0 + args.min_step_seconds - time.time()))
         committed = manager.current_step() == step + 1
         participants, participating = manager.num_participants(), manager.is_participating()
         if records is not None:
