@@ -11,6 +11,7 @@
 #                    against DeepSpeed's CPU shm allreduce (benchmarks/collectives.py --peer deepspeed)
 #   make peer-test   torch's own distributed_test.py on gloo and on shardkit side by side (tests/peer/)
 #   make chaos       kill-and-restart cycles under real torchrun (tests/chaos/; not part of make test: many minutes)
+#   make torchft     every case of training through a death under torchft (make test runs three of the seven)
 #   make clean-venv-check  the wheel installed into a venv holding only torch (no numpy), examples run there
 
 PYTHON       ?= python3
@@ -107,6 +108,11 @@ peer-test: build $(VENV)/.peer-deps
 chaos: build
 	$(VENV)/bin/python tests/chaos/restart_cycles.py
 	$(VENV)/bin/python tests/chaos/resume_chaos.py
+
+# --- torchft: all seven cases of tests/python/test_torchft_recovery.py (fronts x process groups x group sizes) -------
+.PHONY: torchft
+torchft: build
+	SHARDKIT_TORCHFT_FULL=1 $(VENV)/bin/python -m pytest tests/python/test_torchft_recovery.py -ra
 
 # --- clean install: the wheel in a venv holding only torch, as docs/install.md says --------------------------
 # tests/python/test_clean_install.py runs `make clean-venv` (so `make test` covers it) and then the examples

@@ -15,12 +15,12 @@ Manager's allreduce; replica groups of one rank); ``ddp`` is ``shardkit.Distribu
 that averages each bucket inside the replica group on its shardkit group (when it has several ranks) and then
 across the groups through the Manager; ``fully_shard`` is HSDP: ``shardkit.fully_shard`` on each block and the
 root over the group's ranks, each unit's reduce-scatter output then averaged across the groups through the Manager
-(FSDP2's all-reduce hook). The cross-group process group (``--ft-pg``): torchft's
-``ProcessGroupGloo``, or ``shardkit.integrations.torchft.ProcessGroupShardkit`` (shared memory between the groups on
-one host). Inside a group the ranks use ``dist.init_process_group("shardkit")``. A healing group receives the
-model and optimizer through torchft's default HTTPTransport (``--transport http``; it reads what the peer sends with
-``weights_only=False``) or shardkit's ChecksummedTransport (``--transport checksummed``: over the cross-group process
-group, every tensor's CRC32C checked on receipt, nothing unpickled).
+(FSDP2's all-reduce hook). The cross-group process group (``--ft-pg``):
+``shardkit.integrations.torchft.ProcessGroupShardkit`` (the default: shared memory between the groups on one host),
+or torchft's ``ProcessGroupGloo``. Inside a group the ranks use ``dist.init_process_group("shardkit")``. A healing
+group receives the model and optimizer through shardkit's ChecksummedTransport (``--transport checksummed``, the
+default: over the cross-group process group, every tensor's CRC32C checked on receipt, nothing unpickled) or
+torchft's default HTTPTransport (``--transport http``; it reads what the peer sends with ``weights_only=False``).
 
 What the Manager decides, per step: ``optimizer.zero_grad()`` (torchft's Optimizer wrapper) asks the lighthouse for
 the quorum; each bucket's gradient is summed over the participating groups and divided by their number (a group
@@ -73,8 +73,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--front", choices=FRONTS, default="ddp")
-    p.add_argument("--ft-pg", choices=FT_PGS, default="gloo", help="the process group across replica groups")
-    p.add_argument("--transport", choices=TRANSPORTS, default="http",
+    p.add_argument("--ft-pg", choices=FT_PGS, default="shardkit", help="the process group across replica groups")
+    p.add_argument("--transport", choices=TRANSPORTS, default="checksummed",
                    help="how a healing group receives the state: torchft's HTTPTransport (it unpickles what the "
                         "peer sends), or shardkit's ChecksummedTransport over the cross-group process group")
     p.add_argument("--replica-id", type=int, default=int(os.environ.get("REPLICA_GROUP_ID", "0")),
@@ -174,24 +174,18 @@ def make_ft_pg(kind: str, timeout: timedelta) -> Any:
         from torchft.process_group import ProcessGroupGloo
 
         return ProcessGroupGloo(timeout=timeout)
-    try:
-        from shardkit.integrations.torchft import ProcessGroupShardkit
-    except ImportError as e:
-        raise NotImplementedError(f"--ft-pg shardkit needs shardkit.integrations.torchft.ProcessGroupShardkit, which "
-                                  f"this shardkit does not have ({e}); use --ft-pg gloo") from e
+    from shardkit.integrations.torchft import ProcessGroupShardkit
+
     return ProcessGroupShardkit(timeout=timeout)
 
 
 def make_transport(kind: str, pg: Any, timeout: timedelta) -> Any:
-    """The Manager's checkpoint transport: None (torchft's default, HTTPTransport), or shardkit's checksummed one."""
+    """The Manager's checkpoint transport: shardkit's checksummed one over the cross-group process group, or None
+    (torchft's default, HTTPTransport)."""
     if kind == "http":
         return None
-    try:
-        from shardkit.integrations._torchft_transport import ChecksummedTransport
-    except ImportError as e:
-        raise NotImplementedError(f"--transport checksummed needs shardkit.integrations._torchft_transport."
-                                  f"ChecksummedTransport, which this shardkit does not have ({e}); use --transport "
-                                  "http") from e
+    from shardkit.integrations.torchft import ChecksummedTransport
+
     return ChecksummedTransport(pg, timeout=timeout)
 
 

@@ -31,8 +31,6 @@ import torch.distributed as dist
 
 from support.collective_cases import topology_env
 
-pytest.importorskip("torchft")
-
 # (world size, host of each rank)
 TOPOLOGIES = {
     "1host-w2": (2, None),

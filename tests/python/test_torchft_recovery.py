@@ -25,11 +25,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from torchft.coordination import LighthouseServer
 
 from support import torchft_replay
-
-torchft = pytest.importorskip("torchft")
-from torchft.coordination import LighthouseServer  # noqa: E402
 
 EXAMPLE = torchft_replay.EXAMPLES / "torchft_train.py"
 SMALL = ["--batch", "2", "--seq", "8", "--layers", "1", "--d-model", "32", "--heads", "2", "--vocab", "64",
@@ -39,23 +37,13 @@ KILL_AT = 3        # group 1 dies in this step's backward
 PG_TIMEOUT = 20.0  # seconds: the cross-group process group's and the Manager's timeout
 HEARTBEAT_MS = 1000  # the lighthouse drops a group this long after its last heartbeat
 STEP_SECONDS = 0.05  # each step lasts at least this long (--min-step-seconds), as a real model's would
-# The default run keeps to three cases (each 45-80 s on 2 busy shared cores, mostly process start-ups: imports take
-# 13 s there); this runs all seven (shardkit's DDP over gloo, fully_shard in groups of one, shardkit between groups
-# on one host, DDP in groups of two).
+# make test runs three cases (each 45-80 s on 2 busy shared cores, mostly process start-ups: imports take 13 s
+# there); `make torchft` runs all seven (adding shardkit's DDP over gloo, fully_shard in groups of one, shardkit
+# between groups on one host, DDP in groups of two).
 FULL = os.environ.get("SHARDKIT_TORCHFT_FULL") == "1"
 full_only = pytest.mark.skipif(not FULL, reason="one of the extra torchft cases: SHARDKIT_TORCHFT_FULL=1 runs them")
 
 
-def _has_shardkit_pg() -> bool:
-    try:
-        from shardkit.integrations.torchft import ProcessGroupShardkit  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-needs_shardkit_pg = pytest.mark.skipif(not _has_shardkit_pg(),
-                                       reason="shardkit.integrations.torchft.ProcessGroupShardkit is not built yet")
 
 
 @pytest.fixture
@@ -208,7 +196,6 @@ def test_group_dies_and_rejoins_over_gloo(tmp_path, lighthouse, front):
     _run(tmp_path, lighthouse, front, "gloo")
 
 
-@needs_shardkit_pg
 @pytest.mark.timeout(110)
 @pytest.mark.parametrize("hosts", [pytest.param(1, marks=full_only), 2])
 def test_group_dies_and_rejoins_over_shardkit(tmp_path, lighthouse, hosts):
@@ -218,7 +205,7 @@ def test_group_dies_and_rejoins_over_shardkit(tmp_path, lighthouse, hosts):
 
 @pytest.mark.timeout(110)
 @pytest.mark.parametrize("front,ft_pg", [pytest.param("ddp", "gloo", marks=full_only),
-                                         pytest.param("fully_shard", "shardkit", marks=needs_shardkit_pg)])
+                                         ("fully_shard", "shardkit")])
 def test_group_of_two_ranks_dies_and_rejoins_under_torchrun(tmp_path, lighthouse, front, ft_pg):
     """Replica groups of 2 ranks, each under torchrun: rank 1 of group 1 dies, torchrun restarts group 1. With
     fully_shard this is HSDP: sharded inside a group, replicated across the groups by torchft."""

@@ -26,10 +26,8 @@ from typing import Any
 import pytest
 import torch
 
-pytest.importorskip("torchft")
-
-from shardkit import _C  # noqa: E402
-from shardkit.integrations._torchft_transport import (  # noqa: E402
+from shardkit import _C
+from shardkit.integrations._torchft_transport import (
     PROTOCOL,
     CheckpointTransferError,
     ChecksummedTransport,

@@ -66,8 +66,9 @@ except ImportError as error:  # pragma: no cover - depends on the environment
 
 from .. import _C, _startup, _torch_compat
 from ..quantized import Quantized, check_group, inter_host_format
+from ._torchft_transport import CheckpointTransferError, ChecksummedTransport
 
-__all__ = ["ProcessGroupShardkit"]
+__all__ = ["CheckpointTransferError", "ChecksummedTransport", "ProcessGroupShardkit"]
 
 BACKEND_NAME = "torchft-shardkit"
 _GROUP_NUMBERS = itertools.count()  # every group this process makes gets its own id (its records, its segment name)
