@@ -380,6 +380,7 @@ def is_sharded_tensor(value: Any) -> bool:
 # Importing torch._dynamo costs seconds of CPU (it loads torch.fx's symbolic shapes, sympy, DTensor and FSDP2), so
 # none of these imports it: nothing can be compiling while it is not imported (torch.compile imports it first).
 def _dynamo_loaded() -> bool:
+    """Whether ``torch._dynamo`` was imported (``sys.modules``): while it was not, nothing is compiled."""
     return "torch._dynamo" in sys.modules
 
 

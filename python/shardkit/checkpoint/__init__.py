@@ -24,7 +24,8 @@ consolidate), ``_safe_pickle`` (what every read of a checkpoint unpickles with: 
 state dicts, ``_sharded_state`` (ShardedSpace, Place, Slot, PieceTensor), ``_optim_state`` (name-keyed optimizer
 state dicts) and ``_front_protocol`` (what a front implements). This package imports no front (DDP, FSDP, ZeRO),
 not even for annotations: each front keeps its own adapter (fsdp/_state_dict.py, shardkit/_zero_state_dict.py);
-the Checkpointer gets shardkit.state_dict's functions from it (state_dict.py hands them over as it is imported).
+the Checkpointer gets shardkit.state_dict's functions from it (state_dict.py hands them over through
+_front_protocol as it is imported).
 """
 
 from __future__ import annotations
