@@ -13,6 +13,7 @@ tests/python/test_torch_compat.py.
 from __future__ import annotations
 
 import functools
+import sys
 import weakref
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
@@ -22,10 +23,11 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.filesystem import FileSystem
 
 if TYPE_CHECKING:
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
     # What c10d hands a backend creator registered with extended_api=True (store, group_rank, group_size, timeout,
     # group_id, global_ranks_in_group): shardkit.backend's creator reads it. Named for annotations only.
     from torch.distributed.distributed_c10d import _DistributedBackendOptions as BackendOptions  # noqa: F401
@@ -49,6 +51,8 @@ def use_filesystem(writer: FileSystemWriter, filesystem: FileSystem) -> None:
     ``self.fs.create_stream`` and renames it with ``self.fs.rename`` (2.13 and 2.14 alike, and the 2.5-era code;
     2.14 adds a ``flush()`` before the fsync, which 2.13 lacks).
     """
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
     if not isinstance(getattr(writer, "fs", None), FileSystem):
         raise RuntimeError(f"shardkit checkpoint: this torch's FileSystemWriter ({type(writer).__module__}) has no "
                            "FileSystem in its attribute 'fs': shardkit cannot checksum the files it writes "
@@ -403,24 +407,52 @@ def is_sharded_tensor(value: Any) -> bool:
 
 
 # --- torch.compile (dynamo) --------------------------------------------------------------------------------------
+# Importing torch._dynamo costs seconds of CPU (it loads torch.fx's symbolic shapes, sympy, DTensor and FSDP2), so
+# none of these imports it: nothing can be compiling while it is not imported (torch.compile imports it first).
+def _dynamo_loaded() -> bool:
+    """Whether ``torch._dynamo`` was imported (``sys.modules``): while it was not, nothing is compiled."""
+    return "torch._dynamo" in sys.modules
+
+
 def eager_under_compile(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` run eagerly under torch.compile (``torch._disable_dynamo``: like ``torch._dynamo.disable``, but
-    importing dynamo, which costs seconds, only at the first call)."""
-    return torch._disable_dynamo(fn)
+    """``fn`` run eagerly under torch.compile: through ``torch._dynamo.disable(fn)`` (made at the first call that
+    finds dynamo imported), and called directly while dynamo is not imported. The wrapper's own frames are skipped
+    (``skip_frames``), so dynamo never traces the check."""
+    disabled: list[Callable[..., Any]] = []
+
+    def eager(*args: Any, **kwargs: Any) -> Any:
+        if not _dynamo_loaded():
+            return fn(*args, **kwargs)
+        if not disabled:
+            disabled.append(torch._dynamo.disable(fn, recursive=True))
+        return disabled[0](*args, **kwargs)
+
+    skip_frames(eager.__code__)
+    return functools.update_wrapper(eager, fn)
 
 
 def skip_frames(code: Any) -> None:
-    """Marks the frames of ``code`` (a function's ``__code__``) for dynamo to skip
-    (``torch._dynamo.eval_frame.skip_code``); the frames they call are still compiled. Imports dynamo."""
-    from torch._dynamo.eval_frame import skip_code
+    """Marks the frames of ``code`` (a function's ``__code__``) for dynamo to skip; the frames they call are still
+    compiled. What ``torch._dynamo.eval_frame.skip_code`` does (2.13, 2.14: ``set_code_exec_strategy(code,
+    FrameExecStrategy(FrameAction.SKIP, FrameAction.DEFAULT))``), called on torch._C's own functions so that dynamo
+    is not imported; the mark lives on the code object and holds when dynamo is imported later. A torch without
+    them gets ``skip_code`` itself (importing dynamo)."""
+    frame_eval: Any = getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None)
+    strategy = getattr(frame_eval, "_FrameExecStrategy", None)
+    action = getattr(frame_eval, "_FrameAction", None)
+    if strategy is None or action is None or not hasattr(frame_eval, "set_code_exec_strategy"):
+        from torch._dynamo.eval_frame import skip_code
 
-    skip_code(code)
+        skip_code(code)
+        return
+    frame_eval.set_code_exec_strategy(code, strategy(action.SKIP, action.DEFAULT))
 
 
 def compiled_module_original(model: nn.Module) -> nn.Module | None:
     """The module ``torch.compile(module)`` wrapped, where ``model`` is such a wrapper
-    (``torch._dynamo.eval_frame.OptimizedModule._orig_mod``); None for any other module. Imports dynamo."""
-    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+    (``torch._dynamo.eval_frame.OptimizedModule._orig_mod``); None for any other module (without importing dynamo:
+    while it is not imported, nothing was compiled)."""
+    if _dynamo_loaded() and isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
         return model._orig_mod
     return None
 

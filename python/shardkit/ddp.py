@@ -520,7 +520,7 @@ _UNSUPPORTED_PROPERTIES: set[str] = set()
 @functools.cache
 def _run_eagerly_under_torch_compile() -> None:
     """Marks __call__'s and forward's frames for dynamo to skip (frames they call are still compiled). Done at
-    the first construction, not at import: importing torch._dynamo costs seconds."""
+    the first construction, without importing torch._dynamo (it costs seconds; _torch_compat.skip_frames)."""
     _torch_compat.skip_frames(DistributedDataParallel.__call__.__code__)
     _torch_compat.skip_frames(DistributedDataParallel.forward.__code__)
 

@@ -26,21 +26,19 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint import state_dict as _torch_sd
-from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 from . import _torch_compat
 from . import _zero_state_dict as zero_state_dict
-from .checkpoint import _checkpointer
 from .checkpoint import _front_protocol as front_protocol
 from .checkpoint._front_protocol import (
     FullStateDictConfig,
     ModelFront,
     ShardedStateDictConfig,
+    StateDictFunctions,
     StateDictSetting,
     StateDictType,
     implements,
@@ -48,10 +46,30 @@ from .checkpoint._front_protocol import (
 from .checkpoint._optim_state import parameter_names
 from .ddp import DistributedDataParallel
 
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+# torch.distributed.checkpoint.state_dict (and with it DCP, DTensor and FSDP2) loads at the first call of a function
+# here, not when shardkit is imported: a DDP job never needs it (docs/design.md, "Python").
+
 __all__ = ["StateDictOptions", "get_model_state_dict", "get_optimizer_state_dict", "get_state_dict",
            "set_model_state_dict", "set_optimizer_state_dict", "set_state_dict"]
 
 _OptimArg = torch.optim.Optimizer | Iterable[torch.optim.Optimizer]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "StateDictOptions":  # torch's own class, re-exported (PEP 562: loaded at first use)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        return StateDictOptions
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _torch_sd() -> Any:
+    from torch.distributed.checkpoint import state_dict
+
+    return state_dict
 
 
 def _ours(model: nn.Module) -> bool:
@@ -60,7 +78,10 @@ def _ours(model: nn.Module) -> bool:
 
 
 def _options(options: StateDictOptions | None, submodules: Any, call: str) -> StateDictOptions:
-    options = options or StateDictOptions()
+    if options is None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        options = StateDictOptions()
     refused = [name for name, on in (("submodules", submodules is not None),
                                      ("broadcast_from_rank0", options.broadcast_from_rank0),
                                      ("flatten_optimizer_state_dict", options.flatten_optimizer_state_dict)) if on]
@@ -99,7 +120,7 @@ def _frozen_names(model: nn.Module) -> set[str]:
 def get_model_state_dict(model: nn.Module, *, submodules: Any = None,
                          options: StateDictOptions | None = None) -> dict[str, Any]:
     if not _ours(model):
-        return _torch_sd.get_model_state_dict(model, submodules=submodules, options=options)
+        return _torch_sd().get_model_state_dict(model, submodules=submodules, options=options)
     options = _options(options, submodules, "get_model_state_dict")
     with _kind(model, options) as setting:
         if isinstance(model, DistributedDataParallel):  # canonical names: without its ``module.``
@@ -115,7 +136,7 @@ def get_model_state_dict(model: nn.Module, *, submodules: Any = None,
 def get_optimizer_state_dict(model: nn.Module, optimizers: _OptimArg, *, submodules: Any = None,
                              options: StateDictOptions | None = None) -> dict[str, Any]:
     if not _ours(model):
-        return _torch_sd.get_optimizer_state_dict(model, optimizers, submodules=submodules, options=options)
+        return _torch_sd().get_optimizer_state_dict(model, optimizers, submodules=submodules, options=options)
     options = _options(options, submodules, "get_optimizer_state_dict")
     optim = _one(optimizers, "get_optimizer_state_dict")
     with _kind(model, options):
@@ -130,7 +151,7 @@ def get_state_dict(model: nn.Module, optimizers: _OptimArg, *, submodules: Any =
                    options: StateDictOptions | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """(model state dict, optimizer state dict); see the module docstring."""
     if not _ours(model):
-        return _torch_sd.get_state_dict(model, optimizers, submodules=submodules, options=options)
+        return _torch_sd().get_state_dict(model, optimizers, submodules=submodules, options=options)
     return (get_model_state_dict(model, submodules=submodules, options=options),
             get_optimizer_state_dict(model, optimizers, submodules=submodules, options=options))
 
@@ -138,7 +159,7 @@ def get_state_dict(model: nn.Module, optimizers: _OptimArg, *, submodules: Any =
 def set_model_state_dict(model: nn.Module, model_state_dict: dict[str, Any], *,
                          options: StateDictOptions | None = None) -> _torch_compat.IncompatibleKeys:
     if not _ours(model):
-        return _torch_sd.set_model_state_dict(model, model_state_dict, options=options)
+        return _torch_sd().set_model_state_dict(model, model_state_dict, options=options)
     options = _options(options, None, "set_model_state_dict")
     strict = options.strict and not options.ignore_frozen_params
     with _kind(model, options) as setting:
@@ -158,7 +179,7 @@ def set_model_state_dict(model: nn.Module, model_state_dict: dict[str, Any], *,
 def set_optimizer_state_dict(model: nn.Module, optimizers: _OptimArg, optim_state_dict: dict[str, Any], *,
                              options: StateDictOptions | None = None) -> None:
     if not _ours(model):
-        return _torch_sd.set_optimizer_state_dict(model, optimizers, optim_state_dict, options=options)
+        return _torch_sd().set_optimizer_state_dict(model, optimizers, optim_state_dict, options=options)
     options = _options(options, None, "set_optimizer_state_dict")
     optim = _one(optimizers, "set_optimizer_state_dict")
     with _kind(model, options):
@@ -172,7 +193,7 @@ def set_state_dict(model: nn.Module, optimizers: _OptimArg, *, model_state_dict:
                    options: StateDictOptions | None = None) -> _torch_compat.IncompatibleKeys:
     """Loads both; see the module docstring. Call on every rank."""
     if not _ours(model):
-        return _torch_sd.set_state_dict(model, optimizers, model_state_dict=model_state_dict,
+        return _torch_sd().set_state_dict(model, optimizers, model_state_dict=model_state_dict,
                                         optim_state_dict=optim_state_dict, options=options)
     result = set_model_state_dict(model, model_state_dict, options=options)
     set_optimizer_state_dict(model, optimizers, optim_state_dict, options=options)
@@ -180,6 +201,6 @@ def set_state_dict(model: nn.Module, optimizers: _OptimArg, *, model_state_dict:
 
 
 # The checkpoint package's Checkpointer saves and loads models and optimizers through these (it imports no front).
-_checkpointer.use_state_dict_functions(_checkpointer.StateDictFunctions(
+front_protocol.use_state_dict_functions(StateDictFunctions(
     get_model=get_model_state_dict, get_optimizer=get_optimizer_state_dict, set_model=set_model_state_dict,
     set_optimizer=set_optimizer_state_dict))

@@ -24,20 +24,54 @@ consolidate), ``_safe_pickle`` (what every read of a checkpoint unpickles with: 
 state dicts, ``_sharded_state`` (ShardedSpace, Place, Slot, PieceTensor), ``_optim_state`` (name-keyed optimizer
 state dicts) and ``_front_protocol`` (what a front implements). This package imports no front (DDP, FSDP, ZeRO),
 not even for annotations: each front keeps its own adapter (fsdp/_state_dict.py, shardkit/_zero_state_dict.py);
-the Checkpointer gets shardkit.state_dict's functions from it (state_dict.py hands them over as it is imported).
+the Checkpointer gets shardkit.state_dict's functions from it (state_dict.py hands them over through
+_front_protocol as it is imported).
 """
 
 from __future__ import annotations
 
-from ._async import AsyncSave
-from ._checkpointer import Checkpointer
-from ._cli import add_arguments
-from ._errors import CheckpointIntegrityError, CheckpointSaveError, UnsafeCheckpointError, UnverifiedCheckpointWarning
-from ._load import check_matches, load
-from ._reader import consolidate, info, read_metadata
-from ._save import save
-from ._verify import verify
+from typing import TYPE_CHECKING, Any
 
+from ._errors import CheckpointIntegrityError, CheckpointSaveError, UnsafeCheckpointError, UnverifiedCheckpointWarning
+
+if TYPE_CHECKING:
+    from ._async import AsyncSave
+    from ._checkpointer import Checkpointer
+    from ._cli import add_arguments
+    from ._load import check_matches, load
+    from ._reader import consolidate, info, read_metadata
+    from ._save import save
+    from ._verify import verify
+
+# Importing this package loads no part of torch.distributed.checkpoint (DCP): the fronts import its vocabulary
+# (_front_protocol, _sharded_state, _optim_state) with every ``import shardkit``, and a DDP job never saves through
+# DCP. The names imported under TYPE_CHECKING above load, and DCP with them, at first use (PEP 562; docs/design.md,
+# "Python").
 __all__ = ["AsyncSave", "CheckpointIntegrityError", "CheckpointSaveError", "Checkpointer",
            "UnsafeCheckpointError", "UnverifiedCheckpointWarning", "add_arguments", "check_matches", "consolidate",
            "info", "load", "read_metadata", "save", "verify"]
+_LAZY = frozenset(__all__) - set(globals())
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    # The same imports as under TYPE_CHECKING, all at once (each loads DCP anyway), written out so that the import
+    # graph tests/python/test_layers.py reads sees them.
+    from ._async import AsyncSave
+    from ._checkpointer import Checkpointer
+    from ._cli import add_arguments
+    from ._load import check_matches, load
+    from ._reader import consolidate, info, read_metadata
+    from ._save import save
+    from ._verify import verify
+
+    loaded = {"AsyncSave": AsyncSave, "Checkpointer": Checkpointer, "add_arguments": add_arguments,
+              "check_matches": check_matches, "load": load, "consolidate": consolidate, "info": info,
+              "read_metadata": read_metadata, "save": save, "verify": verify}
+    globals().update(loaded)
+    return loaded[name]
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | _LAZY)

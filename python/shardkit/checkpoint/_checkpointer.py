@@ -40,7 +40,7 @@ candidate). Never the one just written, never a newer one, never an uncommitted 
 directory. One async save is in flight at a time: the next save waits for it first (its error raises there).
 
 The checkpoint package imports no front (docs/design.md, "Python"): shardkit.state_dict hands this module its
-four functions when it is imported (``use_state_dict_functions``; ``import shardkit`` imports it).
+four functions when it is imported (``_front_protocol.use_state_dict_functions``; ``import shardkit`` imports it).
 """
 
 from __future__ import annotations
@@ -50,7 +50,6 @@ import inspect
 import os
 import re
 import warnings
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +59,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from . import _commit, _rng
 from ._errors import CheckpointIntegrityError
+from ._front_protocol import state_dict_functions
 from ._load import load
 from ._manifest import MANIFEST_NAME, read_manifest
 from ._ranks import Ranks
@@ -71,29 +71,6 @@ _LEFTOVER = re.compile(r"^\.step-(\d{8,})\.shardkit-(staging|old)-")
 _PRUNING = ".shardkit-pruning"
 _STEP_KEY = "_shardkit"
 _RNG_KEY = "_shardkit_rng"
-
-
-@dataclasses.dataclass(frozen=True)
-class StateDictFunctions:
-    """shardkit.state_dict's get/set functions for models and optimizers of every front."""
-    get_model: Callable[[nn.Module], dict[str, Any]]
-    get_optimizer: Callable[[nn.Module, torch.optim.Optimizer], dict[str, Any]]
-    set_model: Callable[[nn.Module, dict[str, Any]], Any]
-    set_optimizer: Callable[[nn.Module, torch.optim.Optimizer, dict[str, Any]], Any]
-
-
-_FUNCTIONS: list[StateDictFunctions] = []
-
-
-def use_state_dict_functions(functions: StateDictFunctions) -> None:
-    """Called by shardkit.state_dict as it is imported."""
-    _FUNCTIONS[:] = [functions]
-
-
-def _functions() -> StateDictFunctions:
-    if not _FUNCTIONS:
-        raise RuntimeError("shardkit Checkpointer: shardkit.state_dict was not imported (import shardkit)")
-    return _FUNCTIONS[0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,7 +158,7 @@ class Checkpointer:
         return None
 
     def _load(self, path: Path, state: dict[str, Any], saved_world: int | None, ranks: Ranks) -> None:
-        functions = _functions()
+        functions = state_dict_functions()
         template = self._state_dicts(state)
         template[_STEP_KEY] = {"step": -1}
         skip_rng = None  # why the RNG states are not restored
@@ -308,7 +285,7 @@ class Checkpointer:
                                 "an optimizer, an object with state_dict/load_state_dict, or a dict")
 
     def _state_dicts(self, state: dict[str, Any]) -> dict[str, Any]:
-        functions = _functions()
+        functions = state_dict_functions()
         out: dict[str, Any] = {}
         for key, value in state.items():
             if isinstance(value, nn.Module):

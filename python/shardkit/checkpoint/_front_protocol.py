@@ -27,14 +27,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import torch
 from torch import nn
 
-__all__ = ["FullStateDictConfig", "ModelFront", "OptimizerFront", "ShardedStateDictConfig", "StateDictSetting",
-           "StateDictType", "implements", "optim_state_dict", "optim_state_dict_to_load", "state_dict_type"]
+__all__ = ["FullStateDictConfig", "ModelFront", "OptimizerFront", "ShardedStateDictConfig", "StateDictFunctions",
+           "StateDictSetting", "StateDictType", "implements", "optim_state_dict", "optim_state_dict_to_load",
+           "state_dict_functions", "state_dict_type", "use_state_dict_functions"]
 
 
 class StateDictType(enum.Enum):
@@ -155,3 +156,32 @@ def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, opt
     if implements(model, ModelFront):
         return model.name_keyed_optim_state_dict_to_load(optim, optim_state_dict)  # type: ignore[operator]
     raise _refuse(model, call)
+
+
+# --- the Checkpointer's state-dict functions -------------------------------------------------------------------
+# checkpoint/_checkpointer.py saves and loads models and optimizers of every front through shardkit.state_dict's
+# functions, which it cannot import (this package imports no front, and shardkit.state_dict imports them all).
+# shardkit.state_dict hands them over here as it is imported (``import shardkit`` imports it); the hand-over lives in
+# this module, not in _checkpointer, so that it loads no part of torch.distributed.checkpoint.
+@dataclasses.dataclass(frozen=True)
+class StateDictFunctions:
+    """shardkit.state_dict's get/set functions for models and optimizers of every front."""
+    get_model: Callable[[nn.Module], dict[str, Any]]
+    get_optimizer: Callable[[nn.Module, torch.optim.Optimizer], dict[str, Any]]
+    set_model: Callable[[nn.Module, dict[str, Any]], Any]
+    set_optimizer: Callable[[nn.Module, torch.optim.Optimizer, dict[str, Any]], Any]
+
+
+_FUNCTIONS: list[StateDictFunctions] = []
+
+
+def use_state_dict_functions(functions: StateDictFunctions) -> None:
+    """Called by shardkit.state_dict as it is imported."""
+    _FUNCTIONS[:] = [functions]
+
+
+def state_dict_functions() -> StateDictFunctions:
+    """The functions shardkit.state_dict handed over; raises where it was not imported."""
+    if not _FUNCTIONS:
+        raise RuntimeError("shardkit Checkpointer: shardkit.state_dict was not imported (import shardkit)")
+    return _FUNCTIONS[0]

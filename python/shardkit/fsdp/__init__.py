@@ -10,11 +10,29 @@
 Both keep their shared-memory buffers resident through _resident_memory.py. Their checkpoints are in one
 format, torch FSDP2's: ``fully_shard``'s are torch's own; the FSDP1 front's state-dict adapter (_state_dict.py)
 reads its flat parameters into ``shardkit.checkpoint``'s vocabulary (which imports neither front).
+
+``fully_shard`` loads _fully_shard.py, and with it torch's FSDP2 and DTensor, at first use (PEP 562): importing
+this package, which ``import shardkit`` does, loads neither (docs/design.md, "Python").
 """
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 from ..checkpoint._front_protocol import FullStateDictConfig, ShardedStateDictConfig, StateDictType
 from ._fsdp1 import BackwardPrefetch, CPUOffload, FullyShardedDataParallel, MixedPrecision, ShardingStrategy
-from ._fully_shard import fully_shard
+
+if TYPE_CHECKING:
+    from ._fully_shard import fully_shard
 
 __all__ = ["BackwardPrefetch", "CPUOffload", "FullStateDictConfig", "FullyShardedDataParallel", "MixedPrecision",
            "ShardedStateDictConfig", "ShardingStrategy", "StateDictType", "fully_shard"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "fully_shard":
+        from ._fully_shard import fully_shard
+
+        globals()["fully_shard"] = fully_shard
+        return fully_shard
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -26,8 +26,11 @@ from pathlib import Path
 from typing import Any
 
 _CONTEXT = mp.get_context("forkserver")
-# torch._dynamo: constructing any optimizer imports it (~3 s per rank otherwise).
-_CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "shardkit"])
+# torch._dynamo: constructing any optimizer imports it (~3 s per rank otherwise). DCP, DTensor and FSDP2: shardkit
+# loads them at first use (checkpoints, fully_shard, state dicts), which most tests reach; preloaded, no rank pays.
+_CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "torch.distributed.checkpoint",
+                                 "torch.distributed.checkpoint.state_dict", "torch.distributed.tensor",
+                                 "torch.distributed.fsdp", "shardkit"])
 
 
 @dataclasses.dataclass
