@@ -18,28 +18,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from support.harness import assert_same
+
 WORLD = 3
 
 
 def payload(rank: int) -> dict:
     return {"rank": rank, "name": "r" * (37 * rank), "tensor": torch.arange(5.0 * rank, dtype=torch.float64),
             "blob": bytes(range(256)) * (12_000 if rank == 1 else rank), "nested": [(rank, None), {rank: "x"}]}
-
-
-def assert_same(got, want, where: str) -> None:
-    assert type(got) is type(want), f"{where}: {type(got)} != {type(want)}"
-    if isinstance(want, torch.Tensor):
-        assert want.dtype == got.dtype and torch.equal(got, want), f"{where}: {got} != {want}"
-    elif isinstance(want, dict):
-        assert list(got) == list(want), f"{where}: keys {list(got)} != {list(want)}"
-        for key in want:
-            assert_same(got[key], want[key], f"{where}[{key!r}]")
-    elif isinstance(want, (list, tuple)):
-        assert len(got) == len(want), f"{where}: length {len(got)} != {len(want)}"
-        for i, (g, w) in enumerate(zip(got, want)):
-            assert_same(g, w, f"{where}[{i}]")
-    else:
-        assert got == want, f"{where}: {got!r} != {want!r}"
 
 
 def _parity_with_torch(rank, world):

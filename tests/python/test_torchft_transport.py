@@ -32,6 +32,7 @@ from shardkit.integrations._torchft_transport import (
     CheckpointTransferError,
     ChecksummedTransport,
 )
+from support.harness import assert_same
 
 TIMEOUT = timedelta(seconds=20)
 
@@ -69,25 +70,6 @@ def _state(seed: int) -> dict[str, Any]:
     }
 
 
-def _assert_same(got: Any, want: Any, path: str = "") -> None:
-    """Bitwise for tensors (bytes, dtype, shape), equal value and class for the rest."""
-    assert type(got) is type(want), f"{path}: {type(got).__name__} != {type(want).__name__}"
-    if isinstance(want, torch.Tensor):
-        assert (got.dtype, got.shape) == (want.dtype, want.shape), f"{path}: {got.dtype} {got.shape}"
-        as_bytes = [t.contiguous().reshape(-1).view(torch.uint8) for t in (got, want)]
-        assert torch.equal(*as_bytes), f"{path}: bytes differ"
-    elif isinstance(want, dict):
-        assert list(got) == list(want), f"{path}: keys {list(got)} != {list(want)}"
-        for key in want:
-            _assert_same(got[key], want[key], f"{path}[{key!r}]")
-    elif isinstance(want, (list, tuple)):
-        assert len(got) == len(want), f"{path}: {len(got)} items, not {len(want)}"
-        for i, (a, b) in enumerate(zip(got, want)):
-            _assert_same(a, b, f"{path}[{i}]")
-    else:
-        assert got == want, f"{path}: {got!r} != {want!r}"
-
-
 class _FlipOneByte(ChecksummedTransport):
     """Test-only: flips one byte of ``target``'s bytes, after their CRC32C was taken, on the first ``flips`` sends of
     it. The flipped copy is what goes to the group: real bytes on the wire, the receiver's check untouched."""
@@ -120,7 +102,7 @@ def _round_trip(rank: int, world_size: int, store_port: int) -> bool:
         transport.send_checkpoint([1], step=5, state_dict=_state(0), timeout=TIMEOUT)
         store.wait(["round-trip-done"])  # alive, sending nothing, while rank 1 waits out its deadline
     else:
-        _assert_same(transport.recv_checkpoint(0, PROTOCOL, step=5, timeout=TIMEOUT), _state(0))
+        assert_same(transport.recv_checkpoint(0, PROTOCOL, step=5, timeout=TIMEOUT), _state(0))
         # A live sender that never sends: the receive ends at its deadline, naming what it waited for.
         start = time.monotonic()
         with pytest.raises(CheckpointTransferError, match=r"^the state of step 6 from rank 0: receiving the header "
@@ -147,7 +129,7 @@ def _corrupted_then_clean(rank: int, world_size: int, store_port: int) -> list[s
         with pytest.raises(CheckpointTransferError) as refused:
             transport.recv_checkpoint(0, PROTOCOL, step=7, timeout=TIMEOUT)
         said.append(str(refused.value))
-        _assert_same(transport.recv_checkpoint(0, PROTOCOL, step=8, timeout=TIMEOUT), _state(2))
+        assert_same(transport.recv_checkpoint(0, PROTOCOL, step=8, timeout=TIMEOUT), _state(2))
         with pytest.raises(CheckpointTransferError) as refused:
             transport.recv_checkpoint(0, PROTOCOL, step=9, timeout=TIMEOUT)
         said.append(str(refused.value))
@@ -179,7 +161,7 @@ def _dtensors(rank: int, world_size: int, store_port: int) -> list[str]:
         assert (tensor.device_mesh, tensor.placements, tensor.shape) == (own["model"][name].device_mesh,
                                                                           own["model"][name].placements,
                                                                           own["model"][name].shape)
-        _assert_same(tensor.to_local(), local, name)
+        assert_same(tensor.to_local(), local, name)
     with pytest.raises(CheckpointTransferError) as refused:
         ChecksummedTransport(pg, timeout=TIMEOUT).recv_checkpoint(0, PROTOCOL, 4, TIMEOUT)
     return [str(refused.value)]
@@ -313,5 +295,5 @@ def test_manager_refuses_a_corrupted_recovery_commits_nothing_and_heals_at_the_n
         "['user']['default']['model']['weight'] (CRC32C 0x"), error
     # The next quorum heals it from step 1 on, and every later step commits.
     assert [(s, c, e) for s, c, e, _ in after] == [(s, True, None) for s in range(1, STEPS)], healed["history"]
-    _assert_same(healed["model"], healthy["model"])
-    _assert_same(healed["momentum"], healthy["momentum"])
+    assert_same(healed["model"], healthy["model"])
+    assert_same(healed["momentum"], healthy["momentum"])

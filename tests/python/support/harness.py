@@ -145,6 +145,29 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, workdir: Path, t
     return outcomes
 
 
+def assert_same(got: Any, want: Any, where: str = "") -> None:
+    """``got`` is ``want``: bitwise for tensors (dtype, shape and bytes: NaN, -0.0 and denormals included), the same
+    class and keys or length for dicts, lists and tuples (recursively), equal values for the rest; the message names
+    the path where they first differ."""
+    import torch
+
+    assert type(got) is type(want), f"{where}: {type(got).__name__} != {type(want).__name__}"
+    if isinstance(want, torch.Tensor):
+        assert (got.dtype, got.shape) == (want.dtype, want.shape), f"{where}: {got.dtype} {got.shape}"
+        as_bytes = [t.contiguous().reshape(-1).view(torch.uint8) for t in (got, want)]
+        assert torch.equal(*as_bytes), f"{where}: bytes differ: {got} != {want}"
+    elif isinstance(want, dict):
+        assert list(got) == list(want), f"{where}: keys {list(got)} != {list(want)}"
+        for key in want:
+            assert_same(got[key], want[key], f"{where}[{key!r}]")
+    elif isinstance(want, (list, tuple)):
+        assert len(got) == len(want), f"{where}: {len(got)} items, not {len(want)}"
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert_same(g, w, f"{where}[{i}]")
+    else:
+        assert got == want, f"{where}: {got!r} != {want!r}"
+
+
 def survivors(outcomes: list[RankOutcome], victim: int) -> list[RankOutcome]:
     """The outcomes of every rank but ``victim``, after checking that the victim was SIGKILLed (a test killed it)
     and that every other rank finished without raising."""
