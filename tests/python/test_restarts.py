@@ -140,7 +140,7 @@ def _gloo_attempt(rank: int, world_size: int, port: int, late: float | None, sco
 
 
 @pytest.mark.timeout(90)
-def test_the_next_start_up_removes_a_segment_that_a_killed_start_up_left(ranks):
+def test_the_next_start_up_removes_a_segment_that_a_killed_start_up_left(ranks, tmp_path):
     """Every rank of a start-up killed between the segment's creation and the last attach (its creator waiting for
     rank 1, which never attaches): nobody of that attempt is left to remove the segment. The next start-up on the
     same Store, as torchrun's restart makes it, removes it."""
@@ -149,15 +149,26 @@ def test_the_next_start_up_removes_a_segment_that_a_killed_start_up_left(ranks):
     server = TCPStore("127.0.0.1", 0, 2, True, wait_for_workers=False)
     tag = os.environ["SHARDKIT_SHM_TAG"]
     before = _segments(tag)
-    killed = ranks.launch(_start_up_on, 2, server.port, True, backend=None, timeout=30.0)
+    killed = ranks.launch(_start_up_on, 2, server.port, str(tmp_path / "rank0.pid"), backend=None, timeout=30.0)
     assert [o.exitcode for o in killed] == [-9, -9], killed
     left = _segments(tag) - before
     assert len(left) == 1, left  # what the killed start-up left
-    assert ranks.run(_start_up_on, 2, server.port, False, backend=None) == [True, True]
+    assert ranks.run(_start_up_on, 2, server.port, None, backend=None) == [True, True]
     assert not left & _segments(tag)
 
 
-def _start_up_on(rank: int, world_size: int, port: int, killed_in_attach: bool) -> bool:
+def _process_is_gone(pid: int) -> bool:
+    """Exited (a zombie until its parent reaps it, then no /proc entry at all)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+
+
+def _start_up_on(rank: int, world_size: int, port: int, kill_in_attach_via: str | None) -> bool:
+    """One start-up of the shardkit backend. With ``kill_in_attach_via`` (a file for rank 0's pid): rank 1 never
+    attaches; rank 0 SIGKILLs itself once its segment exists, and only then does rank 1 SIGKILL itself. In that order
+    rank 0 never sees its peer die (it would raise and remove the segment itself)."""
     import signal
     import threading
     import time
@@ -167,17 +178,24 @@ def _start_up_on(rank: int, world_size: int, port: int, killed_in_attach: bool) 
 
     from shardkit import _C
 
-    if killed_in_attach:
-        if rank == 1:
-            _C.ProcessGroupShardkit = lambda *args, **kwargs: time.sleep(60)  # never attaches
+    if kill_in_attach_via is not None:
         tag = os.environ["SHARDKIT_SHM_TAG"]
+        pid_file = Path(kill_in_attach_via)
+        if rank == 0:
+            pid_file.with_suffix(".tmp").write_text(str(os.getpid()))
+            pid_file.with_suffix(".tmp").rename(pid_file)
+        else:
+            _C.ProcessGroupShardkit = lambda *args, **kwargs: time.sleep(60)  # never attaches
 
-        def die_once_the_segment_exists() -> None:
+        def die_in_order() -> None:
             while not _segments(tag):
                 time.sleep(0.0005)
+            if rank == 1:
+                while not pid_file.exists() or not _process_is_gone(int(pid_file.read_text())):
+                    time.sleep(0.001)
             os.kill(os.getpid(), signal.SIGKILL)
 
-        threading.Thread(target=die_once_the_segment_exists, daemon=True).start()
+        threading.Thread(target=die_in_order, daemon=True).start()
     store = dist.TCPStore("127.0.0.1", port, world_size, False, timeout=timedelta(seconds=30))
     dist.init_process_group("shardkit", store=store, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=30))
