@@ -36,7 +36,8 @@ def _entry_points() -> list[str]:
 
 def test_pairwise_cover_is_complete():
     """The generator's cells cover every pair of every two dimensions of every entry point (the claim the
-    pairwise run rests on), and are far fewer than the whole matrix."""
+    pairwise run rests on), are far fewer than the whole matrix, and hold each costly value no more often than its
+    pairs need."""
     for entry in _entry_points():
         dimensions = importlib.import_module(f"support.matrix_{entry}").DIMENSIONS
         cells = matrix.cells_for(entry, "pairwise")
@@ -47,6 +48,14 @@ def test_pairwise_cover_is_complete():
         assert matrix.covered_pairs(trained) == possible, entry
         assert len(refused) == len([r for r in matrix.UNSUPPORTED if r[0] in ("*", entry)]), entry
         assert len(cells) < len(matrix.whole(dimensions)) / 4, (entry, len(cells))
+        # A costly value (a compile cell) is in no more cells than its pairs need: as many as the other dimension
+        # with the most values it may meet.
+        for name, values in matrix.COSTLY.items():
+            for value in values:
+                meets = {(other, v) for pair in possible for (n, w), (other, v) in (pair, pair[::-1])
+                         if (n, w) == (name, value)}
+                needed = max(sum(1 for other, _ in meets if other == d) for d in dimensions if d != name)
+                assert sum(1 for c in trained if c[name] == value) == needed, (entry, name, value, needed)
 
 
 def _launch_timeout(entry: str) -> float:

@@ -1,9 +1,11 @@
-"""examples/train_gpt.py (issue #12) under real torchrun: every strategy and hook trains, and the model-state
-bytes each rank holds are what shardkit.estimate predicts for that strategy (within 5%; padding and the flat
-layouts' alignment are the only differences); a checkpoint saved by FSDP at world 2 resumes under ZeRO-2 at
-world 1 from the step it stopped at. The showcase's output: log lines with every rank's RSS, a tqdm bar on
-stderr instead (tqdm is optional: without it ``--progress bar`` is refused by name), and ``--plot`` (matplotlib
-is optional: without it the plot is skipped with a line, and the run goes on).
+"""examples/train_gpt.py (issue #12): every strategy and hook trains, and the model-state bytes each rank holds are
+what shardkit.estimate predicts for that strategy (within 5%; padding and the flat layouts' alignment are the only
+differences); under real torchrun, a checkpoint saved by FSDP at world 2 resumes under ZeRO-2 at world 1 from the
+step it stopped at. The strategy cases run the example's ``main`` in the harness's ranks, started as torchrun starts
+it (``env://``: RANK, WORLD_SIZE, MASTER_ADDR/PORT): a torchrun launch costs ~10 s of interpreter start-up on 2 cores,
+the training here well under one; every other case launches it with torchrun. The showcase's output: log lines
+with every rank's RSS, a tqdm bar on stderr instead (tqdm is optional: without it ``--progress bar`` is refused by
+name), and ``--plot`` (matplotlib is optional: without it the plot is skipped with a line, and the run goes on).
 
 What each can catch: a wrapper that keeps a second copy (of parameters, gradients or optimizer state), a ZeRO
 stage that shards less than it says, auto choosing against its budget, a hook that breaks training, a resume
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
 import subprocess
 import sys
@@ -36,6 +39,22 @@ def _job(nproc: int, *args: str) -> subprocess.CompletedProcess:
     return result
 
 
+def _main_in_rank(rank: int, world: int, argv: list[str], port: int) -> str:
+    """examples/train_gpt.py's ``main(argv)`` in this rank, its process group made from the environment as under
+    torchrun; returns what it printed."""
+    import contextlib
+    import io
+
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"})
+    spec = importlib.util.spec_from_file_location("train_gpt_example", EXAMPLE)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        example.main(argv)
+    return printed.getvalue()
+
+
 def _summary(stdout: str) -> dict:
     return next(json.loads(line)["summary"] for line in stdout.splitlines() if line.startswith('{"summary"'))
 
@@ -54,7 +73,7 @@ def _example(monkeypatch: pytest.MonkeyPatch):
     return module
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(180)
 @pytest.mark.parametrize("args, row", [
     (["--strategy", "ddp"], "ddp"),
     (["--strategy", "ddp", "--hook", "powersgd"], "ddp"),
@@ -68,8 +87,11 @@ def _example(monkeypatch: pytest.MonkeyPatch):
     (["--strategy", "auto", "--memory-budget-gb", "0.0015"], "zero2"),  # DDP needs 0.00214 GB here, ZeRO-2 0.00134
     (["--strategy", "auto", "--memory-budget-gb", "0.0012"], "zero3"),  # ZeRO-3 0.00107: auto wraps with fully_shard
 ])
-def test_each_strategy_trains_and_holds_what_the_estimate_says(args: list[str], row: str):
-    summary, out = _train(2, "--steps", "5", *args)
+def test_each_strategy_trains_and_holds_what_the_estimate_says(ranks, args: list[str], row: str):
+    printed = ranks.run(_main_in_rank, 2, [*TINY, "--steps", "5", *args, "--json"], harness.free_port(),
+                        backend=None, timeout=120)
+    out = printed[0]
+    summary = _summary(out)
     assert summary["row"] == row
     if row == "zero3":
         assert "strategy auto -> zero3 (fully_shard)" in out, out

@@ -10,7 +10,8 @@ full state dict, what the after-training check saw).
 
 - ``pairwise(dimensions)``: cells in which every pair of values of every two dimensions occurs at least once (a
   greedy all-pairs cover, deterministic). The front is one of the dimensions, so every front meets every setting
-  and every two settings meet on some front: what ``make test`` runs, one launch per entry point.
+  and every two settings meet on some front: what ``make test`` runs, one launch per entry point. Costly values
+  (``COSTLY``: compile) are packed into as few cells as their pairs need.
   ``whole(dimensions)``: every combination, for ``make matrix``.
 - ``run_launch``: one launched job, every cell of one entry point in turn: the anchor on a fresh gloo default
   group, then shardkit on a fresh shardkit default group (the default group is destroyed and made again between
@@ -55,24 +56,37 @@ UNSUPPORTED: list[tuple[str, dict[str, Any], str]] = [
 ]
 
 
-def pairwise(dimensions: dict[str, tuple], refused: list[dict[str, Any]] = ()) -> list[dict[str, Any]]:
+# Values that make a cell cost several times what the others do (a compile cell: ~8 s per side, where the others
+# take ~1 s). The pairwise cover packs their pairs into as few cells as it can (test_matrix.py checks the minimum).
+COSTLY: dict[str, tuple] = {"compile": (True,)}
+
+
+def pairwise(dimensions: dict[str, tuple], refused: list[dict[str, Any]] = (),
+             costly: dict[str, tuple] = COSTLY) -> list[dict[str, Any]]:
     """Cells covering every pair of values of every two dimensions at least once (greedy; deterministic).
 
     ``refused``: partial cells (settings shardkit refuses together). No covering cell contains one, since a cell
     that raises tests none of its other pairs; instead each refused combination gets one cell of its own (the first
-    value of every other dimension), which asserts the refusal."""
+    value of every other dimension), which asserts the refusal.
+    ``costly``: values that make a cell cost far more than the others (``COSTLY``). Their pairs are covered first,
+    packed into as few cells as the other dimensions allow; the cells that follow never take them."""
     names = list(dimensions)
 
     def allowed(cell: dict[str, Any]) -> bool:
         return not any(all(k in cell and cell[k] == v for k, v in row.items()) for row in refused)
 
+    def is_costly(pair: tuple[str, Any]) -> bool:
+        return pair[1] in costly.get(pair[0], ())
+
     uncovered = {((a, va), (b, vb)) for a, b in itertools.combinations(names, 2)
                  for va in dimensions[a] for vb in dimensions[b] if allowed({a: va, b: vb})}
     cells: list[dict[str, Any]] = []
     while uncovered:
-        # Start from the first uncovered pair, then fill each other dimension with the allowed value covering most.
-        (a, va), (b, vb) = min(uncovered, key=lambda p: (names.index(p[0][0]), names.index(p[1][0]),
-                                                          str(p[0][1]), str(p[1][1])))
+        # Start from the first uncovered pair (one with a costly value while any is left), then fill each other
+        # dimension with the allowed value covering most.
+        costly_left = {p for p in uncovered if is_costly(p[0]) or is_costly(p[1])}
+        (a, va), (b, vb) = min(costly_left or uncovered, key=lambda p: (names.index(p[0][0]), names.index(p[1][0]),
+                                                                         str(p[0][1]), str(p[1][1])))
         cell = {a: va, b: vb}
         for name in names:
             if name in cell:
@@ -83,6 +97,8 @@ def pairwise(dimensions: dict[str, tuple], refused: list[dict[str, Any]] = ()) -
                            for n in cell)
 
             candidates = [v for v in dimensions[name] if allowed({**cell, name: v})]
+            if not costly_left:
+                candidates = [v for v in candidates if not is_costly((name, v))] or candidates
             cell[name] = max(candidates, key=gain)  # ties: the first value (the default setting)
         ordered = {name: cell[name] for name in names}
         uncovered -= {((x, ordered[x]), (y, ordered[y])) for x, y in itertools.combinations(names, 2)}
