@@ -1,11 +1,12 @@
 """examples/train_gpt.py (issue #12): every strategy and hook trains, and the model-state bytes each rank holds are
 what shardkit.estimate predicts for that strategy (within 5%; padding and the flat layouts' alignment are the only
-differences); under real torchrun, a checkpoint saved by FSDP at world 2 resumes under ZeRO-2 at world 1 from the
-step it stopped at. The strategy cases run the example's ``main`` in the harness's ranks, started as torchrun starts
-it (``env://``: RANK, WORLD_SIZE, MASTER_ADDR/PORT): a torchrun launch costs ~10 s of interpreter start-up on 2 cores,
-the training here well under one; every other case launches it with torchrun. The showcase's output: log lines
-with every rank's RSS, a tqdm bar on stderr instead (tqdm is optional: without it ``--progress bar`` is refused by
-name), and ``--plot`` (matplotlib is optional: without it the plot is skipped with a line, and the run goes on).
+differences); a checkpoint saved by FSDP at world 2 resumes under ZeRO-2 at world 1 from the step it stopped at.
+Those run the example's ``main`` in the harness's ranks, started as torchrun starts it (``env://``: RANK,
+WORLD_SIZE, MASTER_ADDR/PORT): a torchrun launch costs ~10 s of interpreter start-up on 2 cores, the training here
+well under one. The showcase's output, under real torchrun: log lines with every rank's RSS and the ``--plot`` PNG
+(matplotlib is optional: without it the plot is skipped with a line, and the run goes on), a tqdm bar on stderr
+instead of the lines (tqdm is optional: without it ``--progress bar`` is refused by name). The example under
+torchrun's restarts: test_resume.py and test_restarts.py.
 
 What each can catch: a wrapper that keeps a second copy (of parameters, gradients or optimizer state), a ZeRO
 stage that shards less than it says, auto choosing against its budget, a hook that breaks training, a resume
@@ -102,10 +103,12 @@ def test_each_strategy_trains_and_holds_what_the_estimate_says(ranks, args: list
 
 
 @pytest.mark.timeout(300)
-def test_checkpoint_at_world_2_resumes_at_world_1_under_another_strategy(tmp_path: Path):
+def test_checkpoint_at_world_2_resumes_at_world_1_under_another_strategy(ranks, tmp_path: Path):
     ckpt = tmp_path / "ckpt"
-    _train(2, "--strategy", "fsdp", "--steps", "3", "--checkpoint", str(ckpt))
-    summary, out = _train(1, "--strategy", "zero2", "--steps", "2", "--resume", str(ckpt), "--json")
+    ranks.run(_main_in_rank, 2, [*TINY, "--strategy", "fsdp", "--steps", "3", "--checkpoint", str(ckpt), "--json"],
+              harness.free_port(), backend=None, timeout=120)
+    out = ranks.run(_main_in_rank, 1, [*TINY, "--strategy", "zero2", "--steps", "2", "--resume", str(ckpt), "--json"],
+                    harness.free_port(), backend=None, timeout=120)[0]
     assert "resumed at step 3" in out
     steps = [json.loads(line)["step"] for line in out.splitlines() if line.startswith('{"step"')]
     assert steps == [3, 4]
@@ -113,7 +116,7 @@ def test_checkpoint_at_world_2_resumes_at_world_1_under_another_strategy(tmp_pat
 
 @pytest.mark.timeout(200)
 def test_progress_lines_show_every_ranks_rss(tmp_path: Path):
-    png = tmp_path / "loss.png"
+    png = tmp_path / "plots" / "loss.png"  # a folder --plot makes
     result = _job(2, "--steps", "5", "--progress", "lines", "--log-every", "2", "--plot", str(png))
     lines = [line for line in result.stdout.splitlines() if line.startswith("step ")]
     assert [int(line.split()[1]) for line in lines] == [0, 2, 4], result.stdout
@@ -126,7 +129,10 @@ def test_progress_lines_show_every_ranks_rss(tmp_path: Path):
         assert f"--plot {png}: skipped, matplotlib is not installed (pip install matplotlib)" in result.stdout
         assert not png.exists()
     else:
-        assert f"wrote {png}" in result.stdout and png.exists()
+        assert f"wrote {png}" in result.stdout
+        data = png.read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n", data[:8]
+        assert len(data) > 2000, f"{len(data)} bytes: an empty figure?"
 
 
 @pytest.mark.skipif(importlib.util.find_spec("tqdm") is None,
@@ -159,16 +165,3 @@ def test_plot_without_matplotlib_is_a_line_not_an_error(monkeypatch: pytest.Monk
     line = example.plot_losses(png, [6.3, 5.0, 4.1], 0, "title")
     assert line == f"--plot {png}: skipped, matplotlib is not installed (pip install matplotlib)"
     assert not png.exists()
-
-
-@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None,
-                    reason="matplotlib is not installed here (optional: the example then skips the plot, see "
-                           "test_plot_without_matplotlib_is_a_line_not_an_error)")
-@pytest.mark.timeout(200)
-def test_plot_writes_a_png_of_the_loss(tmp_path: Path):
-    png = tmp_path / "plots" / "loss.png"
-    _, out = _train(2, "--steps", "5", "--strategy", "zero2", "--plot", str(png))
-    assert f"wrote {png}" in out
-    data = png.read_bytes()
-    assert data[:8] == b"\x89PNG\r\n\x1a\n", data[:8]
-    assert len(data) > 2000, f"{len(data)} bytes: an empty figure?"
