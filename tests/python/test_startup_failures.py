@@ -133,9 +133,13 @@ def _init_in_a_small_dev_shm(rank: int, world: int, store_path: str):
     return _init_timed(rank, world, store_path, victim=-1, how="none")
 
 
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("world", [2, 4])
-def test_a_dev_shm_without_room_for_the_segment_fails_every_rank_within_2s(world: int):
+SMALL_DEV_SHM_WORLDS = (2, 4)
+
+
+@pytest.fixture(scope="module")
+def small_dev_shm_runs() -> dict[int, list[dict]]:
+    """Each world of SMALL_DEV_SHM_WORLDS started in turn in one mount namespace whose /dev/shm is a 1 MB tmpfs
+    (one interpreter, one namespace for both): world -> the JSON lines its ranks and then /dev/shm's listing gave."""
     from support.hostbed import UNSHARE, namespaces_unavailable, run_in_session
 
     why = namespaces_unavailable()
@@ -143,11 +147,23 @@ def test_a_dev_shm_without_room_for_the_segment_fails_every_rank_within_2s(world
         pytest.skip(f"no mount namespace for a small /dev/shm: {why}")
     # 1 MB: less than one rank's slots (the segment takes 2 x ranks x 1 MiB and a header).
     shell = 'mount -t tmpfs -o size=1m,mode=1777 shardkit-shm /dev/shm && exec "$@"'
-    result = run_in_session([*UNSHARE, "sh", "-c", shell, "sh", sys.executable, __file__, str(world)], timeout=100)
+    worlds = [str(w) for w in SMALL_DEV_SHM_WORLDS]
+    result = run_in_session([*UNSHARE, "sh", "-c", shell, "sh", sys.executable, __file__, *worlds], timeout=150)
     assert result.returncode == 0, result.stderr[-3000:]
-    lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    runs: dict[int, list[dict]] = {w: [] for w in SMALL_DEV_SHM_WORLDS}
+    for line in result.stdout.splitlines():
+        if line.startswith("{"):
+            parsed = json.loads(line)
+            runs[parsed["world"]].append(parsed)
+    return runs
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("world", SMALL_DEV_SHM_WORLDS)
+def test_a_dev_shm_without_room_for_the_segment_fails_every_rank_within_2s(small_dev_shm_runs, world: int):
+    lines = small_dev_shm_runs[world]
     by_rank = {line["rank"]: line for line in lines if "rank" in line}
-    assert sorted(by_rank) == list(range(world)), result.stdout + result.stderr[-3000:]
+    assert sorted(by_rank) == list(range(world)), lines
     for rank, line in by_rank.items():
         assert line["error"] is not None, f"rank {rank} started in a /dev/shm without room: {line}"
         elapsed, message = line["error"]
@@ -159,18 +175,21 @@ def test_a_dev_shm_without_room_for_the_segment_fails_every_rank_within_2s(world
     assert left == [], f"/dev/shm after the failed start-up: {left}"
 
 
-def _script(world: int) -> None:
-    """The small-/dev/shm case's ranks (run inside its mount namespace): one JSON line each, then /dev/shm."""
-    workdir = Path(tempfile.mkdtemp())
-    outcomes = harness.launch(_init_in_a_small_dev_shm, world, str(workdir / "store"), backend=None,
-                              workdir=workdir, timeout=60)
-    for outcome in outcomes:
-        print(json.dumps({"rank": outcome.rank, "error": outcome.value, "failure": outcome.error}), flush=True)
-    print(json.dumps({"dev_shm": sorted(os.listdir("/dev/shm"))}), flush=True)
+def _script(worlds: list[int]) -> None:
+    """The small-/dev/shm case's ranks (run inside its mount namespace), each world in turn: one JSON line per
+    rank, then /dev/shm's listing."""
+    for world in worlds:
+        workdir = Path(tempfile.mkdtemp())
+        outcomes = harness.launch(_init_in_a_small_dev_shm, world, str(workdir / "store"), backend=None,
+                                  workdir=workdir, timeout=60)
+        for outcome in outcomes:
+            print(json.dumps({"world": world, "rank": outcome.rank, "error": outcome.value,
+                              "failure": outcome.error}), flush=True)
+        print(json.dumps({"world": world, "dev_shm": sorted(os.listdir("/dev/shm"))}), flush=True)
 
 
 if __name__ == "__main__":
-    _script(int(sys.argv[1]))
+    _script([int(w) for w in sys.argv[1:]])
 
 
 _QUIET_WAIT = """
