@@ -17,8 +17,6 @@ Values are compared bit for bit (every tensor's bytes) with what was saved.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import re
 import shutil
 import signal
@@ -30,6 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from support.cli import shardkit_here
 from support.ddp_cases import error_of
 from support.fsdp_cases import adamw, block_policy, net, train_global
 
@@ -304,12 +303,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 def _cli_here(*args: str) -> subprocess.CompletedProcess:
     """The same command line run by ``python -m shardkit``'s main in this process: its exit code, stdout and stderr
     (a process per damaged copy would import torch again each time for the same code path)."""
-    from shardkit.__main__ import main
-
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(["checkpoint", *args])
-    return subprocess.CompletedProcess(["shardkit", "checkpoint", *args], code, out.getvalue(), err.getvalue())
+    return shardkit_here("checkpoint", *args)
 
 
 @pytest.mark.timeout(300)
@@ -345,8 +339,9 @@ def test_damaged_checkpoints_are_refused_on_every_rank_naming_the_file(ranks, tm
                 checked.append(got["checked"])
     assert sorted(name for names in checked for name in names) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
     assert saved["two"] != saved["three"]
-    # The command line and verify() in this process, without a process group.
-    good = _cli("info", "--verify", str(tmp_path / "two"))
+    # The command line and verify() in this process, without a process group. A real `python -m shardkit` runs
+    # for the deliberate failure ("flip at middle": exit code 1) and "plain" (its warning on the real stderr).
+    good = _cli_here("info", "--verify", str(tmp_path / "two"))
     assert good.returncode == 0, good.stderr
     assert re.search(r"^verified: 3 files, \d+ bytes, each file's size and CRC32C as written$", good.stdout, re.M), \
         good.stdout

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -15,8 +13,7 @@ import torch
 import torch.distributed as dist
 
 from shardkit import _trace
-
-REPO = Path(__file__).resolve().parents[2]
+from support.cli import shardkit_here
 
 
 def _group_entries(dump, name="0"):
@@ -58,8 +55,8 @@ def test_timeout_writes_every_ranks_trace_and_the_cli_names_the_late_rank(ranks)
     assert report.last_completed == {0: "broadcast #2", 1: "broadcast #2"}
     assert report.divergence is None
 
-    cli = subprocess.run([sys.executable, "-m", "shardkit", "trace", str(traces)], capture_output=True, text=True,
-                         timeout=60, env={**os.environ, "PYTHONPATH": str(REPO / "python")})
+    # The command the message names, through its entry point in this process (other tests start `python -m shardkit`).
+    cli = shardkit_here("trace", str(traces))
     assert cli.returncode == 0, cli.stderr
     assert "behind: rank 0, in all_reduce #3: it issued the op" in cli.stdout, cli.stdout
     assert "rank 1: last completed broadcast #2; last recorded all_reduce #3 (failed)" in cli.stdout

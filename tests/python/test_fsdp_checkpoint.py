@@ -227,20 +227,22 @@ def test_consolidate_and_info_in_a_process_without_a_process_group(ranks, tmp_pa
     import subprocess
     import sys
 
+    from support.cli import shardkit_here
+
     path = tmp_path / "ckpt"
     saved = ranks.run(_save_run, 4, str(path), timeout=120)[0]
     out = tmp_path / "plain.pt"
 
-    def shardkit_cli(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "shardkit", "checkpoint", *args], capture_output=True, text=True,
-                              timeout=120)
-
-    info = shardkit_cli("info", str(path))
+    # info and the broken consolidate run in this process (the ranks ran in forkserver children: it has no
+    # process group either); the good consolidate in a fresh interpreter, which has never had one.
+    assert not torch.distributed.is_initialized()
+    info = shardkit_here("checkpoint", "info", str(path))
     assert info.returncode == 0, info.stderr
     assert info.stdout.startswith(f"checkpoint {path}: saved by 4 ranks (4 data files"), info.stdout
     params = len(saved)
     assert f"  model: {params} tensors" in info.stdout and f"  optim: {3 * params} tensors" in info.stdout, info.stdout
-    done = shardkit_cli("consolidate", str(path), str(out))
+    done = subprocess.run([sys.executable, "-m", "shardkit", "checkpoint", "consolidate", str(path), str(out)],
+                          capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     plain = torch.load(out, weights_only=True)
     model = net(seed=7, depth=3, d_in=7)
@@ -255,7 +257,7 @@ def test_consolidate_and_info_in_a_process_without_a_process_group(ranks, tmp_pa
 
     victim = next(p for p in sorted(path.iterdir()) if p.suffix == ".distcp")
     victim.write_bytes(victim.read_bytes()[:100])  # truncated
-    broken = shardkit_cli("consolidate", str(path), str(tmp_path / "broken.pt"))
+    broken = shardkit_here("checkpoint", "consolidate", str(path), str(tmp_path / "broken.pt"))
     assert broken.returncode != 0
     assert f"checkpoint {path}: reading " in broken.stderr and victim.name in broken.stderr, broken.stderr[-2000:]
 

@@ -3,6 +3,10 @@ efficiency and memory per (strategy, world size), and a failed run reported, not
 
 What each can catch: efficiency not relative to the same strategy's one-rank run, memory read from the wrong
 rank or run (FSDP at 2 ranks must hold half of what it holds alone), runs that fail silently.
+
+The CLI runs in the pytest process through `shardkit.__main__.main` where only its output matters (its torchrun
+jobs stay real processes); the failing-run test keeps a real `python -m shardkit scale`, whose interpreter's exit
+code is what it asserts.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from shardkit.__main__ import main as shardkit_main
+
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_gpt.py"
 TINY = ["--steps", "4", "--layers", "2", "--d-model", "64", "--vocab", "512", "--seq", "16"]
 
@@ -25,9 +31,18 @@ def _scale(out: Path, *args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=400)
 
 
+def _scale_here(capsys: pytest.CaptureFixture[str], out: Path, *args: str) -> subprocess.CompletedProcess:
+    """`shardkit scale` through the entry point `python -m shardkit` calls, in this process; its torchrun jobs
+    are still launched. The result reads like _scale's: main's return value is what the interpreter exits with."""
+    capsys.readouterr()
+    code = shardkit_main(["scale", "--worlds", "1", "2", "--out", str(out), *args])
+    stdout, stderr = capsys.readouterr()
+    return subprocess.CompletedProcess(["shardkit", "scale", *args], code, stdout, stderr)
+
+
 @pytest.mark.timeout(420)
-def test_scale_reports_throughput_efficiency_and_memory(tmp_path: Path):
-    done = _scale(tmp_path, "--strategies", "ddp", "fsdp", "--", str(EXAMPLE), *TINY)
+def test_scale_reports_throughput_efficiency_and_memory(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    done = _scale_here(capsys, tmp_path, "--strategies", "ddp", "fsdp", "--", str(EXAMPLE), *TINY)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()
     assert lines[0].split() == ["strategy", "world", "tokens/s", "efficiency", "held", "MiB/rank", "peak", "RSS", "MiB"]
@@ -63,6 +78,7 @@ parser.parse_args(["--hook", "nonsense"])
 
 @pytest.mark.timeout(200)
 def test_a_failing_run_is_reported_and_the_exit_code_says_so(tmp_path: Path):
+    # A real `python -m shardkit scale`: the exit code asserted is the interpreter's (`sys.exit(main())`).
     script = tmp_path / "failing.py"
     script.write_text(FAILING)
     done = _scale(tmp_path, "--strategies", "ddp", "--", str(script))
@@ -83,10 +99,10 @@ if os.environ["RANK"] == "0":
 
 
 @pytest.mark.timeout(200)
-def test_an_efficiency_out_of_range_is_warned_about(tmp_path: Path):
+def test_an_efficiency_out_of_range_is_warned_about(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
     script = tmp_path / "superlinear.py"
     script.write_text(SUPERLINEAR)
-    done = _scale(tmp_path, "--threads-per-rank", "1", "--", str(script))
+    done = _scale_here(capsys, tmp_path, "--threads-per-rank", "1", "--", str(script))
     assert done.returncode == 0, done.stderr[-3000:]
     assert ("shardkit scale: warning: efficiency 2.00 at world 2 is outside [0, 1.1]: the runs did not do the same "
             "work per rank") in done.stderr, done.stderr[-2000:]
