@@ -24,8 +24,8 @@
   LightningModule already wrapped.
 - The README's Lightning section is examples/lightning_train.py, and it runs under torchrun.
 
-The script runs several runs in one launch; the runs fixture puts every script run these tests need into five launches
-(``_jobs``), most of a launch being start-up.
+The script runs several runs in one launch; the runs fixture puts every script run these tests need into two launches
+(``_jobs``: one per world size), most of a launch being start-up.
 """
 
 from __future__ import annotations
@@ -68,8 +68,10 @@ def _budget(choice: str) -> str:
 
 def _jobs() -> dict[str, Job]:
     """Every launch the runs fixture makes. Most of a launch is start-up (python, torch and Lightning imported on
-    every rank), so the runs that can share one do: the same world size, process group backend (gloo:
-    ``gloo``, ``model_parallel``; shardkit: the rest) and placement (``--one_host_per_rank``)."""
+    every rank), so the runs of one world size share one. Within it the script gives each stretch of runs of one
+    process group backend (gloo: ``gloo``, ``model_parallel``; shardkit: the rest) and placement
+    (``--one_host_per_rank``) a default group of its own; the first stretch's group Lightning's first Trainer sets up,
+    as users' scripts have it, so the shardkit runs come first."""
     ddp_budget, zero3_budget = _budget("ddp"), _budget("zero3")
     return {
         "shardkit": Job(2, (), (
@@ -83,17 +85,20 @@ def _jobs() -> dict[str, Job]:
             # After many fits in one process: fully_shard's once diverged here (its shared reduce-scatter block's
             # owner outlived an earlier fit on one rank only; _fully_shard._OnePerGroup now resets it).
             ("ddp", "--async_save"), ("zero2", "--async_save"), ("fully_shard", "--async_save"),
-            ("zero2", "--wrapped"),  # last: nothing runs after its refused fit
+            # The anchors: Lightning's own strategies on a gloo group.
+            ("gloo",), ("gloo", "--clip", "0"), ("gloo", "--accumulate", "2"),
+            ("gloo", "--evaluate"), ("model_parallel", "--evaluate"),
+            # On shardkit again, every rank on a simulated host of its own (a group of their own).
+            ("shardkit", "--one_host_per_rank"), ("zero2", "--one_host_per_rank"),
+            ("fully_shard", "--one_host_per_rank"),
+            ("zero2", "--wrapped"),  # last (on one host, a group of its own): nothing runs after its refused fit
         )),
-        "gloo": Job(2, (), (("gloo",), ("gloo", "--clip", "0"), ("gloo", "--accumulate", "2"),
-                            ("gloo", "--evaluate"), ("model_parallel", "--evaluate"))),
-        "two_hosts": Job(2, ("--one_host_per_rank",), (("shardkit",), ("zero2",), ("fully_shard",))),
         "resumed_at_3": Job(3, (), (("zero2", "--resume", "zero2_epoch1.ckpt"),
                                     ("fully_shard", "--resume", "fully_shard_epoch1.ckpt")), after=("shardkit",)),
     }
 
 
-FLAGS = ("--wrapped", "--evaluate", "--async_save")  # the script's options that take no value
+FLAGS = ("--wrapped", "--evaluate", "--async_save", "--one_host_per_rank")  # the script's options that take no value
 
 
 def _run_spec(kind: str, *options: str) -> str:

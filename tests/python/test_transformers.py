@@ -1,8 +1,8 @@
 """shardkit inside the Hugging Face Trainer (python/shardkit/integrations/transformers.py), launched as its users
 launch it: ``torchrun`` of a training script whose command line transformers' ``HfArgumentParser`` reads
-(tests/python/support/trainer_script.py). The runs share torchrun jobs, one per backend, world size and simulated
-host layout (``_jobs``: start-up is most of a run's time); each run has its own Trainer, model, seeds, output directory
-and default process group, as when it ran alone.
+(tests/python/support/trainer_script.py). The runs share torchrun jobs, one per world size (``_jobs``: start-up is
+most of a run's time); each run has its own Trainer, model, seeds, output directory and default process group (on
+its own backend and simulated host layout), as when it ran alone.
 
 - Every strategy trains as transformers' own Trainer with torch's DDP on gloo (the anchor): a small GPT-2, 4 steps
   of 2 accumulated micro-batches, gradient clipping, a linear schedule; the same logged gradient norms and the same
@@ -71,9 +71,10 @@ def _auto_budget(choice: str) -> float:
 @dataclasses.dataclass
 class Job:
     """One torchrun of the script running several Trainer runs in turn (``--runs``): start-up (python, torch,
-    transformers on every rank) is most of a run's time, so runs share jobs. A job has one backend (gloo for the
-    anchor, shardkit otherwise), one world size and one environment (simulated hosts): runs that differ in these have
-    jobs of their own."""
+    transformers on every rank) is most of a run's time, so runs share jobs. A job has one world size; its runs
+    each get a default process group of their own (the first one's the Trainer starts, as users' scripts have it),
+    on their own backend (gloo for the anchor, shardkit otherwise) and placement (simulated hosts: SHARDKIT_HOST_ID
+    set for that run alone; shardkit reads it at every group's start-up)."""
     world: int
     runs: dict[str, list[str]]  # each run's name and its arguments (besides COMMON, batch size, output, result)
     after: tuple[str, ...] = ()  # jobs whose output this one reads (checkpoints to resume), launched before it
@@ -88,11 +89,13 @@ def _jobs(root: Path) -> dict[str, Job]:
     resumes = {world: {f"{strategy}-resumed": ["--shardkit_strategy", strategy, "--resume",
                                                str(root / "shardkit" / strategy / "out" / "checkpoint-2")]
                        for strategy, at in RESUMED.items() if at == world} for world in set(RESUMED.values())}
+    # One world-2 job: shardkit's runs first (ddp's Trainer starts the job's first group, on shardkit, as users'
+    # scripts do), then the anchor's on gloo, then the runs on simulated hosts.
+    shardkit.update({"anchor": ANCHOR, "anchor-bf16": [*ANCHOR, *BF16_BEST]})
+    shardkit.update({f"{strategy}-hosts": ["--shardkit_strategy", strategy, "--one_host_per_rank", "true"]
+                     for strategy in ("zero2", "fully_shard")})
     return {
-        "anchor": Job(2, {"anchor": ANCHOR, "anchor-bf16": [*ANCHOR, *BF16_BEST]}),
         "shardkit": Job(2, shardkit),
-        "hosts": Job(2, {f"{strategy}-hosts": ["--shardkit_strategy", strategy, "--one_host_per_rank", "true"]
-                         for strategy in ("zero2", "fully_shard")}),
         **{f"world{world}": Job(world, runs, after=("shardkit",)) for world, runs in resumes.items()},
     }
 
@@ -154,7 +157,8 @@ def test_every_strategy_trains_as_the_trainer_with_torch_ddp_on_gloo(runs, strat
     _, anchor_facts, anchor_arrays = runs(None)
     _, facts, arrays = runs(strategy)
     assert anchor_facts["backend"] == "gloo" and anchor_facts["wrapper"] == "DistributedDataParallel", anchor_facts
-    assert facts["backend"] == "shardkit" and facts["world"] == 2, facts
+    # one host: the simulated hosts' runs share this job, their SHARDKIT_HOST_ID set for their own runs alone
+    assert facts["backend"] == "shardkit" and facts["world"] == 2 and facts["hosts"] == 1, facts
     expected = {"ddp": "DistributedDataParallel", "zero1": "DistributedDataParallel",
                 "zero2": "DistributedDataParallel",
                 "fsdp": "FullyShardedDataParallel"}.get(strategy, "FSDPGPT2LMHeadModel")

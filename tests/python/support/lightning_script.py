@@ -4,22 +4,28 @@
 
 RUNS is one run or several, comma-separated (``shardkit,zero2:accumulate=2,auto:budget=0.0012``); they run in turn
 in this one job, run i (from 0) writing RESULT.i.npz, each from the same start (``seed_everything``, a new model,
-data, strategy and Trainer; the process group the first Trainer set up stays for the next). A run is KIND, then
-optionally its own options, each ``:NAME=VALUE`` or, for a flag, ``:NAME`` (``gloo:clip=0``, ``zero2:wrapped``),
-NAME one of the options below but ``one_host_per_rank``; a VALUE holds no ``,`` or ``:``. An option on the command
-line is every run's default; a run's own overrides it.
+data, strategy and Trainer). A run is KIND, then optionally its own options, each ``:NAME=VALUE`` or, for a flag,
+``:NAME`` (``gloo:clip=0``, ``zero2:wrapped``, ``zero2:one_host_per_rank``), NAME one of the options below; a VALUE
+holds no ``,`` or ``:``. An option on the command line is every run's default; a run's own overrides it.
+
+Process groups: Lightning keeps the group its first Trainer set up, whatever backend a later Trainer asks for. So
+consecutive runs of one backend (gloo: ``gloo``, ``model_parallel``; shardkit: the other kinds) and one placement
+(``one_host_per_rank``) share a group: the first such stretch's group is the one its first Trainer sets up (env://,
+from torchrun, as users' scripts have it); each later stretch gets a new default group made before its first Trainer
+(support/matrix.py ``fresh_default_group``: a file store in RESULT.groups/N), on its backend, with SHARDKIT_HOST_ID
+set for that stretch alone (shardkit's start-up reads it at every group's start-up). Each stretch's group is
+destroyed at its end.
 
 KIND ``gloo`` or ``shardkit``: Lightning's own ``DDPStrategy(process_group_backend=KIND)``; ``model_parallel``:
 Lightning's own ``ModelParallelStrategy`` (torch FSDP2) on gloo, the LightningModule's ``configure_model`` sharding
 each ``Linear`` as a unit, then ``net``; ``ddp``, ``zero1``, ``zero2``, ``fully_shard`` or ``auto``:
 ``shardkit.integrations.lightning.ShardkitStrategy(KIND)`` (fully_shard shards each ``Linear`` as a unit; auto
-without auto_wrap, so a fully_shard it chooses has one unit, the root). A job has one process group, so one
-backend: its runs are all gloo and model_parallel, or all of the shardkit kinds.
+without auto_wrap, so a fully_shard it chooses has one unit, the root).
 Options: ``--budget GB`` (auto's memory_budget_gb), ``--accumulate N``, ``--epochs N``, ``--clip V`` (0: none),
 ``--save CKPT`` (``trainer.save_checkpoint`` after fit), ``--resume CKPT`` (``fit(ckpt_path=CKPT)``),
 ``--wrapped`` (the LightningModule wraps its net in torch's DDP in ``configure_model``; fit must refuse it),
-``--evaluate``: the evaluation sequence below; ``--async_save``: the asynchronous checkpoint run below; and
-the job's alone, ``--one_host_per_rank`` (every rank on a simulated host of its own, for the whole job).
+``--evaluate``: the evaluation sequence below; ``--async_save``: the asynchronous checkpoint run below;
+``--one_host_per_rank`` (every rank on a simulated host of its own: the hierarchical engine).
 
 ``--evaluate``: ``validate`` on the fresh model, then ``fit`` with a validation loader and a ``ModelCheckpoint``
 (in RESULT.i.checkpoints) keeping the epoch of the highest ``val_loss`` (the first, not the weights fit ends with),
@@ -57,7 +63,7 @@ GLOO_KINDS = ("gloo", "model_parallel")
 SHARDKIT_KINDS = ("shardkit", "ddp", "zero1", "zero2", "fully_shard", "auto")
 # A run's own options (``:NAME=VALUE``, a flag ``:NAME``): the type each VALUE converts to, bool for a flag.
 RUN_OPTIONS = {"budget": float, "accumulate": int, "epochs": int, "clip": float, "save": str, "resume": str,
-               "wrapped": bool, "evaluate": bool, "async_save": bool}
+               "wrapped": bool, "evaluate": bool, "async_save": bool, "one_host_per_rank": bool}
 
 
 def main() -> None:
@@ -76,25 +82,42 @@ def main() -> None:
     parser.add_argument("--async_save", action="store_true")
     args = parser.parse_args()
     runs = [parse_run(spec, args) for spec in args.runs.split(",")]
-    kinds = [kind for kind, _ in runs]
-    if not (set(kinds) <= set(GLOO_KINDS) or set(kinds) <= set(SHARDKIT_KINDS)):
-        # the first Trainer sets up the process group and the later ones reuse it, whatever backend they ask for
-        raise SystemExit(f"runs {args.runs!r}: one job has one process group backend; gloo kinds "
-                         f"{', '.join(GLOO_KINDS)} and shardkit kinds {', '.join(SHARDKIT_KINDS)} go in separate jobs")
-    if args.one_host_per_rank:  # each rank on a simulated host of its own: the hierarchical engine
-        os.environ["SHARDKIT_HOST_ID"] = f"host{os.environ['RANK']}"
-    import torch.distributed as dist
+    import itertools
+    import sys
+    from pathlib import Path
 
     import shardkit  # noqa: F401 - registers the "shardkit" backend
 
-    world = int(os.environ["WORLD_SIZE"])  # read once: a Trainer's teardown may clear it
-    for index, (kind, options) in enumerate(runs):
-        run(kind, options, world, f"{args.result}.{index}")
-    # Torch asks scripts to end with this; Lightning does not do it. Without it, fully_shard runs (DTensor's
-    # functional collectives above) sometimes aborted at interpreter exit, after everything here had finished
-    # ("terminate called without an active exception", SIGABRT on one rank): an open bug in shardkit's teardown
-    # at exit, recorded in the session note, not what these parity tests check.
-    dist.destroy_process_group()
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests' directory: support.matrix
+    from support.matrix import fresh_default_group
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])  # read once: a Trainer's teardown clears it
+    numbered = list(enumerate(runs))
+
+    def group_of(numbered_run) -> tuple[str, bool]:
+        _, (kind, options) = numbered_run
+        return ("gloo" if kind in GLOO_KINDS else "shardkit"), options.one_host_per_rank
+
+    for stretch, ((backend, hosts), members) in enumerate(itertools.groupby(numbered, key=group_of)):
+        directory = f"{args.result}.groups/{stretch}"
+        os.makedirs(directory, exist_ok=True)
+        before = os.environ.get("SHARDKIT_HOST_ID")
+        if hosts:  # each rank on a simulated host of its own: the hierarchical engine
+            os.environ["SHARDKIT_HOST_ID"] = f"host{rank}"
+        try:
+            # The group is destroyed at the stretch's end, the last one's too: torch asks scripts to end with this
+            # and Lightning does not do it. Without it, fully_shard runs (DTensor's functional collectives) sometimes
+            # aborted at interpreter exit, after everything here had finished ("terminate called without an active
+            # exception", SIGABRT on one rank): an open bug in shardkit's teardown at exit, recorded in the session
+            # note, not what these parity tests check.
+            with fresh_default_group(None if stretch == 0 else backend, rank, world, directory, 120.0):
+                for index, (kind, options) in members:
+                    run(kind, options, world, f"{args.result}.{index}")
+        finally:
+            if before is None:
+                os.environ.pop("SHARDKIT_HOST_ID", None)
+            else:
+                os.environ["SHARDKIT_HOST_ID"] = before
 
 
 def parse_run(spec: str, job: argparse.Namespace) -> tuple[str, argparse.Namespace]:
@@ -107,9 +130,7 @@ def parse_run(spec: str, job: argparse.Namespace) -> tuple[str, argparse.Namespa
         name, has_value, value = setting.partition("=")
         convert = RUN_OPTIONS.get(name)
         if convert is None:
-            raise SystemExit(f"run {spec!r}: a run's option is one of {', '.join(RUN_OPTIONS)}, got {name!r}"
-                             + (" (the whole job's: give it as --one_host_per_rank)"
-                                if name == "one_host_per_rank" else ""))
+            raise SystemExit(f"run {spec!r}: a run's option is one of {', '.join(RUN_OPTIONS)}, got {name!r}")
         if (convert is bool) == bool(has_value):
             raise SystemExit(f"run {spec!r}: {name} " + ("is a flag, given without a value" if convert is bool
                                                           else "needs a value, as :NAME=VALUE"))

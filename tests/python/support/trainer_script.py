@@ -12,16 +12,19 @@ loads that directory with ``from_pretrained`` and writes what the test compares 
 ``--runs <file.json>`` instead (a list of such argument lists) runs each in turn in this one job, so that the
 interpreter's and the libraries' start-up is paid once per job rather than once per run (most of a run's time). The
 first run starts its default process group as users' scripts do (the TrainingArguments start it); each later one gets
-a fresh group, its own output directory, seeds and model, and accelerate's state reset, as the matrix's Trainer entry
-point runs its cells (support/matrix.py, support/matrix_trainer.py). A run that raises leaves its traceback in
-``<result>.rank<N>.error`` and the job goes on to the next; the job then exits non-zero.
+a fresh group on its own backend (gloo for ``--anchor``, else shardkit) and placement (``--one_host_per_rank`` sets
+SHARDKIT_HOST_ID for that run only), its own output directory, seeds and model, and accelerate's state reset, as the
+matrix's Trainer entry point runs its cells (support/matrix.py, support/matrix_trainer.py). A run that raises leaves
+its traceback in ``<result>.rank<N>.error`` and the job goes on to the next; the job then exits non-zero.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import sys
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -46,12 +49,29 @@ def gpt2():
 
 
 def place_each_rank_on_a_host_of_its_own(argv: list[str]) -> None:
-    """``--one_host_per_rank``: called before the process group starts (SHARDKIT_HOST_ID is read then). In a job of
-    several runs it holds for every later run too: simulated hosts get a job of their own."""
+    """``--one_host_per_rank``: called before the process group starts (shardkit's start-up reads SHARDKIT_HOST_ID
+    at every group's start-up, _topology.host_id, and keeps nothing of it across groups)."""
     if "--one_host_per_rank" in argv:
         import os
 
         os.environ["SHARDKIT_HOST_ID"] = f"host{os.environ['RANK']}"
+
+
+@contextlib.contextmanager
+def placed(argv: list[str]) -> Iterator[None]:
+    """One run of a job of several placed as ``argv`` says, and the environment's host identity as it was after it:
+    so a job's runs on simulated hosts and on one host can share the job, in any order."""
+    import os
+
+    before = os.environ.get("SHARDKIT_HOST_ID")
+    place_each_rank_on_a_host_of_its_own(argv)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("SHARDKIT_HOST_ID", None)
+        else:
+            os.environ["SHARDKIT_HOST_ID"] = before
 
 
 def train(argv: list[str]) -> None:
@@ -120,17 +140,17 @@ def main() -> None:
     from support.matrix_trainer import _reset_accelerate
 
     runs = json.loads(Path(sys.argv[sys.argv.index("--runs") + 1]).read_text())
-    backend = "gloo" if "--anchor" in runs[0] else "shardkit"  # a job's runs share one backend
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     failed = []
     for index, argv in enumerate(runs):
         result = Path(argv[argv.index("--result") + 1])
         result.parent.mkdir(parents=True, exist_ok=True)
-        place_each_rank_on_a_host_of_its_own(argv)
+        backend = "gloo" if "--anchor" in argv else "shardkit"  # each run's own: the anchor's is torch DDP on gloo
         try:
             # The first run's TrainingArguments start the group (env://, from torchrun); later runs get a new one,
-            # through a file store of their own beside their result.
-            with fresh_default_group(None if index == 0 else backend, rank, world, str(result.parent), 120.0):
+            # through a file store of their own beside their result, on their own backend and placement.
+            with placed(argv), fresh_default_group(None if index == 0 else backend, rank, world, str(result.parent),
+                                                   120.0):
                 try:
                     train(argv)
                 finally:
