@@ -6,7 +6,8 @@ out by itself (hostname + boot id) that they are two hosts. Where `ip netns` wor
 own network namespace and the two are joined by a veth pair; elsewhere they share the machine's loopback.
 On each host `torchrun --nnodes=2 --node_rank=H --nproc_per_node=2` starts two ranks of
 two_host_script.py, which reports what it saw and the outcome of each collective check, and trains a small
-MLP with shardkit DDP; the same training on ONE namespace host of 4 ranks is the comparison.
+MLP with shardkit DDP; the comparison is the same rank job (two_host_script.run_rank) on ONE host of 4 ranks:
+this machine itself, in harness ranks, as no namespace is needed for a single host.
 
 Skips, saying why, where namespaces cannot be made (no root and no user namespaces, no `unshare`).
 """
@@ -20,11 +21,15 @@ import secrets
 import shlex
 import subprocess
 import sys
+import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
+from support import harness, two_host_script
 from support.harness import free_port
 from support.hostbed import launch_hosts, namespaces_unavailable, run_in_session
 
@@ -167,13 +172,31 @@ def two_hosts(namespaces, request, tmp_path_factory) -> tuple[Launch, Network]:
     return launch, net
 
 
+def _one_host_rank(rank: int, world: int, out: Path) -> None:
+    """A rank of the one-host baseline, set up as the torchrun workers of the two hosts are (no host id override,
+    no interface pinned, one intra-op thread as torchrun's OMP_NUM_THREADS=1 gives), then two_host_script's own
+    rank job: the training and references compared are the two hosts' code, only the launcher differs."""
+    for name in ("SHARDKIT_HOST_ID", "GLOO_SOCKET_IFNAME"):
+        os.environ.pop(name, None)  # before the group: the topology is built when it starts
+    torch.set_num_threads(1)
+    dist.init_process_group("shardkit", init_method=f"file://{out / 'store'}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=90))
+    try:
+        two_host_script.run_rank(out, collectives=False)
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.fixture(scope="module")
-def one_host(namespaces, request, tmp_path_factory) -> Launch:
+def one_host(request, tmp_path_factory) -> Launch:
+    """The baseline: 4 ranks on this machine, a real single host, so no namespace is needed; harness ranks instead
+    of a torchrun launch (nothing compared depends on the launcher)."""
     out = tmp_path_factory.mktemp("one_host")
-    # Not --standalone: that rendezvous advertises the hostname, and the made-up one resolves nowhere.
-    args = _torchrun("--nnodes=1", f"--nproc_per_node={WORLD}", "--master_addr=127.0.0.1",
-                     f"--master_port={free_port()}", str(SCRIPT), str(out))
-    launch = _launch([([], "skonehost", args)], out, _base_env())
+    start = time.monotonic()
+    harness.run(_one_host_rank, WORLD, out, workdir=out / "ranks", backend=None, timeout=LAUNCH_TIMEOUT,
+                env={"OMP_NUM_THREADS": "1"})
+    launch = Launch(out, time.monotonic() - start,
+                    [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)])
     _say(request, f"1 host x 4 ranks: {launch.seconds:.1f} s")
     return launch
 

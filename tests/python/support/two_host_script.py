@@ -167,12 +167,11 @@ def run_check(fn, rank: int, world: int) -> str:
         return traceback.format_exc(limit=3)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("out", type=Path)
-    parser.add_argument("--collectives", action="store_true", help="run the collective checks too")
-    args = parser.parse_args()
-    dist.init_process_group("shardkit", timeout=timedelta(seconds=90))
+def run_rank(out: Path, collectives: bool) -> None:
+    """One rank's whole job on a shardkit default group that is already set up: reports, checks, training.
+
+    main() runs it under torchrun (the two hosts); test_two_hosts runs it in harness ranks too (the one-host
+    baseline, where the launcher is not what is compared), so both sides train and report with the same code."""
     rank, world = dist.get_rank(), dist.get_world_size()
     topo = host_topology()
     report = {
@@ -183,20 +182,29 @@ def main() -> None:
         "checks": {},
     }
     checks = report["checks"]
-    if args.collectives:
+    if collectives:
         for fn in (check_all_reduce, check_broadcast, check_all_gather, check_reduce_scatter):
             checks[fn.__name__] = run_check(fn, rank, world)
-    torch.save(train_ddp(rank), args.out / f"params-rank{rank}.pt")
-    if args.collectives:  # last: while broken, they must not disturb training's collectives
+    torch.save(train_ddp(rank), out / f"params-rank{rank}.pt")
+    if collectives:  # last: while broken, they must not disturb training's collectives
         for fn in (check_coalesced_all_gather, check_coalesced_reduce_scatter):
             checks[fn.__name__] = run_check(fn, rank, world)
     if rank == 0:
-        torch.save(train_reference(world, [[r] for r in range(world)]), args.out / "reference-flat.pt")
+        torch.save(train_reference(world, [[r] for r in range(world)]), out / "reference-flat.pt")
         halves = [list(range(world // 2)), list(range(world // 2, world))]
-        torch.save(train_reference(world, halves), args.out / "reference-hier.pt")
+        torch.save(train_reference(world, halves), out / "reference-hier.pt")
     dist.barrier()
+    (out / f"rank{rank}.json").write_text(json.dumps(report, indent=1))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--collectives", action="store_true", help="run the collective checks too")
+    args = parser.parse_args()
+    dist.init_process_group("shardkit", timeout=timedelta(seconds=90))
+    run_rank(args.out, args.collectives)
     dist.destroy_process_group()
-    (args.out / f"rank{rank}.json").write_text(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":
