@@ -5,7 +5,7 @@
   on 2 CPU processes on the shardkit backend.
 - A config file with ``distributed_type: FSDP, fsdp_version: 2`` and transformer-based wrapping makes the
   Accelerator (given no plugin) shard with ``fully_shard``, each named block a unit of its own, and trains to the
-  same loss as the same job with that ShardkitPlugin passed explicitly.
+  same loss as the same job with that ShardkitPlugin passed explicitly (that anchor runs in harness ranks).
 - ``--multi_gpu`` with an FSDP config file: accelerate ignores the file's ``distributed_type`` and exports no FSDP
   setting; shardkit runs DDP and rank 0 warns, naming the flag and the file (the exact text, once per job).
 - A ``MULTI_CPU`` config without mpirun starts one process, which refuses to train alone, saying how to start N.
@@ -27,6 +27,7 @@ import pytest
 pytest.importorskip("accelerate")
 
 from shardkit.integrations import _launch_config  # noqa: E402
+from support import accelerate_launch_script  # noqa: E402
 from support.harness import free_port  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -46,10 +47,10 @@ def _launch(tmp_path: Path, config: str | None, *flags: str, script: Path = SCRI
                           env=env, cwd=tmp_path)
 
 
-def _results(tmp_path: Path, config: str, script: Path = SCRIPT) -> list[dict]:
-    """Each rank's report of one launch of ``script`` (a file per rank: their stdout lines may interleave)."""
+def _results(tmp_path: Path, config: str) -> list[dict]:
+    """Each rank's report of one launch of SCRIPT (a file per rank: their stdout lines may interleave)."""
     out_dir = Path(tempfile.mkdtemp(dir=tmp_path))
-    out = _launch(tmp_path, config, script=script, script_args=(str(out_dir),))
+    out = _launch(tmp_path, config, script_args=(str(out_dir),))
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
     return [json.loads(path.read_text()) for path in sorted(out_dir.glob("rank*.json"))]
 
@@ -79,21 +80,29 @@ def test_multi_gpu_flag_starts_the_readme_example_on_two_cpu_processes_on_shardk
     assert "2 processes on shardkit: last gradient norm" in out.stdout
 
 
-def test_an_fsdp2_config_file_makes_shardkit_shard_with_fully_shard(tmp_path):
+def test_an_fsdp2_config_file_makes_shardkit_shard_with_fully_shard(tmp_path, ranks):
     rows = _results(tmp_path, FSDP2_CONFIG)
     assert [row["rank"] for row in rows] == [0, 1]
     for row in rows:
         assert (row["world"], row["backend"], row["strategy"]) == (2, "shardkit", "fully_shard")
         assert row["auto_wrap"] == ["Block"] and row["reshard_after_forward"] is False
         assert row["units"] == ["(root)", "0", "1"]  # each Block, then the root; the head is the root's
-    # The same job with the plugin given explicitly (no FSDP in the config) trains to the same loss.
-    explicit = tmp_path / "explicit.py"
-    explicit.write_text(SCRIPT.read_text().replace(
-        "accelerator = Accelerator()",
-        "from shardkit.integrations.accelerate import ShardkitPlugin\n    accelerator = Accelerator(shardkit_plugin="
-        "ShardkitPlugin(strategy='fully_shard', auto_wrap=['Block'], reshard_after_forward=False))"))
-    same = _results(tmp_path, CONFIG.format(kind="MULTI_GPU", use_cpu="false"), script=explicit)
+    # The same job with the plugin given explicitly (no FSDP in the config) trains to the same loss. This anchor only
+    # supplies the loss, so it runs in harness ranks with what `accelerate launch` of a MULTI_GPU, no-mixed-precision
+    # config exports to its workers (the harness sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE).
+    out_dir = Path(tempfile.mkdtemp(dir=tmp_path))
+    env = {"ACCELERATE_MIXED_PRECISION": "no", "ACCELERATE_DYNAMO_BACKEND": "NO", "OMP_NUM_THREADS": "1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    ranks.run(_explicit_plugin_job, 2, out_dir, backend=None, env=env, timeout=90)
+    same = [json.loads(path.read_text()) for path in sorted(out_dir.glob("rank*.json"))]
     assert [row["loss"] for row in same] == [row["loss"] for row in rows]
+
+
+def _explicit_plugin_job(rank: int, world: int, out_dir: Path) -> None:
+    from shardkit.integrations.accelerate import Accelerator, ShardkitPlugin
+
+    plugin = ShardkitPlugin(strategy="fully_shard", auto_wrap=["Block"], reshard_after_forward=False)
+    accelerate_launch_script.train(Accelerator(shardkit_plugin=plugin), out_dir)
 
 
 def test_multi_gpu_with_an_fsdp_config_file_warns_that_shardkit_runs_ddp(tmp_path):

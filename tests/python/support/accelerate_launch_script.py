@@ -1,7 +1,7 @@
 """One process of tests/python/test_accelerate_launch.py, started by ``accelerate launch``: shardkit's Accelerator
 with no plugin argument (so the config file decides), 2 steps on a model of two ``Block``s, then
 ``OUT_DIR/rank{r}.json`` per rank (a file each: the ranks' stdout lines may interleave): world size, backend,
-strategy, which modules became fully_shard units, the loss.
+strategy, which modules became fully_shard units, the loss. ``train`` is the job on a given Accelerator.
 
     accelerate launch ... accelerate_launch_script.py OUT_DIR"""
 
@@ -26,8 +26,8 @@ class Block(nn.Module):
         return x + torch.tanh(self.fc(x))
 
 
-def main() -> None:
-    accelerator = Accelerator()
+def train(accelerator: Accelerator, out_dir: Path) -> None:
+    """The job and its report. The test's anchor runs it too, in harness ranks, with the plugin given explicitly."""
     torch.manual_seed(0)
     model = nn.Sequential(Block(), Block(), nn.Linear(8, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -47,7 +47,11 @@ def main() -> None:
               "backend": accelerator.state.backend, "strategy": plugin.resolved_strategy,
               "auto_wrap": list(plugin.auto_wrap or []), "reshard_after_forward": plugin.reshard_after_forward,
               "units": units, "loss": float(loss)}
-    (Path(sys.argv[1]) / f"rank{accelerator.process_index}.json").write_text(json.dumps(result))
+    (out_dir / f"rank{accelerator.process_index}.json").write_text(json.dumps(result))
+
+
+def main() -> None:
+    train(Accelerator(), Path(sys.argv[1]))
 
 
 if __name__ == "__main__":
