@@ -136,10 +136,13 @@ def _gloo_attempt(rank: int, world_size: int, port: int, late: float | None, sco
         store, _, _ = shardkit.attempt_store(store, rank, world_size, timeout=timedelta(seconds=30))
     try:
         # The Store's keys as init_process_group("gloo") names them for the default group.
-        dist.ProcessGroupGloo(dist.PrefixStore("default_pg/0//cpu/", store), rank, world_size,
-                              timedelta(seconds=timeout))
+        group = dist.ProcessGroupGloo(dist.PrefixStore("default_pg/0//cpu/", store), rank, world_size,
+                                      timedelta(seconds=timeout))
     except RuntimeError as error:
         return False, str(error)
+    # Connected: wait for the peer to be connected too before this rank drops the group; a rank that returned at
+    # once closed its side while the other was still connecting ("Connection closed by peer": 2 runs in 6 here).
+    group.barrier().wait()
     return True, ""
 
 
