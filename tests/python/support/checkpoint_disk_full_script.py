@@ -10,10 +10,10 @@ import json
 import os
 import sys
 import tempfile
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 
 FEATURES = 512  # two Linear(512, 512) + AdamW's two moments: ~6.3 MB of checkpoint
@@ -44,7 +44,7 @@ def _full_bytes(model, optimizer) -> dict[str, bytes]:
     return {k: bytes(v.reshape(-1).view(torch.uint8).tolist()) for k, v in values.items()}
 
 
-def rank_main(rank: int, world: int, store: str, directory: str) -> None:
+def rank_main(rank: int, world: int, store: str, directory: str) -> dict:
     from shardkit import checkpoint
     from shardkit.state_dict import get_state_dict, set_state_dict
 
@@ -70,13 +70,22 @@ def rank_main(rank: int, world: int, store: str, directory: str) -> None:
     checkpoint.load(state, path)
     set_state_dict(fresh, fresh_optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     loaded = _full_bytes(fresh, fresh_optimizer)
-    line = json.dumps({"rank": rank, "error": error, "left": left, "first_loaded": loaded == first,
-                       "tensors": len(first)})
-    sys.stdout.write(line + "\n")  # one write under PIPE_BUF: the ranks' lines never interleave
-    sys.stdout.flush()
     dist.destroy_process_group()
+    return {"rank": rank, "error": error, "left": left, "first_loaded": loaded == first, "tensors": len(first)}
 
 
 if __name__ == "__main__":
-    mp.spawn(rank_main, args=(2, tempfile.mkdtemp() + "/store", sys.argv[1]), nprocs=2)
-    sys.exit(0)
+    # The ranks start from the harness's forkserver, which imports torch, dynamo and shardkit once for both (a
+    # spawned rank imports them itself: ~7 CPU-s each); the parent prints their lines, or their tracebacks and fails.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/python: support.harness
+    from support import harness
+
+    workdir = Path(tempfile.mkdtemp())
+    outcomes = harness.launch(rank_main, 2, str(workdir / "store"), sys.argv[1], backend=None, workdir=workdir,
+                              timeout=150)
+    for outcome in outcomes:
+        if outcome.ok:
+            print(json.dumps(outcome.value), flush=True)
+        else:
+            print(outcome.error, file=sys.stderr, flush=True)
+    sys.exit(0 if all(outcome.ok for outcome in outcomes) else 1)

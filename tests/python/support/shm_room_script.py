@@ -9,10 +9,10 @@ import json
 import os
 import sys
 import tempfile
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 
 
@@ -78,7 +78,7 @@ def _fsdp_when_dev_shm_fills_up(rank: int) -> dict:
                           and issubclass(w.category, shardkit.ZeroCopyUnavailableWarning) for w in caught)}
 
 
-def rank_main(rank: int, world: int, store: str) -> None:
+def rank_main(rank: int, world: int, store: str) -> dict:
     import warnings
 
     import shardkit
@@ -98,18 +98,27 @@ def rank_main(rank: int, world: int, store: str) -> None:
         fsdp(torch.randn(4, 2048)).sum().backward()
     fsdp_ok = fsdp._reduce_memory is None and all(torch.isfinite(p.grad).all() for p in fsdp.parameters())
     small, _ = backend.shared_buffer(1 << 20)
-    line = json.dumps({"rank": rank, "too_big_is_none": too_big is None, "ddp_zero_copy": model.reducer.zero_copy(),
-                       "grads_ok": bool(grads_ok), "fsdp_falls_back": bool(fsdp_ok),
-                       "small_works": small is not None and small.numel() == 1 << 20,
-                       "warned": [str(w.message) for w in caught
-                                  if issubclass(w.category, shardkit.ZeroCopyUnavailableWarning)],
-                       "fsdp_when_full": _fsdp_when_dev_shm_fills_up(rank)})
-    # One write of the whole line (under PIPE_BUF: atomic), so that the two ranks' lines never interleave.
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
+    result = {"rank": rank, "too_big_is_none": too_big is None, "ddp_zero_copy": model.reducer.zero_copy(),
+              "grads_ok": bool(grads_ok), "fsdp_falls_back": bool(fsdp_ok),
+              "small_works": small is not None and small.numel() == 1 << 20,
+              "warned": [str(w.message) for w in caught
+                         if issubclass(w.category, shardkit.ZeroCopyUnavailableWarning)],
+              "fsdp_when_full": _fsdp_when_dev_shm_fills_up(rank)}
     dist.destroy_process_group()
+    return result
 
 
 if __name__ == "__main__":
-    mp.spawn(rank_main, args=(2, tempfile.mkdtemp() + "/store"), nprocs=2)
-    sys.exit(0)
+    # The ranks start from the harness's forkserver, which imports torch, dynamo and shardkit once for both (a
+    # spawned rank imports them itself: ~7 CPU-s each); the parent prints their lines, or their tracebacks and fails.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/python: support.harness
+    from support import harness
+
+    workdir = Path(tempfile.mkdtemp())
+    outcomes = harness.launch(rank_main, 2, str(workdir / "store"), backend=None, workdir=workdir, timeout=120)
+    for outcome in outcomes:
+        if outcome.ok:
+            print(json.dumps(outcome.value), flush=True)
+        else:
+            print(outcome.error, file=sys.stderr, flush=True)
+    sys.exit(0 if all(outcome.ok for outcome in outcomes) else 1)
