@@ -6,10 +6,8 @@ then loads with exactly its values, and what is left in DIR.
     python checkpoint_disk_full_script.py DIR
 """
 
-import json
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -80,12 +78,4 @@ if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/python: support.harness
     from support import harness
 
-    workdir = Path(tempfile.mkdtemp())
-    outcomes = harness.launch(rank_main, 2, str(workdir / "store"), sys.argv[1], backend=None, workdir=workdir,
-                              timeout=150)
-    for outcome in outcomes:
-        if outcome.ok:
-            print(json.dumps(outcome.value), flush=True)
-        else:
-            print(outcome.error, file=sys.stderr, flush=True)
-    sys.exit(0 if all(outcome.ok for outcome in outcomes) else 1)
+    harness.script_ranks(rank_main, 2, sys.argv[1], timeout=150)

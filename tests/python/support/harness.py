@@ -145,6 +145,23 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, workdir: Path, t
     return outcomes
 
 
+def script_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float) -> None:
+    """A test script's ranks (a script some test runs as a program, e.g. inside a namespace): ``fn`` on
+    ``world_size`` ranks from the forkserver, each rank's value printed as a JSON line, a failed rank's traceback
+    to stderr; exits 1 if any rank failed, else 0."""
+    import json
+    import tempfile
+
+    workdir = Path(tempfile.mkdtemp())
+    outcomes = launch(fn, world_size, str(workdir / "store"), *args, backend=None, workdir=workdir, timeout=timeout)
+    for outcome in outcomes:
+        if outcome.ok:
+            print(json.dumps(outcome.value), flush=True)
+        else:
+            print(outcome.error, file=sys.stderr, flush=True)
+    sys.exit(0 if all(outcome.ok for outcome in outcomes) else 1)
+
+
 def assert_same(got: Any, want: Any, where: str = "") -> None:
     """``got`` is ``want``: bitwise for tensors (dtype, shape and bytes: NaN, -0.0 and denormals included), the same
     class and keys or length for dicts, lists and tuples (recursively), equal values for the rest; the message names

@@ -5,10 +5,8 @@ still get a small shared buffer;
 then an FSDP model whose zero-copy memory fits carries on when /dev/shm fills up between iterations. Prints one
 JSON line per rank."""
 
-import json
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -114,11 +112,4 @@ if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/python: support.harness
     from support import harness
 
-    workdir = Path(tempfile.mkdtemp())
-    outcomes = harness.launch(rank_main, 2, str(workdir / "store"), backend=None, workdir=workdir, timeout=120)
-    for outcome in outcomes:
-        if outcome.ok:
-            print(json.dumps(outcome.value), flush=True)
-        else:
-            print(outcome.error, file=sys.stderr, flush=True)
-    sys.exit(0 if all(outcome.ok for outcome in outcomes) else 1)
+    harness.script_ranks(rank_main, 2, timeout=120)
