@@ -16,6 +16,7 @@ import pytest
 from shardkit import estimate
 from shardkit.__main__ import main as shardkit_main
 from shardkit.estimate import bytes_per_param, model_states, parse_param_count, recommend
+from support.cli import shardkit_here
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -33,15 +34,12 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def run_here(capsys, *args: str) -> tuple[int, str, str]:
-    """`shardkit estimate ARGS` in this process: (exit code, stdout, stderr). A warning fails the call: in a
-    subprocess it would have been a line on stderr, which the tests below assert is empty."""
-    capsys.readouterr()
+def run_here(*args: str) -> subprocess.CompletedProcess[str]:
+    """`shardkit estimate ARGS` in this process (support/cli.py). A warning fails the call: in a subprocess it would
+    have been a line on stderr, which the tests below assert is empty; here pytest would record it instead."""
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        code = shardkit_main(["estimate", *args])
-    out, err = capsys.readouterr()
-    return code, out, err
+        return shardkit_here("estimate", *args)
 
 
 def table_rows(stdout: str) -> dict[str, list[str]]:
@@ -96,20 +94,20 @@ def test_7b_on_4_gpus_bf16_adam_without_master():
     assert (offload.total_gb, offload.optimizer_gb, offload.cpu_gb) == (7.0, 0.0, 14.0)
 
 
-def test_zero_paper_table_printed(capsys):
-    code, out, err = run_here(capsys, *ZERO_PAPER)
-    assert code == 0, err
-    rows = table_rows(out)
+def test_zero_paper_table_printed():
+    result = run_here(*ZERO_PAPER)
+    assert result.returncode == 0, result.stderr
+    rows = table_rows(result.stdout)
     totals = [rows[estimate.STRATEGIES[k]][4] for k in ("ddp", "zero1", "zero2", "zero3")]
     assert totals == ["120.0", "31.4", "16.6", "1.9"]
     assert rows["DDP"][:3] == ["15.0", "15.0", "90.0"]
 
 
-def test_7b_table_printed(capsys):
-    code, out, err = run_here(capsys, *SEVEN_B_NO_MASTER)
-    assert code == 0, err
-    assert err == ""
-    rows = table_rows(out)
+def test_7b_table_printed():
+    result = run_here(*SEVEN_B_NO_MASTER)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+    rows = table_rows(result.stdout)
     #                         weights grads  optim  act    total   fits   comm
     assert rows["DDP"] == ["14.0", "14.0", "56.0", "0.0", "84.0", "no", "2x", "=", "28.0", "GB"]
     assert rows["ZeRO-1"][:6] == ["14.0", "14.0", "14.0", "0.0", "42.0", "yes"]
@@ -117,8 +115,8 @@ def test_7b_table_printed(capsys):
     assert rows["ZeRO-3 / FULL_SHARD"] == ["3.5", "3.5", "14.0", "0.0", "21.0", "yes",
                                            "3x", "=", "42.0", "GB"]
     assert rows["ZeRO-3 + CPU offload"][:6] == ["3.5", "3.5", "0.0", "0.0", "7.0", "yes"]
-    assert "recommended: ZeRO-2" in out
-    assert "14.0 GB of optimizer state per GPU in host RAM" in out
+    assert "recommended: ZeRO-2" in result.stdout
+    assert "14.0 GB of optimizer state per GPU in host RAM" in result.stdout
 
 
 # --- communication and activations ----------------------------------------------------------------
@@ -191,13 +189,13 @@ def test_recommendation_line_gives_each_strategy_its_own_figure(gpus, gpu_gb, ac
     assert report.splitlines()[-1] == line
 
 
-def test_recommendation_figures_match_the_table(capsys):
+def test_recommendation_figures_match_the_table():
     # A new user's run (issue #12): the figure after "ZeRO-2 does not fit" was the chosen ZeRO-3's.
-    code, out, err = run_here(capsys, "--params", "7b", "--gpus", "8", "--gpu-memory-gb", "24")
-    assert code == 0, err
-    rows = table_rows(out)
+    result = run_here("--params", "7b", "--gpus", "8", "--gpu-memory-gb", "24")
+    assert result.returncode == 0, result.stderr
+    rows = table_rows(result.stdout)
     assert rows["ZeRO-2"][4] == "26.2" and rows["ZeRO-3 / FULL_SHARD"][4] == "14.0"
-    assert out.splitlines()[-1] == (
+    assert result.stdout.splitlines()[-1] == (
         "recommended: ZeRO-3 / FSDP FULL_SHARD (14.0 GB/GPU within 24 GB) - ZeRO-2 does not fit (26.2 GB/GPU)"
     )
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from shardkit.__main__ import main as shardkit_main
+from support.cli import shardkit_here
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_gpt.py"
 TINY = ["--steps", "4", "--layers", "2", "--d-model", "64", "--vocab", "512", "--seq", "16"]
@@ -31,18 +31,15 @@ def _scale(out: Path, *args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=400)
 
 
-def _scale_here(capsys: pytest.CaptureFixture[str], out: Path, *args: str) -> subprocess.CompletedProcess:
-    """`shardkit scale` through the entry point `python -m shardkit` calls, in this process; its torchrun jobs
-    are still launched. The result reads like _scale's: main's return value is what the interpreter exits with."""
-    capsys.readouterr()
-    code = shardkit_main(["scale", "--worlds", "1", "2", "--out", str(out), *args])
-    stdout, stderr = capsys.readouterr()
-    return subprocess.CompletedProcess(["shardkit", "scale", *args], code, stdout, stderr)
+def _scale_here(out: Path, *args: str) -> subprocess.CompletedProcess:
+    """_scale's command through the entry point `python -m shardkit` calls, in this process (its torchrun jobs are
+    still launched)."""
+    return shardkit_here("scale", "--worlds", "1", "2", "--out", str(out), *args)
 
 
 @pytest.mark.timeout(420)
-def test_scale_reports_throughput_efficiency_and_memory(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
-    done = _scale_here(capsys, tmp_path, "--strategies", "ddp", "fsdp", "--", str(EXAMPLE), *TINY)
+def test_scale_reports_throughput_efficiency_and_memory(tmp_path: Path):
+    done = _scale_here(tmp_path, "--strategies", "ddp", "fsdp", "--", str(EXAMPLE), *TINY)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()
     assert lines[0].split() == ["strategy", "world", "tokens/s", "efficiency", "held", "MiB/rank", "peak", "RSS", "MiB"]
@@ -99,10 +96,10 @@ if os.environ["RANK"] == "0":
 
 
 @pytest.mark.timeout(200)
-def test_an_efficiency_out_of_range_is_warned_about(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+def test_an_efficiency_out_of_range_is_warned_about(tmp_path: Path):
     script = tmp_path / "superlinear.py"
     script.write_text(SUPERLINEAR)
-    done = _scale_here(capsys, tmp_path, "--threads-per-rank", "1", "--", str(script))
+    done = _scale_here(tmp_path, "--threads-per-rank", "1", "--", str(script))
     assert done.returncode == 0, done.stderr[-3000:]
     assert ("shardkit scale: warning: efficiency 2.00 at world 2 is outside [0, 1.1]: the runs did not do the same "
             "work per rank") in done.stderr, done.stderr[-2000:]

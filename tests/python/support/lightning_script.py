@@ -101,23 +101,16 @@ def main() -> None:
     for stretch, ((backend, hosts), members) in enumerate(itertools.groupby(numbered, key=group_of)):
         directory = f"{args.result}.groups/{stretch}"
         os.makedirs(directory, exist_ok=True)
-        before = os.environ.get("SHARDKIT_HOST_ID")
-        if hosts:  # each rank on a simulated host of its own: the hierarchical engine
-            os.environ["SHARDKIT_HOST_ID"] = f"host{rank}"
-        try:
-            # The group is destroyed at the stretch's end, the last one's too: torch asks scripts to end with this
-            # and Lightning does not do it. Without it, fully_shard runs (DTensor's functional collectives) sometimes
-            # aborted at interpreter exit, after everything here had finished ("terminate called without an active
-            # exception", SIGABRT on one rank): an open bug in shardkit's teardown at exit, recorded in the session
-            # note, not what these parity tests check.
-            with fresh_default_group(None if stretch == 0 else backend, rank, world, directory, 120.0):
-                for index, (kind, options) in members:
-                    run(kind, options, world, f"{args.result}.{index}")
-        finally:
-            if before is None:
-                os.environ.pop("SHARDKIT_HOST_ID", None)
-            else:
-                os.environ["SHARDKIT_HOST_ID"] = before
+        # hosts: each rank on a simulated host of its own (the hierarchical engine), for this stretch alone.
+        # The group is destroyed at the stretch's end, the last one's too: torch asks scripts to end with this and
+        # Lightning does not do it. Without it, fully_shard runs (DTensor's functional collectives) sometimes aborted
+        # at interpreter exit, after everything here had finished ("terminate called without an active exception",
+        # SIGABRT on one rank): an open bug in shardkit's teardown at exit, recorded in the session note, not what
+        # these parity tests check.
+        with fresh_default_group(None if stretch == 0 else backend, rank, world, directory, 120.0,
+                                 env={"SHARDKIT_HOST_ID": f"host{rank}"} if hosts else None):
+            for index, (kind, options) in members:
+                run(kind, options, world, f"{args.result}.{index}")
 
 
 def parse_run(spec: str, job: argparse.Namespace) -> tuple[str, argparse.Namespace]:

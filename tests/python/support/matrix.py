@@ -138,16 +138,19 @@ def cells_for(entry: str, scope: str) -> list[dict[str, Any]]:
 # --- inside a launched job -------------------------------------------------------------------------------------
 @contextlib.contextmanager
 def fresh_default_group(backend: str | None, rank: int, world: int, directory: str,
-                        timeout_s: float = 60.0) -> Iterator[None]:
+                        timeout_s: float = 60.0, env: dict[str, str] | None = None) -> Iterator[None]:
     """A default process group of its own for one run of a job that runs several in turn: made through a new file
     store in ``directory`` (``backend`` None: the run makes its own, as its library does), and on leaving, once every
     rank is done with it, destroyed, with the environment as it was before (libraries' teardowns edit it: Lightning
-    drops WORLD_SIZE). test_transformers.py's Trainer jobs run through it too."""
+    drops WORLD_SIZE). ``env``: variables set for this run alone, before its group starts (SHARDKIT_HOST_ID: shardkit
+    reads the host identity at every group's start-up). test_transformers.py's and test_lightning.py's jobs of
+    several runs go through it too."""
     from datetime import timedelta
 
     import torch.distributed as dist
 
     environment = dict(os.environ)
+    os.environ.update(env or {})
     try:
         if backend is not None:
             dist.init_process_group(backend, init_method=f"file://{directory}/store", rank=rank, world_size=world,

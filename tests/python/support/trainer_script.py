@@ -20,11 +20,9 @@ its traceback in ``<result>.rank<N>.error`` and the job goes on to the next; the
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import sys
-from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -48,30 +46,12 @@ def gpt2():
     return GPT2LMHeadModel(config)
 
 
-def place_each_rank_on_a_host_of_its_own(argv: list[str]) -> None:
-    """``--one_host_per_rank``: called before the process group starts (shardkit's start-up reads SHARDKIT_HOST_ID
-    at every group's start-up, _topology.host_id, and keeps nothing of it across groups)."""
-    if "--one_host_per_rank" in argv:
-        import os
-
-        os.environ["SHARDKIT_HOST_ID"] = f"host{os.environ['RANK']}"
-
-
-@contextlib.contextmanager
-def placed(argv: list[str]) -> Iterator[None]:
-    """One run of a job of several placed as ``argv`` says, and the environment's host identity as it was after it:
-    so a job's runs on simulated hosts and on one host can share the job, in any order."""
+def placement(argv: list[str]) -> dict[str, str]:
+    """The environment of a run's placement: ``--one_host_per_rank`` puts each rank on a simulated host of its own
+    (set before the run's group starts, for that run alone: support/matrix.py ``fresh_default_group``)."""
     import os
 
-    before = os.environ.get("SHARDKIT_HOST_ID")
-    place_each_rank_on_a_host_of_its_own(argv)
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop("SHARDKIT_HOST_ID", None)
-        else:
-            os.environ["SHARDKIT_HOST_ID"] = before
+    return {"SHARDKIT_HOST_ID": f"host{os.environ['RANK']}"} if "--one_host_per_rank" in argv else {}
 
 
 def train(argv: list[str]) -> None:
@@ -127,11 +107,12 @@ def train(argv: list[str]) -> None:
 
 
 def main() -> None:
+    import os
+
     if "--runs" not in sys.argv:
-        place_each_rank_on_a_host_of_its_own(sys.argv)
+        os.environ.update(placement(sys.argv))  # before the Trainer starts the group
         train(sys.argv[1:])
         return
-    import os
     import traceback
     from pathlib import Path
 
@@ -149,8 +130,8 @@ def main() -> None:
         try:
             # The first run's TrainingArguments start the group (env://, from torchrun); later runs get a new one,
             # through a file store of their own beside their result, on their own backend and placement.
-            with placed(argv), fresh_default_group(None if index == 0 else backend, rank, world, str(result.parent),
-                                                   120.0):
+            with fresh_default_group(None if index == 0 else backend, rank, world, str(result.parent), 120.0,
+                                     env=placement(argv)):
                 try:
                     train(argv)
                 finally:
