@@ -37,6 +37,9 @@ ABOUT = {
                    "the link bound and gloo"),
     "hosts_train.json": ("`benchmarks/hosts_train.py` (root)", "fully_shard training across namespace hosts over "
                          "1 Gbit/s links, quantized and exact, against torch FSDP2 on gloo"),
+    "torchft_training.json": ("`benchmarks/torchft_training.py` (root)", "training through a death under torchft: "
+                              "torchft's ProcessGroupGloo against ProcessGroupShardkit between the replica groups, "
+                              "one host and 2 namespace hosts over 1 Gbit/s links"),
     "checkpoint.json": ("`benchmarks/checkpoint.py`", "checkpoint save / load against torch FSDP2 + DCP"),
     "checkpoint_integrity.json": ("`benchmarks/checkpoint_integrity.py`", "the cost of verified, atomic checkpoints"),
     "checkpoint_async.json": ("`benchmarks/checkpoint_async.py`", "how long a checkpoint save blocks training: "

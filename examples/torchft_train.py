@@ -31,10 +31,11 @@ index among all ranks of the job, so a retried step, and a reference run, see th
 
 ``--records DIR`` writes, per rank, one JSON line per step attempt (``DIR/replica<R>.rank<G>.jsonl``, appended to
 by a restarted process): the step, the loss, whether it was committed, how many groups took part and whether this
-one did, its start and end time; and at the end ``DIR/replica<R>.rank<G>.final.pt``: the step reached, a SHA-256
-of the parameters, the parameters. ``--kill-at-step K --kill-marker FILE`` (for tests) makes the process SIGKILL
-itself in the backward of step K, once (FILE records when; a restart finds it and trains on; ``--kill-rank``: which
-rank of the group).
+one did, its start, quorum and end times, the seconds it waited on the allreduce across the groups
+(``cross_group_s``); and at the end ``DIR/replica<R>.rank<G>.final.pt``: the step reached, a SHA-256 of the
+parameters, the parameters.
+``--kill-at-step K --kill-marker FILE`` (for tests) makes the process SIGKILL itself in the backward of step K, once
+(FILE records when; a restart finds it and trains on; ``--kill-rank``: which rank of the group).
 ``--ready-dir DIR --replicas N`` makes the first start wait until N groups are up, so the first quorum holds them
 all; ``--finish-together`` then trains past ``--steps`` until a step that all N groups took part in (so every
 group ends on the same step, with the same weights).
@@ -66,6 +67,7 @@ from gpt_model import GPT, ModelConfig  # noqa: E402
 
 FRONTS = ("torchft_ddp", "ddp", "fully_shard")
 FT_PGS = ("gloo", "shardkit")
+FT_COMMS = ("exact", "int8", "int4")
 TRANSPORTS = ("http", "checksummed")
 
 
@@ -74,6 +76,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--front", choices=FRONTS, default="ddp")
     p.add_argument("--ft-pg", choices=FT_PGS, default="shardkit", help="the process group across replica groups")
+    p.add_argument("--ft-comm", choices=FT_COMMS, default="exact",
+                   help="with --ft-pg shardkit: the bytes between hosts of the cross-group allreduce (int8, int4: "
+                        "shardkit.Quantized; the groups' own collectives stay exact)")
+    p.add_argument("--advertise-host", default=None,
+                   help="the address the other replica groups reach this group's Manager at (default: this host's "
+                        "name; give an address where host names do not resolve across hosts)")
     p.add_argument("--transport", choices=TRANSPORTS, default="checksummed",
                    help="how a healing group receives the state: torchft's HTTPTransport (it unpickles what the "
                         "peer sends), or shardkit's ChecksummedTransport over the cross-group process group")
@@ -109,6 +117,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if (args.kill_at_step is None) != (args.kill_marker is None):
         p.error("--kill-at-step and --kill-marker go together")
+    if args.ft_comm != "exact" and args.ft_pg != "shardkit":
+        p.error(f"--ft-comm {args.ft_comm} needs --ft-pg shardkit (torchft's gloo group sends exact bytes)")
     if (args.ready_dir is not None or args.finish_together) and not args.replicas:
         p.error("--ready-dir and --finish-together need --replicas (the number of replica groups)")
     return args
@@ -142,17 +152,18 @@ def parameters_hash(params: dict[str, torch.Tensor]) -> str:
     return digest.hexdigest()
 
 
-def join_replica_group() -> tuple[int, int, dist.TCPStore | None, str, int]:
+def join_replica_group(advertise_host: str) -> tuple[int, int, dist.TCPStore | None, str, int]:
     """Starts this group's own shardkit process group and a TCPStore for its Manager (hosted by group rank 0 on a
-    free port, so a restarted group never reads a dead attempt's Manager address from torchrun's Store). Returns
-    (group rank, group size, the store on rank 0 (keep it alive) or None, the store's host, its port)."""
+    free port, so a restarted group never reads a dead attempt's Manager address from torchrun's Store; the other
+    groups reach it at ``advertise_host``). Returns (group rank, group size, the store on rank 0 (keep it alive) or
+    None, the store's host, its port)."""
     if "MASTER_PORT" in os.environ:  # under torchrun
         dist.init_process_group("shardkit")
     else:  # a group of one rank started by hand (or by a test acting as its supervisor)
         dist.init_process_group("shardkit", store=dist.HashStore(), rank=0, world_size=1)
     rank, world = dist.get_rank(), dist.get_world_size()
     store = None
-    host = socket.gethostname()
+    host = advertise_host
     if rank == 0:
         store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
     # Rank 0's host name and port to every rank of the group, as tensors (no pickle).
@@ -168,15 +179,17 @@ def join_replica_group() -> tuple[int, int, dist.TCPStore | None, str, int]:
     return rank, world, store, bytes(name[name != 0].tolist()).decode(), int(port[0])
 
 
-def make_ft_pg(kind: str, timeout: timedelta) -> Any:
-    """The process group across replica groups: torchft's gloo one or shardkit's (shardkit.integrations.torchft)."""
+def make_ft_pg(kind: str, comm: str, timeout: timedelta) -> Any:
+    """The process group across replica groups: torchft's gloo one or shardkit's (shardkit.integrations.torchft),
+    exact or with ``comm`` ("int8", "int4") bytes between hosts."""
     if kind == "gloo":
         from torchft.process_group import ProcessGroupGloo
 
         return ProcessGroupGloo(timeout=timeout)
     from shardkit.integrations.torchft import ProcessGroupShardkit
 
-    return ProcessGroupShardkit(timeout=timeout)
+    quantized = None if comm == "exact" else shardkit.Quantized(weights=comm, grads=comm)
+    return ProcessGroupShardkit(timeout=timeout, comm=quantized)
 
 
 def make_transport(kind: str, pg: Any, timeout: timedelta) -> Any:
@@ -189,6 +202,28 @@ def make_transport(kind: str, pg: Any, timeout: timedelta) -> Any:
     return ChecksummedTransport(pg, timeout=timeout)
 
 
+class CrossGroupClock:
+    """The seconds a step spends waiting on the Manager's allreduce across the groups (the records'
+    ``cross_group_s``): what the cross-group process group costs the step, since every front here waits for it in
+    the backward before going on."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def allreduce(self, manager: Any, tensor: torch.Tensor) -> None:
+        started = time.perf_counter()
+        manager.allreduce(tensor).wait()
+        self.seconds += time.perf_counter() - started
+
+    def take(self) -> float:
+        """The seconds since the last take, and start again from zero."""
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
+
+
+CROSS_GROUP = CrossGroupClock()
+
+
 def manager_allreduce_hook(manager, bucket):  # no annotations: torch DDP compares them as objects, these are strings
     """``(manager, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]``, the DDP comm hook under
     torchft: the bucket averaged inside the replica group (its shardkit group, when it has several ranks), then
@@ -198,7 +233,7 @@ def manager_allreduce_hook(manager, bucket):  # no annotations: torch DDP compar
     buffer = bucket.buffer()
     if dist.get_world_size() > 1:
         dist.all_reduce(buffer, op=dist.ReduceOp.AVG)
-    manager.allreduce(buffer).wait()
+    CROSS_GROUP.allreduce(manager, buffer)
     done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     done.set_result(buffer)
     return done
@@ -215,7 +250,7 @@ def fully_shard_across_groups(module: GPT, manager: Any) -> GPT:
     shardkit.fully_shard(module)
 
     def across_groups(output: torch.Tensor) -> None:
-        manager.allreduce(output).wait()
+        CROSS_GROUP.allreduce(manager, output)
 
     for unit in module.modules():
         if isinstance(unit, FSDPModule):
@@ -331,7 +366,8 @@ def main(argv: list[str] | None = None) -> int:
     started = process_start_time()
     from torchft import Manager, Optimizer
 
-    group_rank, group_world, _store, store_host, store_port = join_replica_group()
+    group_rank, group_world, _store, store_host, store_port = join_replica_group(
+        args.advertise_host or socket.gethostname())
     cfg = model_config(args)
     timeout = timedelta(seconds=args.timeout)
     model = module = optimizer = None
@@ -347,11 +383,12 @@ def main(argv: list[str] | None = None) -> int:
         state = {"model": model.state_dict(), "optim": optimizer.state_dict()}
         return local_shards(state) if args.front == "fully_shard" else state
 
-    ft_pg = make_ft_pg(args.ft_pg, timeout)
+    ft_pg = make_ft_pg(args.ft_pg, args.ft_comm, timeout)
     manager = Manager(pg=ft_pg, checkpoint_transport=make_transport(args.transport, ft_pg, timeout),
                       load_state_dict=load_state_dict, state_dict=state_dict,
                       min_replica_size=args.min_replicas, replica_id=f"replica_{args.replica_id}",
                       lighthouse_addr=args.lighthouse, store_addr=store_host, store_port=store_port,
+                      hostname=store_host,
                       rank=group_rank, world_size=group_world, timeout=timeout,
                       quorum_timeout=timedelta(seconds=args.quorum_timeout), connect_timeout=timeout,
                       # Every group builds the same initial model (seed 0), so step 0 needs no copy from a peer; a
@@ -373,10 +410,12 @@ def main(argv: list[str] | None = None) -> int:
               f"{args.ft_pg}, GPT of {sum(p.numel() for p in module.parameters()):,} parameters", flush=True)
     while True:
         t0 = time.time()
+        CROSS_GROUP.take()
         optimizer.zero_grad()  # starts this step's quorum (torchft: it may heal this group from a peer)
         # The step this attempt trains: a healing group learns it from the quorum (its peers' step), so wait for it
         # here rather than at the first allreduce.
         manager.wait_quorum()
+        t_quorum = time.time()
         step = manager.current_step()
         tokens, targets = batch_for(cfg, step, shard)
         logits = model(tokens)
@@ -391,7 +430,9 @@ def main(argv: list[str] | None = None) -> int:
         if records is not None:
             records.write(json.dumps({"step": step, "loss": loss.item(), "committed": committed,
                                       "participants": participants, "participating": participating,
-                                      "t_start": t0, "t_end": time.time(), "pid": os.getpid()}) + "\n")
+                                      "t_start": t0, "t_quorum": t_quorum, "t_end": time.time(),
+                                      "cross_group_s": CROSS_GROUP.take(),
+                                      "pid": os.getpid()}) + "\n")
             records.flush()
         if committed and manager.current_step() >= args.steps and \
                 (not args.finish_together or participants == args.replicas):

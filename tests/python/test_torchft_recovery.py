@@ -146,30 +146,25 @@ def _check(records_dir: Path, marker: Path, group_world: int) -> dict[str, float
         assert len(g0.starts) == 1 and len(g1.starts) == 2, (g0.starts, g1.starts)
         # Before the kill the two groups trained together.
         assert any(a["committed"] and a["participants"] == 2 and a["step"] < KILL_AT for a in g0.attempts)
+        got = torchft_replay.recovery(g0, g1, killed_at, KILL_AT)
         # Group 0's attempt of the kill step failed (group 1 died in it) and was tried again without group 1,
-        # promptly: no step of group 0 waited out a timeout.
-        assert [a for a in g0.attempts if a["step"] == KILL_AT and not a["committed"]], \
-            f"group 0 committed step {KILL_AT} although group 1 died in it: {g0.attempts}"
-        retried = next(a for a in g0.attempts if a["step"] == KILL_AT and a["committed"])
-        assert retried["participants"] == 1 and retried["participating"], retried
-        kill_to_next_step = retried["t_end"] - killed_at
-        longest = max(a["t_end"] - a["t_start"] for a in g0.attempts)
-        assert kill_to_next_step < PG_TIMEOUT / 2 and longest < PG_TIMEOUT / 2, (kill_to_next_step, longest)
+        # promptly: no step of group 0 waited out a timeout, and no other attempt of it failed.
+        assert [a["step"] for a in got.failed] == [KILL_AT], \
+            f"group 0's failed attempts are not just step {KILL_AT}'s, the one group 1 died in: {g0.attempts}"
+        assert got.retried is not None and got.retried["participants"] == 1 and got.retried["participating"], \
+            got.retried
+        figure = got.figures
+        assert figure["kill_to_next_survivor_step_s"] < PG_TIMEOUT / 2, figure
+        assert figure["survivor_longest_step_s"] < PG_TIMEOUT / 2, figure
         # Group 1 came back: a healing step (its gradient left out), then steps with group 0 again.
-        restarted_at = g1.starts[1]["t"]
-        after = [a for a in g1.attempts if a["t_start"] >= restarted_at and a["committed"]]
+        after = got.after_restart
         assert after and not after[0]["participating"], f"group 1's first step after its restart did not heal: {after}"
         assert any(a["participating"] and a["participants"] == 2 for a in after), after
         # Both end on the same step, together.
         assert g0.attempts[-1]["step"] == g1.attempts[-1]["step"] >= STEPS - 1
         assert g0.attempts[-1]["participants"] == g1.attempts[-1]["participants"] == 2
         if g == 0:
-            first = next(a for a in g1.attempts if a["t_start"] >= restarted_at)
-            figures.update(kill_to_next_survivor_step_s=kill_to_next_step, survivor_longest_step_s=longest,
-                           restart_to_rejoined_s=after[0]["t_end"] - restarted_at,
-                           kill_to_rejoined_s=after[0]["t_end"] - killed_at,
-                           restart_to_first_step_s=first["t_start"] - restarted_at,  # start-up: imports, groups
-                           healing_step_s=after[0]["t_end"] - after[0]["t_start"])  # quorum, transfer, load
+            figures.update(figure)
     # Bitwise equal parameters on every rank, and the reference's (float32, the run's participation replayed).
     finals = {key: torch.load(records_dir / f"replica{key[0]}.rank{key[1]}.final.pt", weights_only=True)
               for key in records}

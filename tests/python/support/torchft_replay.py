@@ -56,6 +56,38 @@ def read_records(directory: Path) -> dict[tuple[int, int], GroupRecords]:
     return found
 
 
+@dataclasses.dataclass
+class Recovery:
+    """A death and the rejoin after it, as one rank of the surviving group and the same rank of the killed (and
+    restarted) group recorded them; what test_torchft_recovery asserts and benchmarks/torchft.py reports."""
+
+    failed: list[dict[str, Any]]         # the survivor's attempts that were not committed (the kill step's: one)
+    retried: dict[str, Any] | None       # the survivor's committed attempt of the kill step
+    after_restart: list[dict[str, Any]]  # the restarted group's committed attempts after its restart
+    figures: dict[str, float]
+
+
+def recovery(survivor: GroupRecords, killed: GroupRecords, killed_at: float, kill_step: int) -> Recovery:
+    """The timeline of a death at ``killed_at`` (wall clock) in step ``kill_step``: how soon the survivor trained
+    again, how long its longest attempt took, and how long the killed group took to start again and rejoin (its
+    first committed attempt after the restart heals it; figures in seconds)."""
+    failed = [a for a in survivor.attempts if not a["committed"]]
+    retried = next((a for a in survivor.attempts if a["step"] == kill_step and a["committed"]), None)
+    restarted_at = killed.starts[-1]["t"]
+    after = [a for a in killed.attempts if a["t_start"] >= restarted_at and a["committed"]]
+    figures = {"survivor_longest_step_s": max(a["t_end"] - a["t_start"] for a in survivor.attempts)}
+    if retried is not None:
+        figures["kill_to_next_survivor_step_s"] = retried["t_end"] - killed_at
+        figures["kill_to_survivor_quorum_s"] = retried["t_quorum"] - killed_at  # training again from here
+    if after:
+        first = next(a for a in killed.attempts if a["t_start"] >= restarted_at)
+        figures.update(restart_to_rejoined_s=after[0]["t_end"] - restarted_at,
+                       kill_to_rejoined_s=after[0]["t_end"] - killed_at,
+                       restart_to_first_step_s=first["t_start"] - restarted_at,  # start-up: imports, groups
+                       healing_step_s=after[0]["t_end"] - after[0]["t_start"])  # quorum, transfer, load
+    return Recovery(failed, retried, after, figures)
+
+
 def participation(records: dict[tuple[int, int], GroupRecords]) -> dict[int, tuple[list[int], int]]:
     """Per committed step: (the replica groups whose gradient went in, the participant count they divided by).
     Checks that every rank that committed a step agrees on the count. (The count is torchft's: the groups at the
