@@ -299,6 +299,9 @@ def _cmdclass():
 
 setup(
     packages=find_packages("python"),
+    # torch's extension autoloading entry point (pyproject.toml, "torch.backends"): outside the package, so that
+    # torch loading it at `import torch` does not load shardkit's extension.
+    py_modules=["_shardkit_autoload"],
     package_dir={"": "python"},
     # PEP 561: the package's inline annotations are for type checkers, and _C.pyi types the compiled extension.
     package_data={"shardkit": ["py.typed", "_C.pyi"]},

@@ -44,6 +44,8 @@ ABOUT = {
     "checkpoint_integrity.json": ("`benchmarks/checkpoint_integrity.py`", "the cost of verified, atomic checkpoints"),
     "checkpoint_async.json": ("`benchmarks/checkpoint_async.py`", "how long a checkpoint save blocks training: "
                               "asynchronous against synchronous saves and torch's dcp.async_save"),
+    "autoload.json": ("`benchmarks/autoload.py`", "what backend=\"shardkit\" without an import (torch's extension "
+                      "autoloading) adds to `import torch`"),
     "identity_check.json": ("`benchmarks/identity_check.py`", "the cost of comparing collective identities"),
     "trace.json": ("`benchmarks/trace.py`", "the cost of the flight recorder (recording vs SHARDKIT_TRACE_BUFFER=0)"),
     "powersgd.json": ("`benchmarks/powersgd.py`", "the C++ PowerSGD hook against torch's"),

@@ -1,9 +1,10 @@
 """The ``"shardkit"`` torch.distributed backend as torch and users reach it.
 
 It promises: ``register_backend()`` (run by ``import shardkit``) registers ``"shardkit"`` with torch.distributed,
-once, with the creator of ``_startup.py``; the backends of groups nobody destroyed are shut down at exit, while the
-interpreter still runs; and the backend's public names stay importable from here (``shardkit.backend.X``), each
-kept in the module of its concern:
+once, with the creator of ``_startup.py`` (through ``_shardkit_autoload``, which torch's extension autoloading also
+calls at ``import torch``: one registration however the backend is found); the backends of groups nobody
+destroyed are shut down at exit, while the interpreter still runs; and the backend's public names stay importable
+from here (``shardkit.backend.X``), each kept in the module of its concern:
 
 - ``_startup.py``: the start-up ``init_process_group`` runs per group (the creator, bounded by the start-up watch);
 - ``_topology.py``: how a group's ranks sit on hosts: ``host_id``, ``HostTopology``, ``host_topology``,
@@ -22,14 +23,15 @@ from __future__ import annotations
 
 import atexit
 
-import torch
 import torch.distributed as dist
+
+from _shardkit_autoload import BACKEND_NAME
+from _shardkit_autoload import register as register_backend
 
 from . import _C, _torch_compat
 from ._collective_identity import compare_identities_across_hosts
 from ._direct_allreduce import all_reduce_
 from ._group_backend import cpu_backend
-from ._startup import create_backend
 from ._topology import HostTopology, host_groups, host_id, host_topology, inter_host_bytes, inter_host_scheme
 from ._zero_copy import ZeroCopyUnavailableWarning, shared_buffer, warn_zero_copy_unavailable, zero_copy_unavailable
 
@@ -37,19 +39,6 @@ __all__ = ["BACKEND_NAME", "HostTopology", "ZeroCopyUnavailableWarning", "all_re
            "compare_identities_across_hosts", "cpu_backend", "host_groups", "host_id", "host_topology",
            "inter_host_bytes", "inter_host_scheme", "register_backend", "shared_buffer", "warn_zero_copy_unavailable",
            "zero_copy_unavailable"]
-
-BACKEND_NAME = "shardkit"
-
-
-def register_backend() -> None:
-    """Register ``"shardkit"`` with torch.distributed (idempotent)."""
-    if BACKEND_NAME in dist.Backend.backend_list:
-        return
-    # devices must be a list: a plain string would be iterated letter by letter. A CPU-only torch gets no
-    # "cuda" entry: torch code that asks a backend's device map for its accelerator (ShardedTensor, used by
-    # torch.distributed.checkpoint) would otherwise call torch.cuda.current_device() and fail.
-    devices = ["cpu", "cuda"] if torch.version.cuda is not None else ["cpu"]
-    dist.Backend.register_backend(BACKEND_NAME, create_backend, extended_api=True, devices=devices)
 
 
 @atexit.register

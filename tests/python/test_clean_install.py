@@ -72,6 +72,49 @@ def test_the_venv_has_torch_and_the_wheel_but_no_numpy(clean_python, outside):
     assert Path(shardkit_file).is_relative_to(CLEAN_VENV / "lib"), shardkit_file  # the wheel, not the checkout
 
 
+# What a process that only imports torch knows of shardkit, then what making a group on the backend loads. JSON out.
+AUTOLOAD_PROBE = """
+import json, sys
+import torch
+import torch.distributed as dist
+
+def native():
+    with open("/proc/self/maps") as maps:
+        return any("shardkit" in line and "_C." in line for line in maps)
+
+seen = {"registered": "shardkit" in dist.Backend.backend_list, "native": native(),
+        "modules": sorted(m for m in sys.modules if "shardkit" in m)}
+try:
+    dist.init_process_group("shardkit", store=dist.HashStore(), rank=0, world_size=1)
+except Exception as error:  # torch 2.13: AssertionError("Unknown backend type shardkit")
+    seen["error"] = f"{type(error).__name__}: {error}"
+else:
+    t = torch.arange(4.0)
+    dist.all_reduce(t)
+    seen.update(backend=dist.get_backend(), result=t.tolist(), native_after=native())
+    dist.destroy_process_group()
+print(json.dumps(seen))
+"""
+
+
+def test_backend_shardkit_needs_no_import_and_loads_nothing_until_a_group_is_made(clean_python, outside):
+    """torch's extension autoloading (the wheel's "torch.backends" entry point): `import torch` alone makes
+    backend="shardkit" known, loading only the registering module; the first group on it loads the extension. With
+    TORCH_DEVICE_BACKEND_AUTOLOAD=0 torch loads nothing of shardkit's and refuses the name, naming it."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "TORCH_DEVICE_BACKEND_AUTOLOAD")}
+    seen = {}
+    for autoload in ("1", "0"):
+        result = subprocess.run([str(clean_python), "-c", AUTOLOAD_PROBE], cwd=outside, capture_output=True, text=True,
+                                env={**env, "TORCH_DEVICE_BACKEND_AUTOLOAD": autoload}, timeout=JOB_TIMEOUT_S)
+        assert result.returncode == 0, result.stderr[-2000:]
+        seen[autoload] = json.loads(result.stdout.splitlines()[-1])
+    assert seen["1"] == {"registered": True, "modules": ["_shardkit_autoload"], "native": False,
+                         "backend": "shardkit", "result": [0.0, 1.0, 2.0, 3.0], "native_after": True}, seen["1"]
+    error = seen["0"].pop("error", "")
+    assert seen["0"] == {"registered": False, "modules": [], "native": False}, seen["0"]
+    assert "shardkit" in error, error
+
+
 def test_the_wheel_ships_the_license_py_typed_and_the_extension_stub(clean_python):
     (wheel,) = WHEEL_DIR.glob("shardkit-*.whl")
     with zipfile.ZipFile(wheel) as archive:

@@ -1,0 +1,41 @@
+"""``backend="shardkit"`` in any process that imports torch, without ``import shardkit``: torch's extension autoloading.
+
+shardkit's wheel declares :func:`register` in the ``torch.backends`` entry-point group; ``import torch`` calls every
+entry of that group as its last step, unless ``TORCH_DEVICE_BACKEND_AUTOLOAD=0``. ``register`` makes the name
+``"shardkit"`` known to torch.distributed with a creator that imports shardkit, its native extension included, only
+when a process group on the backend is made: a process that never makes one loads none of shardkit's code but this
+module. ``import shardkit`` registers through the same function (it does nothing when the name is already known), so
+the backend has one creator however it was found.
+
+This module sits outside the ``shardkit`` package on purpose: importing anything inside the package runs
+``shardkit/__init__.py``, which loads the extension. It imports only torch, which is fully imported when torch calls
+the entry point (torch.distributed included).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+BACKEND_NAME = "shardkit"
+
+
+def register() -> None:
+    """Register ``"shardkit"`` with torch.distributed (idempotent; nothing where torch has no distributed)."""
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_available() or BACKEND_NAME in dist.Backend.backend_list:
+        return
+    # devices must be a list: a plain string would be iterated letter by letter. A CPU-only torch gets no
+    # "cuda" entry: torch code that asks a backend's device map for its accelerator (ShardedTensor, used by
+    # torch.distributed.checkpoint) would otherwise call torch.cuda.current_device() and fail.
+    devices = ["cpu", "cuda"] if torch.version.cuda is not None else ["cpu"]
+    dist.Backend.register_backend(BACKEND_NAME, create_backend, extended_api=True, devices=devices)
+
+
+def create_backend(*args: Any, **kwargs: Any) -> Any:
+    """torch.distributed's creator for the backend: shardkit's own (``shardkit._startup.create_backend``), imported
+    at the first group made on the backend."""
+    from shardkit._startup import create_backend as create
+
+    return create(*args, **kwargs)
