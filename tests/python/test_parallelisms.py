@@ -1,0 +1,191 @@
+"""Pipeline and expert parallelism on shardkit's backend: torch's own ``torch.distributed.pipelining`` (GPipe and
+1F1B schedules, whose stages exchange activations and gradients by batched isend/irecv) and an expert-parallel MoE
+layer (tokens dispatched to the experts' ranks and back by ``all_to_all_single`` with uneven splits, as MoE layers
+do, through torch's autograd-aware functional ``all_to_all_single_autograd``).
+
+shardkit builds neither: both are torch code issuing ordinary c10d point-to-point ops and all-to-alls, which run on
+shardkit's backend when their group is a shardkit group. The oracle is the identical run on a **gloo** group over the
+same ranks, in the same processes, taking turns on deep copies of one model: point-to-point and all-to-all move
+bytes without reducing them, so losses and every parameter after every step are asserted **bitwise** equal — on one
+host and with the ranks split into simulated hosts (SHARDKIT_HOST_ID: the hierarchical engine's paths).
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from support import harness  # noqa: E402
+from support.ddp_cases import gloo_world  # noqa: E402
+
+D = 16
+STEPS = 3
+
+
+def _hosts(world: int, hosts: int) -> list[dict[str, str]] | None:
+    """Each rank's SHARDKIT_HOST_ID for ``hosts`` simulated hosts of consecutive ranks (None: one host)."""
+    if hosts == 1:
+        return None
+    return [{"SHARDKIT_HOST_ID": f"host{rank * hosts // world}"} for rank in range(world)]
+
+
+def _params(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _assert_bitwise(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> None:
+    assert list(got) == list(want), what
+    for name, value in got.items():
+        assert torch.equal(value, want[name]), (f"{what}: {name} differs by "
+                                                f"{(value - want[name]).abs().max().item():.3e}")
+
+
+# --- pipeline parallelism --------------------------------------------------------------------------------------
+
+class Stage(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(D, 4 * D), nn.Linear(4 * D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.tanh(self.up(x)))
+
+
+def _pipeline_rank(rank: int, world: int, schedule_name: str) -> dict:
+    """One stage per rank (world stages), ``schedule_name`` over 4 microbatches, SGD; the stage on the shardkit
+    group against the same stage on a gloo group, step by step."""
+    from torch.distributed import pipelining
+
+    schedule_class = getattr(pipelining, schedule_name)
+    torch.manual_seed(0)
+    stages = [Stage() for _ in range(world)]  # every rank builds the whole model, keeps its own stage
+    loss_fn = nn.MSELoss()
+    runs = []
+    for group in (gloo_world(), dist.group.WORLD):
+        module = copy.deepcopy(stages[rank])
+        stage = pipelining.PipelineStage(module, rank, world, torch.device("cpu"), group=group)
+        runs.append((module, schedule_class(stage, n_microbatches=4, loss_fn=loss_fn),
+                     torch.optim.SGD(module.parameters(), lr=0.05)))
+    assert dist.get_backend(dist.group.WORLD) == "shardkit" and dist.get_backend(gloo_world()) == "gloo"
+    last = rank == world - 1
+    losses = []
+    g = torch.Generator().manual_seed(101)
+    x, y = torch.randn(8, D, generator=g), torch.randn(8, D, generator=g)  # one batch, so the loss must fall
+    for step in range(STEPS):
+        pair = []
+        for module, schedule, optimizer in runs:
+            step_losses: list[torch.Tensor] = []
+            if rank == 0:
+                schedule.step(x)
+            elif last:
+                schedule.step(target=y, losses=step_losses)
+            else:
+                schedule.step()
+            optimizer.step()
+            optimizer.zero_grad()
+            pair.append((torch.stack(step_losses) if last else None, _params(module)))
+        (ref_losses, ref_params), (losses_now, params_now) = pair
+        if last:
+            assert torch.equal(ref_losses, losses_now), f"rank {rank} step {step}: {losses_now} vs {ref_losses}"
+            losses.append(losses_now.sum().item())
+        _assert_bitwise(params_now, ref_params, f"{schedule_name} rank {rank} step {step}")
+    return {"losses": losses}
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("schedule_name,world,hosts", [("ScheduleGPipe", 2, 1), ("Schedule1F1B", 4, 2)])
+def test_pipeline_schedules_on_shardkit_are_bitwise_gloo(tmp_path, schedule_name, world, hosts):
+    results = harness.run(_pipeline_rank, world, schedule_name, workdir=tmp_path, timeout=180,
+                          env=_hosts(world, hosts))
+    losses = results[-1]["losses"]
+    assert len(losses) == STEPS and losses[-1] < losses[0], losses
+
+
+# --- expert parallelism ----------------------------------------------------------------------------------------
+
+class ExpertParallelMoE(nn.Module):
+    """Top-1 mixture of experts, ``experts_per_rank`` experts on each rank of ``group``: each token goes to the
+    expert its router picks, wherever it lives, and comes back weighted by the router's probability."""
+
+    def __init__(self, world: int, experts_per_rank: int) -> None:
+        super().__init__()
+        self.world, self.local = world, experts_per_rank
+        self.group: dist.ProcessGroup | None = None  # set on each copy (a group does not deep-copy)
+        self.router = nn.Linear(D, world * experts_per_rank)
+        self.experts = nn.ModuleList(nn.Linear(D, D) for _ in range(experts_per_rank))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.distributed._functional_collectives import all_to_all_single_autograd as all_to_all_single
+
+        probs = torch.softmax(self.router(x), dim=-1)
+        weight, expert = probs.max(dim=-1)
+        order = torch.argsort(expert, stable=True)  # tokens grouped by expert, so by destination rank
+        send_counts = torch.bincount(expert // self.local, minlength=self.world)
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
+        send, recv = send_counts.tolist(), recv_counts.tolist()
+        tokens = all_to_all_single(x[order], recv, send, group=self.group)
+        # the experts each received token belongs to, sent alongside (ids, not activations: no gradient)
+        ids = torch.empty(sum(recv), dtype=torch.int64)
+        dist.all_to_all_single(ids, expert[order].contiguous(), recv, send, group=self.group)
+        out = torch.zeros_like(tokens)
+        for e, layer in enumerate(self.experts):
+            mine = ids % self.local == e
+            out = out.index_put((mine.nonzero().squeeze(1),), layer(tokens[mine]))
+        back = all_to_all_single(out, send, recv, group=self.group)
+        combined = torch.empty_like(back).index_copy(0, order, back)
+        return x + weight.unsqueeze(-1) * combined
+
+
+def _expert_rank(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"moe": ExpertParallelMoE(world, 2), "head": nn.Linear(D, 1)})
+    # every rank's router and head start equal (replicated); each rank's experts are its own
+    runs = []
+    for group in (gloo_world(), dist.group.WORLD):
+        replica = copy.deepcopy(model)
+        replica["moe"].group = group
+        runs.append((replica, torch.optim.SGD(replica.parameters(), lr=0.1)))
+    assert dist.get_backend(dist.group.WORLD) == "shardkit"
+    splits = []
+    losses = []
+    for step in range(STEPS):
+        g = torch.Generator().manual_seed(1000 * rank + step)
+        x, y = torch.randn(6 + 3 * rank, D, generator=g), torch.randn(6 + 3 * rank, 1, generator=g)  # uneven
+        pair = []
+        for replica, optimizer in runs:
+            loss = nn.functional.mse_loss(replica["head"](replica["moe"](x)), y)
+            loss.backward()
+            # the replicated router and head: their gradient averaged over the ranks, on the run's own group, summed
+            # here in rank order (an all-gather moves bytes: the sum's order is the test's, not the backend's)
+            for p in (*replica["moe"].router.parameters(), *replica["head"].parameters()):
+                gathered = torch.empty(world * p.grad.shape[0], *p.grad.shape[1:])
+                dist.all_gather_into_tensor(gathered, p.grad.contiguous(), group=replica["moe"].group)
+                p.grad = gathered.view(world, *p.grad.shape).sum(dim=0) / world
+            optimizer.step()
+            optimizer.zero_grad()
+            pair.append((loss.detach(), _params(replica)))
+        (ref_loss, ref_params), (loss_now, params_now) = pair
+        assert torch.equal(ref_loss, loss_now), f"rank {rank} step {step}: loss {loss_now} vs {ref_loss}"
+        _assert_bitwise(params_now, ref_params, f"expert parallel rank {rank} step {step}")
+        losses.append(loss_now.item())
+        with torch.no_grad():
+            counts = torch.bincount(runs[1][0]["moe"].router(x).argmax(-1) // 2, minlength=world)
+        splits.append(counts.tolist())
+    return {"losses": losses, "splits": splits}
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("world,hosts", [(2, 1), (4, 2)])
+def test_expert_parallel_moe_on_shardkit_is_bitwise_gloo(tmp_path, world, hosts):
+    results = harness.run(_expert_rank, world, workdir=tmp_path, timeout=180, env=_hosts(world, hosts))
+    splits = [s for r in results for s in r["splits"]]
+    assert any(len(set(s)) > 1 for s in splits), f"every dispatch was even: {splits}"  # uneven splits were sent
