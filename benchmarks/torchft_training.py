@@ -60,6 +60,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benchmarks folder is not a package
 sys.path.insert(0, str(ROOT / "tests" / "python"))
@@ -202,7 +204,7 @@ def summarize_job(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     if sorted(records) != expected:
         raise RuntimeError(f"torchft_training.py: records of {sorted(records)}, expected {expected}")
     kill_step = args.warmup_steps + args.timed_steps
-    steps, shares = [], []
+    steps, cross = [], []  # per timed step: its time (the slowest rank's), its seconds in the cross-group allreduce
     for step in range(args.warmup_steps, kill_step):
         attempts = []
         for rank_records in records.values():
@@ -211,9 +213,8 @@ def summarize_job(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 raise RuntimeError(f"torchft_training.py: step {step} was not one committed step of both groups: "
                                    f"{found}")
             attempts.append(found[0])
-        step_s = max(a["t_end"] - a["t_start"] for a in attempts)
-        steps.append(step_s)
-        shares.append(statistics.mean(a["cross_group_s"] for a in attempts) / step_s)
+        steps.append(max(a["t_end"] - a["t_start"] for a in attempts))
+        cross.append(statistics.mean(a["cross_group_s"] for a in attempts))
     killed_at = json.loads((work / "killed").read_text())["t"]
     recoveries = [torchft_replay.recovery(records[(0, g)], records[(1, g)], killed_at, kill_step)
                   for g in range(GROUP_WORLD)]
@@ -221,10 +222,11 @@ def summarize_job(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     if any(r.retried is None or not r.after_restart for r in recoveries):
         raise RuntimeError("torchft_training.py: group 0 never retried the kill step, or group 1 never rejoined")
     participation = torchft_replay.participation(records)  # raises on a gap in the committed steps
-    finals = {key: torch_load_hash(work / "records" / f"replica{key[0]}.rank{key[1]}.final.pt") for key in records}
+    hashes = {torch.load(work / "records" / f"replica{r}.rank{g}.final.pt", weights_only=True)["hash"]
+              for r, g in records}
     figures = recoveries[0].figures
-    return {"step_s": statistics.median(steps), "cross_group_share": statistics.median(shares),
-            "cross_group_s": statistics.median(share * s for share, s in zip(shares, steps)),
+    return {"step_s": statistics.median(steps), "cross_group_s": statistics.median(cross),
+            "cross_group_share": statistics.median(c / s for c, s in zip(cross, steps)),
             "kill_to_next_step_s": max(r.figures["kill_to_next_survivor_step_s"] for r in recoveries),
             "kill_to_quorum_s": max(r.figures["kill_to_survivor_quorum_s"] for r in recoveries),
             "restart_to_rejoined_s": figures["restart_to_rejoined_s"],
@@ -232,13 +234,7 @@ def summarize_job(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             "healing_step_s": figures["healing_step_s"],
             "survivor_failed_attempts_besides_the_kill_step": extra_failures,
             "steps_alone": sum(1 for replicas, _ in participation.values() if replicas == [0]),
-            "bitwise_equal_at_the_end": len(set(finals.values())) == 1}
-
-
-def torch_load_hash(path: Path) -> str:
-    import torch
-
-    return torch.load(path, weights_only=True)["hash"]
+            "bitwise_equal_at_the_end": len(hashes) == 1}
 
 
 def median_of(jobs: list[dict[str, Any]], field: str) -> float:

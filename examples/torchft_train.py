@@ -163,14 +163,13 @@ def join_replica_group(advertise_host: str) -> tuple[int, int, dist.TCPStore | N
         dist.init_process_group("shardkit", store=dist.HashStore(), rank=0, world_size=1)
     rank, world = dist.get_rank(), dist.get_world_size()
     store = None
-    host = advertise_host
     if rank == 0:
-        store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+        store = dist.TCPStore(advertise_host, 0, is_master=True, wait_for_workers=False)
     # Rank 0's host name and port to every rank of the group, as tensors (no pickle).
     name = torch.zeros(256, dtype=torch.uint8)
     port = torch.zeros(1, dtype=torch.int64)
     if rank == 0:
-        encoded = host.encode()[:256]
+        encoded = advertise_host.encode()[:256]
         name[:len(encoded)] = torch.tensor(list(encoded), dtype=torch.uint8)
         port[0] = store.port
     if world > 1:

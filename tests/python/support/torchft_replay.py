@@ -59,7 +59,7 @@ def read_records(directory: Path) -> dict[tuple[int, int], GroupRecords]:
 @dataclasses.dataclass
 class Recovery:
     """A death and the rejoin after it, as one rank of the surviving group and the same rank of the killed (and
-    restarted) group recorded them; what test_torchft_recovery asserts and benchmarks/torchft.py reports."""
+    restarted) group recorded them; what test_torchft_recovery asserts and benchmarks/torchft_training.py reports."""
 
     failed: list[dict[str, Any]]         # the survivor's attempts that were not committed (the kill step's: one)
     retried: dict[str, Any] | None       # the survivor's committed attempt of the kill step
