@@ -23,9 +23,10 @@ TORCH_CPU    := torch==2.13.0
 TORCH_CUDA   := torch==2.14.1
 PIP_FLAGS    := --disable-pip-version-check -q
 LINT_DEPS    := ruff==0.17.6 mypy==2.4.1
-# torchft: tests/python/test_torchft*.py (its Rust Lighthouse ships in the wheel and is started in-process)
+# torchft: tests/python/test_torchft*.py (its Rust Lighthouse ships in the wheel and is started in-process);
+# ray[train]: tests/python/test_ray_train.py (a local cluster started by the test)
 BUILD_DEPS   := ninja 'setuptools>=77' wheel numpy
-TEST_DEPS    := pytest pytest-timeout $(BUILD_DEPS) transformers==5.23.0 accelerate==1.15.0 lightning==2.6.6 matplotlib==3.11.2 torchft==0.2.0 $(LINT_DEPS)
+TEST_DEPS    := pytest pytest-timeout $(BUILD_DEPS) transformers==5.23.0 accelerate==1.15.0 lightning==2.6.6 matplotlib==3.11.2 torchft==0.2.0 'ray[train]==2.60.0' $(LINT_DEPS)
 # iproute2 (ip netns, veth) and util-linux (unshare): the namespace hosts of tests/python/test_two_hosts.py
 APT_PACKAGES := libgtest-dev cmake ninja-build g++ iproute2 util-linux
 BUILD_CPP    := build/cpp

@@ -17,14 +17,24 @@ from __future__ import annotations
 from typing import Any
 
 BACKEND_NAME = "shardkit"
+SLURM_SCHEME = "slurm"
 
 
 def register() -> None:
-    """Register ``"shardkit"`` with torch.distributed (idempotent; nothing where torch has no distributed)."""
+    """Register ``"shardkit"`` and the ``slurm://`` rendezvous with torch.distributed (idempotent; nothing where
+    torch has no distributed)."""
     import torch
     import torch.distributed as dist
 
-    if not dist.is_available() or BACKEND_NAME in dist.Backend.backend_list:
+    if not dist.is_available():
+        return
+    from torch.distributed.rendezvous import register_rendezvous_handler
+
+    try:
+        register_rendezvous_handler(SLURM_SCHEME, slurm_rendezvous)
+    except RuntimeError:  # registered already: by an earlier call, or by another package (its handler stays)
+        pass
+    if BACKEND_NAME in dist.Backend.backend_list:
         return
     # devices must be a list: a plain string would be iterated letter by letter. A CPU-only torch gets no
     # "cuda" entry: torch code that asks a backend's device map for its accelerator (ShardedTensor, used by
@@ -39,3 +49,11 @@ def create_backend(*args: Any, **kwargs: Any) -> Any:
     from shardkit._startup import create_backend as create
 
     return create(*args, **kwargs)
+
+
+def slurm_rendezvous(url: str, **kwargs: Any) -> Any:
+    """torch.distributed's rendezvous for ``init_method="slurm://"``: shardkit's (``shardkit.launchers``), imported
+    when a process group asks for it."""
+    from shardkit.launchers import rendezvous_handler
+
+    yield from rendezvous_handler(url, **kwargs)
