@@ -37,7 +37,10 @@ _SCHEMES: dict[str, str] = {}
 
 
 def host_id() -> str:
-    """This machine's identity: ranks with equal ids share /dev/shm."""
+    """This machine's identity: ranks with equal ids share /dev/shm. The host name and boot id tell machines apart;
+    the device number of the file system mounted at /dev/shm tells apart containers on one machine that share
+    both (Kubernetes pods with ``hostNetwork: true`` run under the node's host name, each with its own /dev/shm)
+    and keeps together those that share it (one pod's containers, or ``--ipc=host``)."""
     override = os.environ.get("SHARDKIT_HOST_ID")
     if override:
         return override
@@ -46,7 +49,11 @@ def host_id() -> str:
             boot = f.read().strip()
     except OSError:
         boot = "unknown-boot"
-    return f"{socket.gethostname()}/{boot}"
+    try:
+        shm = os.stat("/dev/shm").st_dev
+    except OSError:
+        shm = -1
+    return f"{socket.gethostname()}/{boot}/{shm}"
 
 
 @dataclasses.dataclass(frozen=True)

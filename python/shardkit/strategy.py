@@ -9,8 +9,9 @@ wraps by it too).
    SGD with momentum: 4, without: 0 -- counted as 4, the estimator's smallest).
 2. The budget per rank: ``memory_budget_gb`` if given; else, for a model on a CUDA device, that device's free
    memory; for a CPU model, the host's available memory (``MemAvailable``) divided by the ranks on this host
-   (``LOCAL_WORLD_SIZE``, as torchrun sets it; else 1). Every rank then takes the smallest of all ranks'
-   budgets (one object exchange), so all choose the same strategy.
+   (counted from the ranks' host identities, in the same exchange: no launcher variable needed, so srun and
+   Kubeflow launches count right too). Every rank then takes the smallest of all ranks' budgets (one object
+   exchange), so all choose the same strategy.
 3. The estimator's rule (shardkit.estimate.recommend, the ZeRO paper's and the users' guides' arithmetic):
    the first of DDP, ZeRO-2, ZeRO-3 (FSDP FULL_SHARD) and ZeRO-3 + CPU offload whose model states plus
    ``headroom_gb`` fit the budget. Activations are not modelled: pass a measured ``activation_gb``.
@@ -41,7 +42,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import _exchange, _torch_compat, estimate
+from . import _exchange, _topology, _torch_compat, estimate
 
 __all__ = ["AutoPlan", "agreed_plan", "auto", "front_for", "plan"]
 
@@ -121,10 +121,17 @@ def agreed_plan(trainable: Sequence[torch.Tensor], optimizer: str, memory_budget
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     if not trainable:
         raise ValueError(f"{who} (rank {rank}): the model has no trainable parameters")
-    mine = memory_budget_gb if memory_budget_gb is not None else _free_memory_gb(trainable[0].device)
-    if not mine > 0:
-        raise ValueError(f"{who} (rank {rank}): memory_budget_gb must be positive, got {mine!r}")
-    budget = min(_exchange.all_gather_object(float(mine), group))
+    if memory_budget_gb is not None and not memory_budget_gb > 0:
+        raise ValueError(f"{who} (rank {rank}): memory_budget_gb must be positive, got {memory_budget_gb!r}")
+    device = trainable[0].device
+    # (budget, host): a CPU rank's budget is its host's available memory, shared by the group's ranks on that host.
+    mine = (float(memory_budget_gb if memory_budget_gb is not None else _free_memory_gb(device)),
+            _topology.host_id() if memory_budget_gb is None and device.type != "cuda" else None)
+    everyone = _exchange.all_gather_object(mine, group)
+    budget = min(gb / sum(1 for _, other in everyone if other == host) if host is not None else gb
+                 for gb, host in everyone)
+    if not budget > 0:
+        raise ValueError(f"{who} (rank {rank}): no memory to plan with (budgets {[gb for gb, _ in everyone]} GB)")
     return plan(sum(p.numel() for p in trainable), world, budget, _precision(trainable), optimizer, headroom_gb,
                 activation_gb)
 
@@ -227,10 +234,10 @@ def _optimizer_kind(optimizer_class: type) -> str:
 
 
 def _free_memory_gb(device: torch.device) -> float:
+    """The device's free memory; for the CPU, the whole host's available memory (agreed_plan shares it out)."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return free / estimate.GB
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
     with open("/proc/meminfo") as meminfo:
         available_kib = next(int(line.split()[1]) for line in meminfo if line.startswith("MemAvailable:"))
-    return available_kib * 1024 / estimate.GB / max(local, 1)
+    return available_kib * 1024 / estimate.GB
