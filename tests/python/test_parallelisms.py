@@ -1,7 +1,9 @@
 """Pipeline and expert parallelism on shardkit's backend: torch's own ``torch.distributed.pipelining`` (GPipe and
 1F1B schedules, whose stages exchange activations and gradients by batched isend/irecv) and an expert-parallel MoE
 layer (tokens dispatched to the experts' ranks and back by ``all_to_all_single`` with uneven splits, as MoE layers
-do, through torch's autograd-aware functional ``all_to_all_single_autograd``).
+do, through torch's autograd-aware functional ``all_to_all_single_autograd``), each alone and each with
+``fully_shard`` on a 2 x 2 mesh (GPipe over "pp" with every stage sharded over "dp"; experts over "ep", every
+module sharded over "dp"), where torch's ``fully_shard`` on a gloo mesh over the same ranks is the oracle.
 
 shardkit builds neither: both are torch code issuing ordinary c10d point-to-point ops and all-to-alls, which run on
 shardkit's backend when their group is a shardkit group. The oracle is the identical run on a **gloo** group over the
@@ -189,3 +191,143 @@ def test_expert_parallel_moe_on_shardkit_is_bitwise_gloo(tmp_path, world, hosts)
     results = harness.run(_expert_rank, world, workdir=tmp_path, timeout=180, env=_hosts(world, hosts))
     splits = [s for r in results for s in r["splits"]]
     assert any(len(set(s)) > 1 for s in splits), f"every dispatch was even: {splits}"  # uneven splits were sent
+
+
+# --- with fully_shard on a 2 x 2 mesh --------------------------------------------------------------------------
+
+def _meshes(rank: int, names: tuple[str, str]):
+    """The 2 x 2 mesh ``names`` over the world (ranks [[0, 1], [2, 3]]: rows are the second name's groups, columns
+    the first's), once on the shardkit world (init_device_mesh) and once from gloo subgroups over the same ranks."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    layout = torch.arange(4).view(2, 2)
+    rows = [dist.new_group(r.tolist(), backend="gloo") for r in layout]  # every rank makes every group, in order
+    cols = [dist.new_group(c.tolist(), backend="gloo") for c in layout.t()]
+    row = next(g for g, r in zip(rows, layout, strict=True) if rank in r.tolist())
+    col = next(g for g, c in zip(cols, layout.t(), strict=True) if rank in c.tolist())
+    gloo_mesh = DeviceMesh.from_group([col, row], "cpu", mesh=layout, mesh_dim_names=names)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=names)
+    assert all(dist.get_backend(mesh[n].get_group()) == "shardkit" for n in names)
+    assert all(dist.get_backend(gloo_mesh[n].get_group()) == "gloo" for n in names)
+    return gloo_mesh, mesh
+
+
+def _full(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+            for n, p in module.named_parameters()}
+
+
+def _pipeline_fsdp_rank(rank: int, world: int) -> dict:
+    """GPipe over "pp" (2 stages, a column each) with each stage's module fully_shard over "dp" (a row); each
+    "dp" coordinate trains on its own batch. torch's fully_shard on the gloo mesh against shardkit's on the
+    shardkit mesh."""
+    from torch.distributed import pipelining
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    import shardkit
+
+    gloo_mesh, mesh = _meshes(rank, ("pp", "dp"))
+    stage_index, data_rank = divmod(rank, 2)
+    torch.manual_seed(0)
+    stages = [Stage() for _ in range(2)]
+    runs = []
+    for m, shard in ((gloo_mesh, torch_fully_shard), (mesh, shardkit.fully_shard)):
+        module = shard(copy.deepcopy(stages[stage_index]), mesh=m["dp"])
+        stage = pipelining.PipelineStage(module, stage_index, 2, torch.device("cpu"), group=m["pp"].get_group())
+        runs.append((module, pipelining.ScheduleGPipe(stage, n_microbatches=2, loss_fn=nn.MSELoss()),
+                     torch.optim.SGD(module.parameters(), lr=0.05)))
+    g = torch.Generator().manual_seed(200 + data_rank)
+    x, y = torch.randn(4, D, generator=g), torch.randn(4, D, generator=g)
+    losses = []
+    for step in range(STEPS):
+        pair = []
+        for module, schedule, optimizer in runs:
+            step_losses: list[torch.Tensor] = []
+            if stage_index == 0:
+                schedule.step(x)
+            else:
+                schedule.step(target=y, losses=step_losses)
+            optimizer.step()
+            optimizer.zero_grad()
+            pair.append((torch.stack(step_losses) if stage_index else None, _full(module)))
+        (ref_losses, ref_params), (losses_now, params_now) = pair
+        if stage_index:
+            assert torch.equal(ref_losses, losses_now), f"rank {rank} step {step}: {losses_now} vs {ref_losses}"
+            losses.append(losses_now.sum().item())
+        _assert_bitwise(params_now, ref_params, f"pipeline + fully_shard rank {rank} step {step}")
+    return {"losses": losses}
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("hosts", [1, 2])
+def test_pipeline_with_fully_shard_on_a_2x2_mesh_is_bitwise_gloo(tmp_path, hosts):
+    results = harness.run(_pipeline_fsdp_rank, 4, workdir=tmp_path, timeout=180, env=_hosts(4, hosts))
+    last = [results[2]["losses"], results[3]["losses"]]
+    assert last[0] != last[1] and all(run[-1] < run[0] for run in last), last  # own batches, and learning
+
+
+class MoEModel(nn.Module):
+    """The MoE layer and a head (fully_shard's root must have a forward: a ModuleDict has none)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.moe, self.head = ExpertParallelMoE(2, 2), nn.Linear(D, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.moe(x))
+
+
+def _expert_fsdp_rank(rank: int, world: int) -> dict:
+    """Expert parallelism over "ep" (a row: 2 ranks, 2 experts each) with fully_shard over "dp" (a column, whose
+    ranks hold the same experts): every module sharded over "dp"; the router and head, replicated over "ep" too,
+    get their shards' gradients averaged over "ep" by an all-gather and a rank-order sum (as _expert_rank)."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    import shardkit
+
+    gloo_mesh, mesh = _meshes(rank, ("dp", "ep"))
+    data_rank = rank // 2
+    torch.manual_seed(0)
+    model = MoEModel()
+    expert_offset = torch.Generator().manual_seed(7 + rank % 2)  # an "ep" rank's experts are its own
+    with torch.no_grad():
+        for p in model.moe.experts.parameters():
+            p.add_(0.1 * torch.randn(p.shape, generator=expert_offset))
+    runs = []
+    for m, shard in ((gloo_mesh, torch_fully_shard), (mesh, shardkit.fully_shard)):
+        replica = copy.deepcopy(model)
+        replica.moe.group = m["ep"].get_group()
+        for expert in replica.moe.experts:
+            shard(expert, mesh=m["dp"])
+        runs.append((shard(replica, mesh=m["dp"]), torch.optim.SGD(replica.parameters(), lr=0.1), m))
+    losses = []
+    for step in range(STEPS):
+        g = torch.Generator().manual_seed(1000 * data_rank + 10 * (rank % 2) + step)
+        x, y = torch.randn(6 + 3 * rank, D, generator=g), torch.randn(6 + 3 * rank, 1, generator=g)
+        pair = []
+        for replica, optimizer, m in runs:
+            loss = nn.functional.mse_loss(replica(x), y)
+            loss.backward()
+            ep = m["ep"].get_group()
+            for p in (*replica.moe.router.parameters(), *replica.head.parameters()):
+                local = p.grad.to_local()
+                gathered = torch.empty(2 * local.shape[0], *local.shape[1:])
+                dist.all_gather_into_tensor(gathered, local.contiguous(), group=ep)
+                local.copy_(gathered.view(2, *local.shape).sum(dim=0) / 2)
+            optimizer.step()
+            optimizer.zero_grad()
+            pair.append((loss.detach(), _full(replica)))
+        (ref_loss, ref_params), (loss_now, params_now) = pair
+        assert torch.equal(ref_loss, loss_now), f"rank {rank} step {step}: loss {loss_now} vs {ref_loss}"
+        _assert_bitwise(params_now, ref_params, f"expert parallel + fully_shard rank {rank} step {step}")
+        losses.append(loss_now.item())
+    return {"losses": losses, "router": _full(runs[1][0].moe.router)["weight"]}
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("hosts", [1, 2])
+def test_expert_parallel_with_fully_shard_on_a_2x2_mesh_is_bitwise_gloo(tmp_path, hosts):
+    results = harness.run(_expert_fsdp_rank, 4, workdir=tmp_path, timeout=180, env=_hosts(4, hosts))
+    # The router, replicated over the whole mesh, stays equal on every rank (its gradient was averaged over both).
+    assert all(torch.equal(r["router"], results[0]["router"]) for r in results)
+    assert len({tuple(r["losses"]) for r in results}) == 4  # every rank trains on its own tokens
