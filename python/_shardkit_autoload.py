@@ -4,7 +4,9 @@ shardkit's wheel declares :func:`register` in the ``torch.backends`` entry-point
 entry of that group as its last step, unless ``TORCH_DEVICE_BACKEND_AUTOLOAD=0``. ``register`` makes the name
 ``"shardkit"`` known to torch.distributed with a creator that imports shardkit, its native extension included, only
 when a process group on the backend is made: a process that never makes one loads none of shardkit's code but this
-module. ``import shardkit`` registers through the same function (it does nothing when the name is already known), so
+module. It also registers the ``slurm://`` rendezvous (``shardkit.launchers``: ranks started by ``srun`` without
+torchrun), whose handler is imported only when ``init_process_group`` asks for it. ``import shardkit`` registers
+through the same function (it does nothing when the name is already known), so
 the backend has one creator however it was found.
 
 This module sits outside the ``shardkit`` package on purpose: importing anything inside the package runs

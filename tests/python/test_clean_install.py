@@ -83,15 +83,17 @@ def native():
         return any("shardkit" in line and "_C." in line for line in maps)
 
 seen = {"registered": "shardkit" in dist.Backend.backend_list, "native": native(),
-        "modules": sorted(m for m in sys.modules if "shardkit" in m)}
-try:
-    dist.init_process_group("shardkit", store=dist.HashStore(), rank=0, world_size=1)
-except Exception as error:  # torch 2.13: AssertionError("Unknown backend type shardkit")
+        "modules": sorted(m for m in sys.modules if "shardkit" in m),
+        "slurm": "slurm" in sys.modules["torch.distributed.rendezvous"]._rendezvous_handlers}
+try:  # a device map, as users write one beside NCCL (gloo for CUDA here: this torch has no NCCL)
+    dist.init_process_group("cpu:shardkit,cuda:gloo", store=dist.HashStore(), rank=0, world_size=1)
+except Exception as error:  # torch 2.13: AssertionError("Unknown c10d backend type SHARDKIT")
     seen["error"] = f"{type(error).__name__}: {error}"
 else:
     t = torch.arange(4.0)
     dist.all_reduce(t)
-    seen.update(backend=dist.get_backend(), result=t.tolist(), native_after=native())
+    seen.update(backend=type(dist.group.WORLD._get_backend(torch.device("cpu"))).__name__, result=t.tolist(),
+                native_after=native())
     dist.destroy_process_group()
 print(json.dumps(seen))
 """
@@ -99,8 +101,9 @@ print(json.dumps(seen))
 
 def test_backend_shardkit_needs_no_import_and_loads_nothing_until_a_group_is_made(clean_python, outside):
     """torch's extension autoloading (the wheel's "torch.backends" entry point): `import torch` alone makes
-    backend="shardkit" known, loading only the registering module; the first group on it loads the extension. With
-    TORCH_DEVICE_BACKEND_AUTOLOAD=0 torch loads nothing of shardkit's and refuses the name, naming it."""
+    backend="shardkit" (in a device map too) and the slurm:// rendezvous known, loading only the registering module;
+    the first group on it loads the extension. With TORCH_DEVICE_BACKEND_AUTOLOAD=0 torch loads nothing of
+    shardkit's and refuses the name, naming it."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "TORCH_DEVICE_BACKEND_AUTOLOAD")}
     seen = {}
     for autoload in ("1", "0"):
@@ -108,11 +111,12 @@ def test_backend_shardkit_needs_no_import_and_loads_nothing_until_a_group_is_mad
                                 env={**env, "TORCH_DEVICE_BACKEND_AUTOLOAD": autoload}, timeout=JOB_TIMEOUT_S)
         assert result.returncode == 0, result.stderr[-2000:]
         seen[autoload] = json.loads(result.stdout.splitlines()[-1])
-    assert seen["1"] == {"registered": True, "modules": ["_shardkit_autoload"], "native": False,
-                         "backend": "shardkit", "result": [0.0, 1.0, 2.0, 3.0], "native_after": True}, seen["1"]
+    assert seen["1"] == {"registered": True, "modules": ["_shardkit_autoload"], "native": False, "slurm": True,
+                         "backend": "ProcessGroupShardkit", "result": [0.0, 1.0, 2.0, 3.0], "native_after": True}, \
+        seen["1"]
     error = seen["0"].pop("error", "")
-    assert seen["0"] == {"registered": False, "modules": [], "native": False}, seen["0"]
-    assert "shardkit" in error, error
+    assert seen["0"] == {"registered": False, "modules": [], "native": False, "slurm": False}, seen["0"]
+    assert "shardkit" in error.lower(), error  # torch 2.13: "Unknown c10d backend type SHARDKIT"
 
 
 def test_the_wheel_ships_the_license_py_typed_and_the_extension_stub(clean_python):
