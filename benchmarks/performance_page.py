@@ -29,6 +29,8 @@ ABOUT = {
                          "host and simulated hosts"),
     "deepspeed_allreduce.json": ("`make bench-peers`", "allreduce against DeepSpeed's CPU shared-memory op, "
                                  "installed from PyPI in its own venv"),
+    "p2p.json": ("`benchmarks/p2p.py`", "point-to-point (batch_isend_irecv) and all_to_all_single (even and "
+                 "uneven splits) on the shardkit backend against gloo, worlds 2 and 4"),
     "ddp_step.json": ("`benchmarks/ddp_step.py`", "DDP / ZeRO training step against torch DDP and torch's "
                       "ZeroRedundancyOptimizer"),
     "fsdp_step.json": ("`benchmarks/fsdp_step.py`", "FSDP training step, world 2, against torch FSDP2"),
