@@ -1,5 +1,6 @@
 """Tensor parallelism on shardkit's backend: torch's own TP (``parallelize_module`` with ``ColwiseParallel`` /
-``RowwiseParallel``, DTensor redistributions) and ``shardkit.fully_shard`` + TP on a 2-D mesh.
+``RowwiseParallel``, DTensor redistributions), sequence parallelism (``SequenceParallel`` norms between
+projections that gather and scatter the sequence) and ``shardkit.fully_shard`` + TP on a 2-D mesh.
 
 shardkit builds no TP of its own: torch's TP is DTensor code that issues ordinary c10d collectives (all-reduce,
 all-gather, reduce-scatter) on the mesh's groups, so on a mesh over the ``shardkit`` group it runs on shardkit's
@@ -145,6 +146,59 @@ def _tp_rank(rank: int, world: int) -> dict:
     return {"losses": _train_side_by_side(rank, ref, dut, data_rank=0)}
 
 
+class SequenceParallelBlock(AttentionMLP):
+    """AttentionMLP whose activations between the projections stay split along the sequence (Megatron-style sequence
+    parallelism): the norm runs on each rank's share of the tokens, the column-wise projections all-gather the
+    sequence, the row-wise ones reduce-scatter back onto it. Shapes are read from the tensors (the sequence length
+    differs between the split and the gathered activations)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        q, k, v = (t.view(t.shape[0], t.shape[1], -1, D // HEADS).transpose(1, 2)
+                   for t in (self.q(h), self.k(h), self.v(h)))
+        attn = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+        x = x + self.o(attn.reshape(attn.shape[0], attn.shape[1], -1))
+        return x + self.down(nn.functional.gelu(self.up(self.norm(x))))
+
+
+def _sp_rank(rank: int, world: int) -> dict:
+    """Sequence parallelism over both ranks: SequenceParallel norms, ColwiseParallel(input_layouts=Shard(1)) and
+    RowwiseParallel(output_layouts=Shard(1)); each rank feeds its share of the sequence and computes the loss on
+    it."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
+
+    gloo_mesh = DeviceMesh.from_group(gloo_world(), "cpu")
+    mesh = init_device_mesh("cpu", (world,))
+    plan = {"norm": SequenceParallel(), "o": RowwiseParallel(output_layouts=Shard(1)),
+            "down": RowwiseParallel(output_layouts=Shard(1)),
+            **{n: ColwiseParallel(input_layouts=Shard(1)) for n in ("q", "k", "v", "up")}}
+    torch.manual_seed(0)
+    model = SequenceParallelBlock()
+    ref, dut = (parallelize_module(copy.deepcopy(model), m, plan) for m in (gloo_mesh, mesh))
+    assert dut.q.weight.to_local().shape == (D // world, D)
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ref, dut)]
+    share = SEQ // world
+    losses = []
+    for step in range(3):
+        x, y = _batch(0, step)
+        x, y = x[:, rank * share:(rank + 1) * share], y[:, rank * share:(rank + 1) * share]
+        pair = []
+        for m, optimizer in zip((ref, dut), optimizers, strict=True):
+            out = m(x)
+            assert out.shape[1] == share  # the block's output stays split along the sequence
+            loss = nn.functional.mse_loss(out.sum(-1, keepdim=True), y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            pair.append(loss.detach())
+        assert torch.equal(pair[0], pair[1]), f"rank {rank} step {step}: {pair[1].item()!r} vs {pair[0].item()!r}"
+        _assert_bitwise(_full(dut), _full(ref), f"sequence parallel rank {rank} step {step}")
+        losses.append(pair[1].item())
+    return {"losses": losses}
+
+
 def _fsdp_tp_rank(rank: int, world: int) -> dict:
     """FSDP2 + TP on a 2 x 2 mesh ("dp", "tp"): TP inside each row, fully_shard over each column; shardkit's
     fully_shard on the shardkit mesh against torch's fully_shard on the gloo mesh."""
@@ -187,6 +241,12 @@ def test_tensor_parallel_on_shardkit_is_bitwise_gloo(tmp_path):
     results = harness.run(_tp_rank, 2, workdir=tmp_path, timeout=180)
     assert results[0]["losses"] == results[1]["losses"]  # TP ranks see one batch: one loss
     assert results[0]["losses"][-1] < results[0]["losses"][0]
+
+
+@pytest.mark.timeout(240)
+def test_sequence_parallel_on_shardkit_is_bitwise_gloo(tmp_path):
+    results = harness.run(_sp_rank, 2, workdir=tmp_path, timeout=180)
+    assert results[0]["losses"] != results[1]["losses"]  # each rank's loss is on its own share of the sequence
 
 
 @pytest.mark.timeout(300)
