@@ -68,7 +68,9 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("global_ranks", &ProcessGroupShardkit::Config::global_ranks)
       .def_readwrite("pids", &ProcessGroupShardkit::Config::pids)
       .def_readwrite("rails", &ProcessGroupShardkit::Config::rails)
-      .def_readwrite("isolated", &ProcessGroupShardkit::Config::isolated);
+      .def_readwrite("isolated", &ProcessGroupShardkit::Config::isolated)
+      .def_readwrite("p2p_direct_bytes", &ProcessGroupShardkit::Config::p2p_direct_bytes)
+      .def_readwrite("p2p_direct_read", &ProcessGroupShardkit::Config::p2p_direct_read);
   m.attr("ABORT_KEY") = shardkit::comm::kAbortKey;
   m.def("describe_identity", &shardkit::core::describe_identity, py::arg("identity"),
         "What a collective identity stands for in this process ('FSDP unit ...', or that it is unknown).");
@@ -155,6 +157,8 @@ PYBIND11_MODULE(_C, m) {
            "reduce-scatter, every quantized op; not the leader scheme's exact gloo collectives).")
       .def("shared_ops", &ProcessGroupShardkit::shared_ops,
            "Collectives (allreduce, reduce_scatter) that read their input from a shared buffer.")
+      .def("direct_p2p_bytes", &ProcessGroupShardkit::direct_p2p_bytes,
+           "Payload bytes this rank has received by reading a peer's memory (point-to-point's direct route).")
       .def("cuda_route", &ProcessGroupShardkit::cuda_route,
            "What carries this group's CUDA collectives: 'nccl', 'host shared memory: <why>', or why none does.");
 

@@ -585,18 +585,30 @@ void ProcessGroupShardkit::monitoredBarrier(const c10d::BarrierOptions& opts, bo
 c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::send(std::vector<at::Tensor>& tensors, int dst_rank, int tag) {
   args_.check(args_.single(tensors, "send"), "send");
   refuse_cuda_point_to_point(tensors, "send");
+  LocalPointToPoint::check_tag(tag, args_.where("send"));
+  if (local_p2p_->direct(tensors[0], dst_rank)) {
+    return track_point_to_point(local_p2p_->send(tensors[0], dst_rank, tag, args_.where("send")));
+  }
   return track_point_to_point(inner_->all_ranks(args_.where("send"))->send(tensors, dst_rank, tag));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::recv(std::vector<at::Tensor>& tensors, int src_rank, int tag) {
   args_.check(args_.single(tensors, "recv"), "recv");
   refuse_cuda_point_to_point(tensors, "recv");
+  LocalPointToPoint::check_tag(tag, args_.where("recv"));
+  if (local_p2p_->direct(tensors[0], src_rank)) {
+    return track_point_to_point(local_p2p_->recv(tensors[0], src_rank, tag, args_.where("recv")));
+  }
   return track_point_to_point(inner_->all_ranks(args_.where("recv"))->recv(tensors, src_rank, tag));
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
   args_.check(args_.single(tensors, "recv"), "recv");
   refuse_cuda_point_to_point(tensors, "recv");
+  LocalPointToPoint::check_tag(tag, args_.where("recv"));
+  if (local_p2p_->direct_from_any(tensors[0], args_.where("recv"))) {
+    return track_point_to_point(local_p2p_->recv(tensors[0], -1, tag, args_.where("recv")));
+  }
   return track_point_to_point(inner_->all_ranks(args_.where("recv"))->recvAnysource(tensors, tag));
 }
 

@@ -10,8 +10,9 @@
 // recorded in the group's flight recorder (TraceRing, trace.h) as it is issued, starts and ends; a failure writes
 // the process's recorders to this rank's trace file and names it in the error.
 //
-// Point-to-point send/recv and monitoredBarrier go to the inner gloo backend over all ranks
-// (InnerBackends), the existing engine for what shared memory cannot do. Hosts are told apart by the
+// Point-to-point send/recv go to the inner gloo backend over all ranks (InnerBackends), except large messages
+// between two ranks of one host, which the receiver reads from the sender's memory (LocalPointToPoint,
+// local_p2p.h); monitoredBarrier goes to gloo too. Hosts are told apart by the
 // Python creator (python/shardkit/_startup.py), which also builds the inner gloo backends.
 #pragma once
 
@@ -29,6 +30,7 @@
 #include "comm/engine.h"
 #include "comm/failure_notices.h"
 #include "comm/inner_backends.h"
+#include "comm/local_p2p.h"
 #include "comm/tensor_args.h"
 #include "comm/trace.h"
 #include "comm/work_queue.h"
@@ -66,6 +68,11 @@ class ProcessGroupShardkit : public c10d::Backend {
     // the others, shardkit groups of the same processes, go on. False: today's behaviour, every group's failure ends
     // the process's others.
     bool isolated = false;
+    // Point-to-point messages of at least this many bytes between ranks of one host take the direct route
+    // (local_p2p.h; SHARDKIT_P2P_DIRECT_BYTES), which reads the sender's memory unless `p2p_direct_read` is false
+    // (SHARDKIT_P2P_DIRECT_READ=0: the bytes then come over gloo after the descriptor).
+    size_t p2p_direct_bytes = size_t{256} << 10;
+    bool p2p_direct_read = true;
   };
 
   // Blocks until every local rank has mapped the shared segment; a local peer that exits meanwhile, a failure of
@@ -162,6 +169,8 @@ class ProcessGroupShardkit : public c10d::Backend {
   at::Tensor shared_buffer(int64_t bytes, std::string* refused = nullptr);
   // Collectives that read their input from a shared buffer on this group (for tests and benchmarks).
   uint64_t shared_ops() const { return engine_->shared_ops(); }
+  // Payload bytes this rank has received by reading a peer's memory (point-to-point's direct route, local_p2p.h).
+  uint64_t direct_p2p_bytes() const { return local_p2p_->direct_bytes_received(); }
   // Payload bytes this rank has sent to other hosts in exchanges (Engine::inter_host_bytes).
   uint64_t inter_host_bytes() const { return engine_->inter_host_bytes(); }
 
@@ -220,7 +229,7 @@ class ProcessGroupShardkit : public c10d::Backend {
   OpContext context(const char* op, std::chrono::milliseconds timeout, uint64_t identity, bool compare_across_hosts,
                     core::InterHostQuantization quantization);
   std::chrono::milliseconds op_timeout(std::chrono::milliseconds requested) const;
-  // A point-to-point op's gloo Work, remembered (weakly) so that abort_with() can end it while it waits.
+  // A point-to-point op's Work, remembered (weakly) so that abort_with() can end it while it waits.
   c10::intrusive_ptr<c10d::Work> track_point_to_point(c10::intrusive_ptr<c10d::Work> work);
   void refuse_cuda_point_to_point(const std::vector<at::Tensor>& tensors, const char* op) const;
   // allreduce of a sparse COO tensor (SUM only, like gloo's): every rank's indices and values, gathered.
@@ -245,8 +254,8 @@ class ProcessGroupShardkit : public c10d::Backend {
   std::shared_ptr<TraceRing> trace_;  // this group's flight recorder (registered with TraceRegistry)
   mutable std::mutex failure_mutex_;
   std::optional<std::string> first_failure_;  // under failure_mutex_
-  std::mutex point_to_point_mutex_;
-  std::vector<c10::weak_intrusive_ptr<c10d::Work>> point_to_point_;  // under point_to_point_mutex_; pruned as it grows
+  std::shared_ptr<TrackedWorks> point_to_point_ = std::make_shared<TrackedWorks>();  // what abort_with() ends
+  std::shared_ptr<LocalPointToPoint> local_p2p_;  // large sends and receives between ranks of one host
   WorkQueue queue_;  // last: destroyed first, so queued work finishes while the engine still exists
 };
 

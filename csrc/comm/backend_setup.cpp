@@ -89,6 +89,16 @@ ProcessGroupShardkit::ProcessGroupShardkit(int rank, int size, const Config& con
 #ifdef SHARDKIT_WITH_CUDA
   cuda_ = std::make_shared<CudaRoute>(rank, size, *engine_);
 #endif
+  LocalPointToPoint::Options p2p;
+  p2p.rank = rank;
+  p2p.names = named_ranks;
+  for (int r = 0; r < size; ++r) {
+    p2p.on_this_host.push_back(config.num_hosts == 1 || config.host_of[r] == config.host_index);
+  }
+  p2p.direct_bytes = config.p2p_direct_bytes;
+  p2p.direct_read = config.p2p_direct_read;
+  p2p.timeout = config.timeout;
+  local_p2p_ = std::make_shared<LocalPointToPoint>(std::move(p2p), inner_, point_to_point_);
   // The flight recorder (trace.h): described at dump time, while the registry holds it (the destructor leaves the
   // registry first, so a dump never reaches a destroyed group).
   trace_ = std::make_shared<TraceRing>(trace_capacity(), [this] {
@@ -129,15 +139,7 @@ void ProcessGroupShardkit::abort_with(const std::string& reason) {
   routes().abort(reason);
   // Sends and receives go to the inner gloo backend, outside the routes: abort those still waiting (gloo's abort
   // wakes a blocked wait, which then returns false). Copied out of the lock: an abort may take a moment.
-  std::vector<c10::intrusive_ptr<c10d::Work>> waiting;
-  {
-    std::lock_guard<std::mutex> lock(point_to_point_mutex_);
-    for (const auto& weak : point_to_point_) {
-      if (auto work = weak.lock(); work && !work->isCompleted()) waiting.push_back(std::move(work));
-    }
-    point_to_point_.clear();
-  }
-  for (const auto& work : waiting) work->abort();
+  for (const auto& work : point_to_point_->take_waiting()) work->abort();
 }
 
 void ProcessGroupShardkit::abort() {
@@ -150,15 +152,7 @@ std::optional<std::string> ProcessGroupShardkit::first_failure() const {
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupShardkit::track_point_to_point(c10::intrusive_ptr<c10d::Work> work) {
-  std::lock_guard<std::mutex> lock(point_to_point_mutex_);
-  if (point_to_point_.size() >= 64) {  // forget the ended ones, so that the list stays as short as what waits
-    std::vector<c10::weak_intrusive_ptr<c10d::Work>> live;
-    for (const auto& weak : point_to_point_) {
-      if (auto held = weak.lock(); held && !held->isCompleted()) live.push_back(weak);
-    }
-    point_to_point_ = std::move(live);
-  }
-  point_to_point_.emplace_back(work);
+  point_to_point_->add(work);
   return work;
 }
 
@@ -175,6 +169,7 @@ void ProcessGroupShardkit::shutdown() {
   cuda_->shutdown();
 #endif
   engine_->shutdown();
+  local_p2p_->shutdown();
   inner_->shutdown();
 }
 

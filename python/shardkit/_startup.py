@@ -44,6 +44,9 @@ Environment:
                             of any size are chunked through it.
   SHARDKIT_SHM_TAG          a label put into the shared-memory segment names (letters, digits, '_'), so
                             that a job's segments can be told apart in /dev/shm (the test suite uses it).
+  SHARDKIT_P2P_DIRECT_BYTES the smallest send/recv between two ranks of one host that the receiver reads from
+                            the sender's memory (default 256 KiB; csrc/comm/local_p2p.h); the same on every rank.
+  SHARDKIT_P2P_DIRECT_READ  0: those messages' bytes come over gloo after the descriptor (default 1).
   (SHARDKIT_HOST_ID and SHARDKIT_INTER_HOST: see _topology.py.)
 """
 
@@ -293,6 +296,8 @@ class WatchedStore(dist.Store):
 
 # --- the creator: what init_process_group runs for each shardkit group -------------------------------------------
 _DEFAULT_SLOT_BYTES = 1 << 20
+# The smallest point-to-point message between ranks of one host that takes the direct route (local_p2p.h).
+_DEFAULT_P2P_DIRECT_BYTES = 256 << 10
 # How many earlier start-ups on a group's Store a host's first rank looks at for segments left in /dev/shm
 # (_remove_stale_segments): a run of attempts each killed before it got that far would need more.
 _SWEPT_GENERATIONS = 8
@@ -311,6 +316,23 @@ def _slot_bytes() -> int:
     if value <= 0:
         raise ValueError(f"SHARDKIT_SHM_SLOT_BYTES must be a positive integer, got {raw!r}")
     return value
+
+
+def _p2p_settings() -> tuple[int, bool]:
+    """SHARDKIT_P2P_DIRECT_BYTES (the smallest send/recv between ranks of one host that the receiver reads from the
+    sender's memory; every rank must use the same) and SHARDKIT_P2P_DIRECT_READ (0: such messages' bytes come
+    over gloo instead), see csrc/comm/local_p2p.h."""
+    raw = os.environ.get("SHARDKIT_P2P_DIRECT_BYTES", str(_DEFAULT_P2P_DIRECT_BYTES))
+    try:
+        threshold = int(raw)
+    except ValueError:
+        threshold = 0
+    if threshold <= 0:
+        raise ValueError(f"SHARDKIT_P2P_DIRECT_BYTES must be a positive integer, got {raw!r}")
+    read = os.environ.get("SHARDKIT_P2P_DIRECT_READ", "1").strip()
+    if read not in ("0", "1"):
+        raise ValueError(f"SHARDKIT_P2P_DIRECT_READ must be 0 or 1, got {read!r}")
+    return threshold, read == "1"
 
 
 def _name_part(text: str, limit: int) -> str:
@@ -442,6 +464,7 @@ def _start(options, watch: StartupWatch, global_ranks: list[int], timeout: timed
     config.processes_on_machine = _env_int("LOCAL_WORLD_SIZE", 0)
     config.timeout = timeout
     config.isolated = isolated
+    config.p2p_direct_bytes, config.p2p_direct_read = _p2p_settings()
 
     fallback = connect_gloo(watch, dist.PrefixStore("shardkit/gloo", store), rank, size, timeout,
                             "the inner gloo backend")

@@ -32,11 +32,21 @@ D = 16
 STEPS = 3
 
 
-def _hosts(world: int, hosts: int) -> list[dict[str, str]] | None:
-    """Each rank's SHARDKIT_HOST_ID for ``hosts`` simulated hosts of consecutive ranks (None: one host)."""
+def _hosts(world: int, hosts: int, **env: str) -> list[dict[str, str]] | None:
+    """Each rank's SHARDKIT_HOST_ID for ``hosts`` simulated hosts of consecutive ranks (None: one host), and ``env``."""
     if hosts == 1:
-        return None
-    return [{"SHARDKIT_HOST_ID": f"host{rank * hosts // world}"} for rank in range(world)]
+        return [dict(env) for _ in range(world)] if env else None
+    return [{"SHARDKIT_HOST_ID": f"host{rank * hosts // world}", **env} for rank in range(world)]
+
+
+# The pipelines' activations are small: every point-to-point message between ranks of one host takes the direct
+# route (csrc/comm/local_p2p.h) here, the rest gloo.
+DIRECT = {"SHARDKIT_P2P_DIRECT_BYTES": "1"}
+
+
+def _direct_bytes(group: dist.ProcessGroup | None = None) -> int:
+    """What this rank received on the direct route (read from a peer's memory) in ``group`` (default: the world)."""
+    return (group or dist.group.WORLD)._get_backend(torch.device("cpu")).direct_p2p_bytes()
 
 
 def _params(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -99,16 +109,17 @@ def _pipeline_rank(rank: int, world: int, schedule_name: str) -> dict:
             assert torch.equal(ref_losses, losses_now), f"rank {rank} step {step}: {losses_now} vs {ref_losses}"
             losses.append(losses_now.sum().item())
         _assert_bitwise(params_now, ref_params, f"{schedule_name} rank {rank} step {step}")
-    return {"losses": losses}
+    return {"losses": losses, "direct": _direct_bytes()}
 
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("schedule_name,world,hosts", [("ScheduleGPipe", 2, 1), ("Schedule1F1B", 4, 2)])
 def test_pipeline_schedules_on_shardkit_are_bitwise_gloo(tmp_path, schedule_name, world, hosts):
     results = harness.run(_pipeline_rank, world, schedule_name, workdir=tmp_path, timeout=180,
-                          env=_hosts(world, hosts))
+                          env=_hosts(world, hosts, **DIRECT))
     losses = results[-1]["losses"]
     assert len(losses) == STEPS and losses[-1] < losses[0], losses
+    assert all(r["direct"] > 0 for r in results), results  # every rank has a stage neighbour on its host
 
 
 # --- expert parallelism ----------------------------------------------------------------------------------------
@@ -255,13 +266,15 @@ def _pipeline_fsdp_rank(rank: int, world: int) -> dict:
             assert torch.equal(ref_losses, losses_now), f"rank {rank} step {step}: {losses_now} vs {ref_losses}"
             losses.append(losses_now.sum().item())
         _assert_bitwise(params_now, ref_params, f"pipeline + fully_shard rank {rank} step {step}")
-    return {"losses": losses}
+    return {"losses": losses, "direct": _direct_bytes(mesh["pp"].get_group())}
 
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("hosts", [1, 2])
 def test_pipeline_with_fully_shard_on_a_2x2_mesh_is_bitwise_gloo(tmp_path, hosts):
-    results = harness.run(_pipeline_fsdp_rank, 4, workdir=tmp_path, timeout=180, env=_hosts(4, hosts))
+    results = harness.run(_pipeline_fsdp_rank, 4, workdir=tmp_path, timeout=180, env=_hosts(4, hosts, **DIRECT))
+    # the stages' pairs ({0, 2}, {1, 3}) share a host unless the 2 hosts ({0, 1}, {2, 3}) split them
+    assert all((r["direct"] > 0) == (hosts == 1) for r in results), results
     last = [results[2]["losses"], results[3]["losses"]]
     assert last[0] != last[1] and all(run[-1] < run[0] for run in last), last  # own batches, and learning
 
