@@ -198,7 +198,7 @@ LocalPointToPoint::LocalPointToPoint(Options options, std::shared_ptr<InnerBacke
       next_seq_(options_.on_this_host.size(), 0),
       reapers_(options_.on_this_host.size()) {}
 
-LocalPointToPoint::~LocalPointToPoint() { shutdown(); }
+LocalPointToPoint::~LocalPointToPoint() { shutdown(/*drain=*/false); }
 
 void LocalPointToPoint::check_tag(int tag, const std::string& where) {
   TORCH_CHECK(tag >= 0 && tag < kControlTags, where, "tag ", tag, " is outside [0, ", kControlTags,
@@ -295,6 +295,7 @@ void LocalPointToPoint::reap(int dst) {
     }
     std::lock_guard<std::mutex> lock(mutex_);
     reaper.awaited.reset();
+    reaped_.notify_all();
     if (gave_up) {
       InnerBackends::abandon(next.gloo);  // an op given up on may still run on it (inner_backends.h)
     } else if (staging_pool_.size() < kPoolBuffers) {
@@ -325,10 +326,19 @@ void LocalPointToPoint::refuse_reads(const std::string& why) {
   }
 }
 
-void LocalPointToPoint::shutdown() {
+void LocalPointToPoint::shutdown(bool drain) {
   std::vector<c10::intrusive_ptr<c10d::Work>> to_abort;
   {
-    std::lock_guard<std::mutex> lock(mutex_);
+    std::unique_lock<std::mutex> lock(mutex_);
+    if (drain) {
+      const auto idle = [this] {
+        for (const Reaper& reaper : reapers_) {
+          if (!reaper.pending.empty() || reaper.awaited) return false;
+        }
+        return true;
+      };
+      reaped_.wait_for(lock, options_.timeout, idle);
+    }
     stopping_ = true;
     for (Reaper& reaper : reapers_) {
       if (reaper.awaited) to_abort.push_back(reaper.awaited);

@@ -90,8 +90,11 @@ class LocalPointToPoint : public std::enable_shared_from_this<LocalPointToPoint>
 
   // Payload bytes this rank has received by reading a peer's memory directly.
   uint64_t direct_bytes_received() const { return direct_received_.load(); }
-  // Ends the reapers: aborts the receipts still awaited (their staging buffers are dropped) and joins them.
-  void shutdown();
+  // destroy_process_group() (and the exit hook): first waits, up to the group's timeout, for the receipts still
+  // awaited: a receiver reads the staged bytes after this rank's send has completed, possibly after it went on to
+  // end the group, and this process must outlive that read. Then aborts what is left (staging buffers dropped)
+  // and joins the reapers. `drain` false: no wait (the destructor).
+  void shutdown(bool drain = true);
 
   // Called by a receiver's Work (DirectRecvWork, local_p2p.cpp).
   const Options& options() const { return options_; }
@@ -131,6 +134,7 @@ class LocalPointToPoint : public std::enable_shared_from_this<LocalPointToPoint>
 
   std::mutex mutex_;  // guards everything below
   std::condition_variable wake_reapers_;
+  std::condition_variable reaped_;  // a receipt came back (or was given up on)
   std::vector<int64_t> next_seq_;  // per destination
   std::vector<Reaper> reapers_;    // per destination
   std::vector<at::Tensor> staging_pool_;  // staging buffers whose receipts came back, for reuse

@@ -411,6 +411,7 @@ def _mixed_precision_cells(rank: int, world: int, workdir: str, cells: list[tupl
     accelerate's state reset between cells. engine: ``shardkit`` (with ``strategy``) or an anchor
     (``_accelerate_on_gloo``; strategy None)."""
     import os
+    import time
 
     import torch.distributed as dist
     from accelerate.state import AcceleratorState, GradientState
@@ -454,6 +455,11 @@ def _mixed_precision_cells(rank: int, world: int, workdir: str, cells: list[tupl
             GradientState._reset_state()
             if dist.is_initialized():
                 dist.destroy_process_group()
+            # The next cell drops this one's model, and with torch's DDP its Reducer's gloo group, whose destructor
+            # joins gloo's worker threads holding the GIL; a worker still destroying its last Work needs the GIL
+            # (the Work's captured thread-local state holds a Python object): a deadlock seen once on a loaded
+            # machine. Releasing the GIL here lets such a worker finish first.
+            time.sleep(0.05)
     return results
 
 

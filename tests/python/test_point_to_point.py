@@ -170,3 +170,23 @@ def _abort_while_receiving(rank: int, world: int) -> str:
 def test_abort_ends_a_direct_receive_that_waits(ranks):
     message = run_on(ranks, "1host-w2", _abort_while_receiving, timeout=60)[1]
     assert "shardkit recv (rank 1)" in message and "the receive was aborted" in message, message
+
+
+def _sender_ends_first(rank: int, world: int) -> bool:
+    import time
+
+    n = THRESHOLD
+    if rank == 0:
+        dist.send(_message(0, 1, n, torch.float32), 1)  # complete: the receiver has posted, not yet read
+        dist.destroy_process_group()  # waits for the receipt: the receiver reads this process's memory
+        return True
+    work = dist.irecv(got := torch.empty(n), 0)
+    time.sleep(1.0)
+    work.wait()
+    assert torch.equal(got, _message(0, 1, n, torch.float32))
+    dist.destroy_process_group()
+    return True
+
+
+def test_a_sender_that_ends_its_group_first_waits_for_the_read(ranks):
+    assert run_on(ranks, "1host-w2", _sender_ends_first, timeout=60) == [True, True]
