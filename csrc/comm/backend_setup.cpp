@@ -139,6 +139,7 @@ void ProcessGroupShardkit::abort_with(const std::string& reason) {
   routes().abort(reason);
   // Sends and receives go to the inner gloo backend, outside the routes: abort those still waiting (gloo's abort
   // wakes a blocked wait, which then returns false). Copied out of the lock: an abort may take a moment.
+  local_p2p_->abort();
   for (const auto& work : point_to_point_->take_waiting()) work->abort();
 }
 

@@ -6,6 +6,7 @@
 #include <cerrno>
 #include <cstring>
 #include <iostream>
+#include <system_error>
 
 #include <ATen/ATen.h>
 
@@ -15,14 +16,20 @@ namespace {
 
 constexpr int64_t kMagic = 0x73686b7032707631;  // "shkp2pv1"
 enum Descriptor { kMagicAt, kSenderAt, kPidAt, kAddressAt, kBytesAt, kSeqAt, kDescriptorSize };
-// kRefused: the sizes differ; kFailed: the read failed otherwise. Both end the receive with an error.
+// kRefused: the sizes differ; kFailed: the receive failed otherwise. Both end the receive with an error.
 enum Receipt : int64_t { kCopied = 0, kSendBytes = 1, kRefused = 2, kFailed = 3 };
 // Staging buffers kept for reuse once their receipts are back (a pipeline sends the same shapes every step).
 constexpr size_t kPoolBuffers = 8;
+constexpr size_t kPoolBytes = size_t{256} << 20;
+
+int receipt_tag(int64_t seq) { return LocalPointToPoint::kControlTags + 2 * static_cast<int>(seq % (1 << 28)); }
+int bytes_tag(int64_t seq) { return receipt_tag(seq) + 1; }
 
 at::Tensor int64s(int64_t n) { return at::zeros({n}, at::TensorOptions().dtype(at::kLong)); }
 
 std::vector<at::Tensor> one(const at::Tensor& t) { return {t}; }
+
+std::string error_text(int err) { return std::system_category().message(err); }
 
 // Reads `bytes` at `address` in process `pid` into `out`; returns 0, or the errno that stopped it.
 int read_from(int32_t pid, uint64_t address, void* out, size_t bytes) {
@@ -31,148 +38,35 @@ int read_from(int32_t pid, uint64_t address, void* out, size_t bytes) {
     iovec local{static_cast<char*>(out) + done, bytes - done};
     iovec remote{reinterpret_cast<void*>(address + done), bytes - done};  // NOLINT(performance-no-int-to-ptr)
     const ssize_t n = process_vm_readv(pid, &local, 1, &remote, 1, 0);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      return errno;
-    }
+    if (n < 0) return errno;
     if (n == 0) return EFAULT;
-    done += static_cast<size_t>(n);
+    done += static_cast<size_t>(n);  // a read may stop at a page boundary: go on from there
   }
   return 0;
 }
 
-// A receive on the direct route: the protocol's receiver half runs in wait() (local_p2p.h).
-class DirectRecvWork : public c10d::Work {
- public:
-  DirectRecvWork(std::shared_ptr<LocalPointToPoint> owner, at::Tensor out, int expected_src, int tag,
-                 std::string where)
-      : c10d::Work(owner->options().rank, c10d::OpType::RECV, "shardkit:recv", std::vector<at::Tensor>{out}),
-        owner_(std::move(owner)),
-        out_(std::move(out)),
-        descriptor_(int64s(kDescriptorSize)),
-        expected_src_(expected_src),
-        where_(std::move(where)),
-        future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))) {
-    auto gloo = owner_->gloo(where_);
-    auto tensors = one(descriptor_);
-    step_ = expected_src_ >= 0 ? gloo->recv(tensors, expected_src_, tag) : gloo->recvAnysource(tensors, tag);
-    owner_->track(step_);
-  }
-
-  bool wait(std::chrono::milliseconds timeout) override {
-    std::unique_lock<std::mutex> once(run_mutex_);
-    if (!ran_) {
-      ran_ = true;
-      std::exception_ptr error;
-      try {
-        run(timeout == kNoTimeout ? owner_->options().timeout : timeout);
-      } catch (...) {
-        error = std::current_exception();
-      }
-      finish(error);
-      if (error) {
-        future_->setError(error);
-      } else {
-        future_->markCompleted(c10::IValue(std::vector<at::Tensor>{out_}));
-      }
-    }
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (exception_) std::rethrow_exception(exception_);
-    return true;
-  }
-
-  void abort() override {
-    std::lock_guard<std::mutex> lock(step_mutex_);
-    aborted_ = true;
-    if (step_) step_->abort();
-  }
-
-  int sourceRank() const override { return source_; }
-  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
-
- private:
-  // Waits for `work` as this receive's current step (abort() ends it).
-  void await(c10::intrusive_ptr<c10d::Work> work, std::chrono::milliseconds timeout) {
-    {
-      std::lock_guard<std::mutex> lock(step_mutex_);
-      TORCH_CHECK(!aborted_, where_, "the receive was aborted");
-      step_ = work;
-      owner_->track(work);
-    }
-    TORCH_CHECK(work->wait(timeout), where_, "the receive was aborted");  // gloo's wait returns false once aborted
-  }
-
-  void run(std::chrono::milliseconds timeout) {
-    await(step_, timeout);
-    const int64_t* d = descriptor_.data_ptr<int64_t>();
-    TORCH_CHECK(d[kMagicAt] == kMagic, where_, "a message of ", out_.nbytes(), " bytes arrived without shardkit's "
-                "descriptor (was it sent with another backend, or a different SHARDKIT_P2P_DIRECT_BYTES?)");
-    const auto& options = owner_->options();
-    const int src = static_cast<int>(d[kSenderAt]);
-    TORCH_CHECK(src >= 0 && src < static_cast<int>(options.on_this_host.size()) && src != options.rank, where_,
-                "a descriptor names sender ", src, ", not a peer of this group");
-    TORCH_CHECK(expected_src_ < 0 || src == expected_src_, where_, "expected a message from rank ",
-                options.names.name(expected_src_), ", got one from rank ", options.names.name(src));
-    source_ = src;
-    const auto bytes = static_cast<size_t>(d[kBytesAt]);
-    const int64_t seq = d[kSeqAt];
-    int64_t status = kCopied;
-    int read_error = 0;
-    if (bytes != out_.nbytes()) {
-      status = kRefused;
-    } else if (!owner_->read_allowed() || static_cast<int32_t>(d[kPidAt]) != options.names.pid(src)) {
-      status = kSendBytes;  // never read a process this group did not vouch for (another pid namespace)
-    } else if (const int err = read_from(options.names.pid(src), static_cast<uint64_t>(d[kAddressAt]),
-                                         out_.data_ptr(), bytes);
-               err != 0) {
-      if (err == EPERM || err == ENOSYS || err == EACCES) {
-        status = kSendBytes;
-        owner_->refuse_reads(std::string("process_vm_readv: ") + std::strerror(err));
-      } else {
-        status = kFailed;
-        read_error = err;
-      }
-    } else {
-      owner_->count_received(bytes);
-    }
-    auto receipt = int64s(2);
-    receipt.data_ptr<int64_t>()[0] = status;
-    receipt.data_ptr<int64_t>()[1] = seq;
-    auto gloo = owner_->gloo(where_);
-    auto receipt_tensors = one(receipt);
-    await(gloo->send(receipt_tensors, src, LocalPointToPoint::receipt_tag(seq)), timeout);
-    TORCH_CHECK(status != kRefused, where_, "recv of ", out_.nbytes(), " bytes from rank ", options.names.name(src),
-                " met a send of ", bytes, " bytes: sender and receiver must agree on the tensor's size");
-    TORCH_CHECK(status != kFailed, where_, "reading ", bytes, " bytes from rank ", options.names.name(src), " (pid ",
-                d[kPidAt], ") failed: ", std::strerror(read_error));
-    if (status == kSendBytes) {
-      auto out_tensors = one(out_);
-      await(gloo->recv(out_tensors, src, LocalPointToPoint::bytes_tag(seq)), timeout);
-    }
-  }
-
-  std::shared_ptr<LocalPointToPoint> owner_;
-  at::Tensor out_;
-  at::Tensor descriptor_;
-  const int expected_src_;
-  const std::string where_;
-  c10::intrusive_ptr<c10::ivalue::Future> future_;
-  std::mutex run_mutex_;  // one waiter runs the protocol; others wait for it
-  bool ran_ = false;
-  std::mutex step_mutex_;
-  c10::intrusive_ptr<c10d::Work> step_;  // the gloo Work the receive waits for now
-  bool aborted_ = false;
-  int source_ = -1;
-};
+// Staging buffers given up on (their receipt never came back): a receiver may still read them, so they are kept for
+// the life of the process (leaked on purpose, like InnerBackends::abandon's backends).
+void bury(at::Tensor staged) {
+  static std::mutex mutex;
+  static auto* graveyard = new std::vector<at::Tensor>();
+  std::lock_guard<std::mutex> lock(mutex);
+  graveyard->push_back(std::move(staged));
+}
 
 }  // namespace
 
+// --- TrackedWorks --------------------------------------------------------------------------------------------------
+
 void TrackedWorks::add(const c10::intrusive_ptr<c10d::Work>& work) {
+  std::vector<c10::intrusive_ptr<c10d::Work>> released;  // dropped after the lock: a Work's end may run anything
   std::lock_guard<std::mutex> lock(mutex_);
   if (works_.size() >= 64) {  // forget the ended ones, so that the list stays as short as what waits
     std::vector<c10::weak_intrusive_ptr<c10d::Work>> live;
     for (const auto& weak : works_) {
-      if (auto held = weak.lock(); held && !held->isCompleted()) live.push_back(weak);
+      auto held = weak.lock();
+      if (held && !held->isCompleted()) live.push_back(weak);
+      released.push_back(std::move(held));
     }
     works_ = std::move(live);
   }
@@ -180,23 +74,172 @@ void TrackedWorks::add(const c10::intrusive_ptr<c10d::Work>& work) {
 }
 
 std::vector<c10::intrusive_ptr<c10d::Work>> TrackedWorks::take_waiting() {
-  std::vector<c10::intrusive_ptr<c10d::Work>> waiting;
-  std::lock_guard<std::mutex> lock(mutex_);
-  for (const auto& weak : works_) {
-    if (auto work = weak.lock(); work && !work->isCompleted()) waiting.push_back(std::move(work));
+  std::vector<c10::intrusive_ptr<c10d::Work>> waiting, released;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (const auto& weak : works_) {
+      auto work = weak.lock();
+      (work && !work->isCompleted() ? waiting : released).push_back(std::move(work));
+    }
+    works_.clear();
   }
-  works_.clear();
   return waiting;
 }
 
+// --- what the message threads share ---------------------------------------------------------------------------------
+
+struct LocalPointToPoint::Shared {
+  Options options;
+  std::shared_ptr<InnerBackends> inner;
+  std::shared_ptr<TrackedWorks> tracked;
+  std::atomic<bool> read_allowed;
+  std::atomic<uint64_t> received{0};
+  std::mutex pool_mutex;
+  std::vector<at::Tensor> pool;  // staging buffers whose receipts came back
+
+  Shared(Options o, std::shared_ptr<InnerBackends> i, std::shared_ptr<TrackedWorks> t)
+      : options(std::move(o)), inner(std::move(i)), tracked(std::move(t)), read_allowed(options.direct_read) {}
+
+  at::Tensor take_staging(size_t bytes) {
+    {
+      std::lock_guard<std::mutex> lock(pool_mutex);
+      for (auto it = pool.begin(); it != pool.end(); ++it) {
+        if (it->nbytes() == bytes) {
+          at::Tensor found = std::move(*it);
+          pool.erase(it);
+          return found;
+        }
+      }
+    }
+    return at::empty({static_cast<int64_t>(bytes)}, at::TensorOptions().dtype(at::kByte));
+  }
+
+  void give_back(at::Tensor staged) {
+    std::lock_guard<std::mutex> lock(pool_mutex);
+    size_t held = 0;
+    for (const auto& buffer : pool) held += buffer.nbytes();
+    if (pool.size() < kPoolBuffers && held + staged.nbytes() <= kPoolBytes) pool.push_back(std::move(staged));
+  }
+
+  // The kernel refused a read: every later message asks for its bytes over gloo (logged once).
+  void refuse_reads(const std::string& why) {
+    if (read_allowed.exchange(false)) {
+      std::cerr << "shardkit (rank " << options.names.name(options.rank) << "): point-to-point messages between "
+                << "ranks of one host carry their bytes over gloo from now on: the kernel refuses to read a peer's "
+                << "memory (" << why << "; a ptrace policy or seccomp)" << std::endl;
+    }
+  }
+};
+
+// --- one message ----------------------------------------------------------------------------------------------------
+
+struct LocalPointToPoint::Transfer {
+  Transfer(std::string w, bool s) : where(std::move(w)), is_send(s) {}
+
+  const std::string where;
+  const bool is_send;
+  std::mutex mutex;  // guards below
+  std::condition_variable changed;
+  bool handed_over = false;  // the caller's Work may complete (a send: its descriptor is delivered)
+  bool finished = false;     // the message's thread has nothing left to do
+  std::exception_ptr error;  // why the caller's Work failed
+  int source = -1;           // a receive's sender
+  c10::intrusive_ptr<c10d::Work> step;  // the gloo Work the thread waits for now
+  bool aborted = false;
+
+  // Waits for `work` as the message's current step (abort() ends it).
+  void await(const c10::intrusive_ptr<c10d::Work>& work, Shared& shared) {
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      TORCH_CHECK(!aborted, where, "the point-to-point op was aborted");
+      step = work;
+    }
+    shared.tracked->add(work);
+    const bool ended = work->wait(shared.options.timeout);  // false: aborted (gloo)
+    std::lock_guard<std::mutex> lock(mutex);
+    step.reset();
+    TORCH_CHECK(ended && !aborted, where, "the point-to-point op was aborted");
+  }
+
+  void abort() {
+    c10::intrusive_ptr<c10d::Work> current;
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      aborted = true;
+      current = step;
+    }
+    if (current) current->abort();
+  }
+
+  void hand_over(std::exception_ptr failure) {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (!handed_over) {
+      handed_over = true;
+      error = std::move(failure);
+    }
+    changed.notify_all();
+  }
+
+  void finish() {
+    std::lock_guard<std::mutex> lock(mutex);
+    finished = true;
+    changed.notify_all();
+  }
+};
+
+namespace {
+
+// The caller's Work for a message on the direct route: it waits for the message's thread.
+class DirectWork : public c10d::Work {
+ public:
+  DirectWork(std::shared_ptr<LocalPointToPoint::Transfer> transfer, int rank, c10d::OpType type,
+             std::chrono::milliseconds default_timeout, const at::Tensor& tensor)
+      : c10d::Work(rank, type, nullptr, std::vector<at::Tensor>{tensor}),
+        transfer_(std::move(transfer)),
+        default_timeout_(default_timeout) {}
+
+  bool wait(std::chrono::milliseconds timeout) override {
+    const auto limit = timeout == kNoTimeout ? default_timeout_ : timeout;
+    std::exception_ptr error;
+    {
+      std::unique_lock<std::mutex> lock(transfer_->mutex);
+      if (!transfer_->changed.wait_for(lock, limit, [&] { return transfer_->handed_over; })) {
+        lock.unlock();
+        TORCH_CHECK(false, transfer_->where, "timed out after ", limit.count(), " ms waiting for the ",
+                    transfer_->is_send ? "send to be handed over" : "message to arrive");
+      }
+      error = transfer_->error;
+    }
+    finish(error);  // Work's own state, for callers that ask it (exception(), isSuccess()); idempotent
+    if (error) std::rethrow_exception(error);
+    return true;
+  }
+
+  bool isCompleted() override {
+    std::lock_guard<std::mutex> lock(transfer_->mutex);
+    return transfer_->handed_over;
+  }
+
+  void abort() override { transfer_->abort(); }
+
+  int sourceRank() const override {
+    std::lock_guard<std::mutex> lock(transfer_->mutex);
+    return transfer_->source;
+  }
+
+ private:
+  std::shared_ptr<LocalPointToPoint::Transfer> transfer_;
+  const std::chrono::milliseconds default_timeout_;
+};
+
+}  // namespace
+
+// --- the route ------------------------------------------------------------------------------------------------------
+
 LocalPointToPoint::LocalPointToPoint(Options options, std::shared_ptr<InnerBackends> inner,
                                      std::shared_ptr<TrackedWorks> tracked)
-    : options_(std::move(options)),
-      inner_(std::move(inner)),
-      tracked_(std::move(tracked)),
-      read_allowed_(options_.direct_read),
-      next_seq_(options_.on_this_host.size(), 0),
-      reapers_(options_.on_this_host.size()) {}
+    : shared_(std::make_shared<Shared>(std::move(options), std::move(inner), std::move(tracked))),
+      next_seq_(shared_->options.on_this_host.size(), 0) {}
 
 LocalPointToPoint::~LocalPointToPoint() { shutdown(/*drain=*/false); }
 
@@ -206,32 +249,60 @@ void LocalPointToPoint::check_tag(int tag, const std::string& where) {
 }
 
 bool LocalPointToPoint::direct(const at::Tensor& tensor, int peer) const {
-  return peer >= 0 && peer < static_cast<int>(options_.on_this_host.size()) && peer != options_.rank &&
-         options_.on_this_host[peer] && options_.names.pid(peer) > 0 && tensor.device().is_cpu() &&
-         tensor.layout() == at::kStrided && tensor.is_contiguous() && tensor.nbytes() >= options_.direct_bytes;
+  const Options& o = shared_->options;
+  return peer >= 0 && peer < static_cast<int>(o.on_this_host.size()) && peer != o.rank && o.on_this_host[peer] &&
+         o.names.pid(peer) > 0 && tensor.device().is_cpu() && tensor.layout() == at::kStrided &&
+         tensor.is_contiguous() && tensor.nbytes() >= o.direct_bytes;
 }
 
 bool LocalPointToPoint::direct_from_any(const at::Tensor& tensor, const std::string& where) const {
+  const Options& o = shared_->options;
   if (!tensor.device().is_cpu() || tensor.layout() != at::kStrided || !tensor.is_contiguous() ||
-      tensor.nbytes() < options_.direct_bytes) {
+      tensor.nbytes() < o.direct_bytes) {
     return false;
   }
   int local = 0, remote = 0;
-  for (int r = 0; r < static_cast<int>(options_.on_this_host.size()); ++r) {
-    if (r == options_.rank) continue;
-    (options_.on_this_host[r] && options_.names.pid(r) > 0 ? local : remote) += 1;
+  for (int r = 0; r < static_cast<int>(o.on_this_host.size()); ++r) {
+    if (r == o.rank) continue;
+    (o.on_this_host[r] && o.names.pid(r) > 0 ? local : remote) += 1;
   }
   TORCH_CHECK(local == 0 || remote == 0, where, "a receive from any source of ", tensor.nbytes(),
-              " bytes (at least SHARDKIT_P2P_DIRECT_BYTES=", options_.direct_bytes, ") in a group with ranks on "
+              " bytes (at least SHARDKIT_P2P_DIRECT_BYTES=", o.direct_bytes, ") in a group with ranks on "
               "this host and on others is not supported: a sender on this host sends a descriptor, one elsewhere "
               "the bytes. Name the source (recv(tensor, src))");
   return remote == 0 && local > 0;
 }
 
+uint64_t LocalPointToPoint::direct_bytes_received() const { return shared_->received.load(); }
+
+void LocalPointToPoint::start(const std::shared_ptr<Transfer>& transfer, std::function<void()> body) {
+  std::vector<std::thread> ended;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    TORCH_CHECK(!stopped_, transfer->where, "the process group was shut down");
+    for (auto it = threads_.begin(); it != threads_.end();) {
+      bool done = false;
+      {
+        std::lock_guard<std::mutex> transfer_lock(it->first->mutex);
+        done = it->first->finished;
+      }
+      if (done) {
+        ended.push_back(std::move(it->second));
+        it = threads_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    threads_.emplace_back(transfer, std::thread(std::move(body)));
+  }
+  for (auto& thread : ended) thread.join();  // each has returned, or is returning, from its body
+}
+
 c10::intrusive_ptr<c10d::Work> LocalPointToPoint::send(const at::Tensor& tensor, int dst, int tag,
                                                        const std::string& where) {
+  const Options& o = shared_->options;
   const size_t bytes = tensor.nbytes();
-  at::Tensor staged = take_staging(bytes);
+  at::Tensor staged = shared_->take_staging(bytes);
   std::memcpy(staged.data_ptr(), tensor.data_ptr(), bytes);
   int64_t seq = 0;
   {
@@ -241,118 +312,148 @@ c10::intrusive_ptr<c10d::Work> LocalPointToPoint::send(const at::Tensor& tensor,
   at::Tensor descriptor = int64s(kDescriptorSize);
   int64_t* d = descriptor.data_ptr<int64_t>();
   d[kMagicAt] = kMagic;
-  d[kSenderAt] = options_.rank;
+  d[kSenderAt] = o.rank;
   d[kPidAt] = ::getpid();
   d[kAddressAt] = static_cast<int64_t>(reinterpret_cast<uintptr_t>(staged.data_ptr()));
   d[kBytesAt] = static_cast<int64_t>(bytes);
   d[kSeqAt] = seq;
-  auto gloo = inner_->all_ranks(where);
+  auto transfer = std::make_shared<Transfer>(where, /*is_send=*/true);
+  auto gloo = shared_->inner->all_ranks(where);  // held for the whole message (inner_backends.h)
   at::Tensor receipt = int64s(2);
+  // Posted here, on the caller's thread: gloo orders a pair's messages (per tag) by these calls.
   auto receipt_tensors = one(receipt);
-  auto receipt_recv = gloo->recv(receipt_tensors, dst, receipt_tag(seq));  // posted before the descriptor leaves
-  tracked_->add(receipt_recv);
+  auto receipt_recv = gloo->recv(receipt_tensors, dst, receipt_tag(seq));
   auto descriptor_tensors = one(descriptor);
   auto sent = gloo->send(descriptor_tensors, dst, tag);
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    Reaper& reaper = reapers_[dst];
-    reaper.pending.push_back(Pending{seq, std::move(staged), std::move(receipt), std::move(receipt_recv), gloo});
-    if (!reaper.thread.joinable() && !stopping_) reaper.thread = std::thread([this, dst] { reap(dst); });
-  }
-  wake_reapers_.notify_all();
-  return sent;
+  start(transfer, [shared = shared_, transfer, gloo, staged, descriptor, receipt, receipt_recv, sent, dst, seq] {
+    try {
+      transfer->await(sent, *shared);
+      transfer->hand_over(nullptr);  // the message is handed over; the staged bytes wait for the receiver
+      transfer->await(receipt_recv, *shared);
+      if (receipt.data_ptr<int64_t>()[0] == kSendBytes) {
+        auto staged_tensors = one(staged);
+        transfer->await(gloo->send(staged_tensors, dst, bytes_tag(seq)), *shared);
+      }
+      shared->give_back(staged);
+    } catch (...) {
+      transfer->hand_over(std::current_exception());  // nothing where it was handed over already
+      bury(staged);                                    // the receiver may still read it
+      InnerBackends::abandon(gloo);                    // an op given up on may still run on it
+    }
+    transfer->finish();
+  });
+  return c10::make_intrusive<DirectWork>(transfer, o.rank, c10d::OpType::SEND, o.timeout, tensor);
 }
 
 c10::intrusive_ptr<c10d::Work> LocalPointToPoint::recv(const at::Tensor& tensor, int src, int tag,
                                                        const std::string& where) {
-  return c10::make_intrusive<DirectRecvWork>(shared_from_this(), tensor, src, tag, where);
-}
-
-void LocalPointToPoint::reap(int dst) {
-  Reaper& reaper = reapers_[dst];
-  for (;;) {
-    Pending next;
-    {
-      std::unique_lock<std::mutex> lock(mutex_);
-      wake_reapers_.wait(lock, [&] { return stopping_ || !reaper.pending.empty(); });
-      if (reaper.pending.empty()) return;  // stopping, nothing left
-      next = std::move(reaper.pending.front());
-      reaper.pending.pop_front();
-      reaper.awaited = next.receipt_recv;
-    }
-    bool gave_up = false;
+  const Options& o = shared_->options;
+  auto transfer = std::make_shared<Transfer>(where, /*is_send=*/false);
+  auto gloo = shared_->inner->all_ranks(where);
+  at::Tensor descriptor = int64s(kDescriptorSize);
+  auto descriptor_tensors = one(descriptor);
+  auto descriptor_recv = src >= 0 ? gloo->recv(descriptor_tensors, src, tag) : gloo->recvAnysource(descriptor_tensors, tag);
+  at::Tensor out = tensor;
+  start(transfer, [shared = shared_, transfer, gloo, descriptor, descriptor_recv, out, src] {
+    const Options& options = shared->options;
+    const std::string& where = transfer->where;
+    int sender = -1;
+    int64_t seq = -1;
+    bool receipt_sent = false;
     try {
-      gave_up = !next.receipt_recv->wait(options_.timeout);  // false: aborted
-      if (!gave_up && next.receipt.data_ptr<int64_t>()[0] == kSendBytes) {
-        auto staged = one(next.staged);
-        auto sent = next.gloo->send(staged, dst, bytes_tag(next.seq));
-        tracked_->add(sent);
-        gave_up = !sent->wait(options_.timeout);
+      transfer->await(descriptor_recv, *shared);
+      const int64_t* d = descriptor.data_ptr<int64_t>();
+      TORCH_CHECK(d[kMagicAt] == kMagic, where, "a message of ", out.nbytes(), " bytes arrived without shardkit's "
+                  "descriptor (was it sent with another backend, or with a different SHARDKIT_P2P_DIRECT_BYTES?)");
+      sender = static_cast<int>(d[kSenderAt]);
+      const int delivered_by = src >= 0 ? src : descriptor_recv->sourceRank();
+      TORCH_CHECK(sender == delivered_by && sender != options.rank && d[kSeqAt] >= 0, where, "a descriptor from rank ",
+                  options.names.name(delivered_by), " names sender ", sender, " and sequence ", d[kSeqAt]);
+      seq = d[kSeqAt];
+      {
+        std::lock_guard<std::mutex> lock(transfer->mutex);
+        transfer->source = sender;
       }
-    } catch (const std::exception&) {
-      // The receiver failed, died, or the group ended: the receiver's receive reports it (or nobody waits).
-      gave_up = true;
+      const auto bytes = static_cast<size_t>(d[kBytesAt]);
+      int64_t status = kCopied;
+      int read_error = 0;
+      if (bytes != out.nbytes()) {
+        status = kRefused;
+      } else if (!shared->read_allowed.load() || static_cast<int32_t>(d[kPidAt]) != options.names.pid(sender)) {
+        status = kSendBytes;  // never read a process the group did not vouch for (another pid namespace)
+      } else if (const int err = read_from(options.names.pid(sender), static_cast<uint64_t>(d[kAddressAt]),
+                                           out.data_ptr(), bytes);
+                 err == EPERM || err == ENOSYS || err == EACCES) {
+        status = kSendBytes;
+        shared->refuse_reads("process_vm_readv: " + error_text(err));
+      } else if (err != 0) {
+        status = kFailed;
+        read_error = err;
+      } else {
+        shared->received += bytes;
+      }
+      at::Tensor receipt = int64s(2);
+      receipt.data_ptr<int64_t>()[0] = status;
+      receipt.data_ptr<int64_t>()[1] = seq;
+      auto receipt_tensors = one(receipt);
+      receipt_sent = true;  // from here the sender hears of this message, whatever happens next
+      transfer->await(gloo->send(receipt_tensors, sender, receipt_tag(seq)), *shared);
+      TORCH_CHECK(status != kRefused, where, "recv of ", out.nbytes(), " bytes from rank ",
+                  options.names.name(sender), " met a send of ", bytes,
+                  " bytes: sender and receiver must agree on the tensor's size");
+      TORCH_CHECK(status != kFailed, where, "reading ", bytes, " bytes from rank ", options.names.name(sender),
+                  " (pid ", d[kPidAt], ") failed: ", error_text(read_error));
+      if (status == kSendBytes) {
+        auto out_tensors = one(out);
+        transfer->await(gloo->recv(out_tensors, sender, bytes_tag(seq)), *shared);
+      }
+      transfer->hand_over(nullptr);
+    } catch (...) {
+      const auto error = std::current_exception();
+      if (sender >= 0 && seq >= 0 && !receipt_sent) {  // the sender waits for a receipt: tell it
+        try {
+          at::Tensor receipt = int64s(2);
+          receipt.data_ptr<int64_t>()[0] = kFailed;
+          receipt.data_ptr<int64_t>()[1] = seq;
+          auto receipt_tensors = one(receipt);
+          transfer->await(gloo->send(receipt_tensors, sender, receipt_tag(seq)), *shared);
+        } catch (...) {
+        }
+      }
+      transfer->hand_over(error);
+      InnerBackends::abandon(gloo);  // an op given up on may still run on it
     }
-    std::lock_guard<std::mutex> lock(mutex_);
-    reaper.awaited.reset();
-    reaped_.notify_all();
-    if (gave_up) {
-      InnerBackends::abandon(next.gloo);  // an op given up on may still run on it (inner_backends.h)
-    } else if (staging_pool_.size() < kPoolBuffers) {
-      staging_pool_.push_back(std::move(next.staged));
-    }
-  }
+    transfer->finish();
+  });
+  return c10::make_intrusive<DirectWork>(transfer, o.rank, src >= 0 ? c10d::OpType::RECV : c10d::OpType::RECVANYSOURCE,
+                                         o.timeout, tensor);
 }
 
-at::Tensor LocalPointToPoint::take_staging(size_t bytes) {
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    for (auto it = staging_pool_.begin(); it != staging_pool_.end(); ++it) {
-      if (it->nbytes() == bytes) {
-        at::Tensor found = std::move(*it);
-        staging_pool_.erase(it);
-        return found;
-      }
-    }
-  }
-  return at::empty({static_cast<int64_t>(bytes)}, at::TensorOptions().dtype(at::kByte));
-}
-
-void LocalPointToPoint::refuse_reads(const std::string& why) {
-  if (read_allowed_.exchange(false)) {
-    std::cerr << "shardkit (rank " << options_.names.name(options_.rank) << "): point-to-point messages between "
-              << "ranks of one host go through gloo from now on: the kernel refuses to read a peer's memory (" << why
-              << "; a ptrace policy or seccomp)" << std::endl;
-  }
+void LocalPointToPoint::abort() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (auto& [transfer, thread] : threads_) transfer->abort();
 }
 
 void LocalPointToPoint::shutdown(bool drain) {
-  std::vector<c10::intrusive_ptr<c10d::Work>> to_abort;
+  std::vector<std::pair<std::shared_ptr<Transfer>, std::thread>> taken;
   {
-    std::unique_lock<std::mutex> lock(mutex_);
-    if (drain) {
-      const auto idle = [this] {
-        for (const Reaper& reaper : reapers_) {
-          if (!reaper.pending.empty() || reaper.awaited) return false;
-        }
-        return true;
-      };
-      reaped_.wait_for(lock, options_.timeout, idle);
-    }
-    stopping_ = true;
-    for (Reaper& reaper : reapers_) {
-      if (reaper.awaited) to_abort.push_back(reaper.awaited);
-      for (Pending& pending : reaper.pending) {
-        to_abort.push_back(pending.receipt_recv);
-        InnerBackends::abandon(pending.gloo);
+    std::lock_guard<std::mutex> lock(mutex_);
+    stopped_ = true;
+    taken = std::move(threads_);
+    threads_.clear();
+  }
+  if (drain) {  // sends handed over wait for their receipts: the receivers read the staged bytes meanwhile
+    const auto deadline = std::chrono::steady_clock::now() + shared_->options.timeout;
+    for (auto& [transfer, thread] : taken) {
+      std::unique_lock<std::mutex> lock(transfer->mutex);
+      if (transfer->is_send && transfer->handed_over) {
+        transfer->changed.wait_until(lock, deadline, [&] { return transfer->finished; });
       }
-      reaper.pending.clear();
     }
   }
-  for (auto& work : to_abort) work->abort();
-  wake_reapers_.notify_all();
-  for (Reaper& reaper : reapers_) {
-    if (reaper.thread.joinable() && reaper.thread.get_id() != std::this_thread::get_id()) reaper.thread.join();
+  for (auto& [transfer, thread] : taken) transfer->abort();
+  for (auto& [transfer, thread] : taken) {
+    if (thread.joinable()) thread.join();
   }
 }
 

@@ -357,6 +357,19 @@ def _agree_inter_host_scheme(watch: StartupWatch, rank: int) -> str:
     return watch.get(key, "waiting for rank 0 to say how collectives cross hosts").decode()
 
 
+def _agree_p2p_direct_bytes(watch: StartupWatch, rank: int, mine: int) -> None:
+    """Every rank must route a message alike (csrc/comm/local_p2p.h): SHARDKIT_P2P_DIRECT_BYTES compared with rank
+    0's."""
+    key = "shardkit/p2p_direct_bytes"
+    if rank == 0:
+        watch.store.set(key, str(mine))
+        return
+    theirs = int(watch.get(key, "waiting for rank 0's SHARDKIT_P2P_DIRECT_BYTES").decode())
+    if theirs != mine:
+        raise ValueError(f"{watch.where()}: SHARDKIT_P2P_DIRECT_BYTES is {mine} here but {theirs} on rank "
+                         f"{watch.name(0)}: every rank must use the same (a send/recv's route depends on it)")
+
+
 def _agree_segment_name(watch: StartupWatch, local_rank: int, host_index: int, group_id: str) -> str:
     """Each host's first rank draws a name unique to this job, group and host; its peers read it."""
     key = f"shardkit/shm_name/{host_index}"
@@ -465,6 +478,7 @@ def _start(options, watch: StartupWatch, global_ranks: list[int], timeout: timed
     config.timeout = timeout
     config.isolated = isolated
     config.p2p_direct_bytes, config.p2p_direct_read = _p2p_settings()
+    _agree_p2p_direct_bytes(watch, rank, config.p2p_direct_bytes)
 
     fallback = connect_gloo(watch, dist.PrefixStore("shardkit/gloo", store), rank, size, timeout,
                             "the inner gloo backend")
