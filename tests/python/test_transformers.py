@@ -239,8 +239,12 @@ def test_bf16_with_the_best_model_loaded_at_the_end(runs, strategy):
         for name, value in best.items():  # the model is the best checkpoint's, bitwise
             torch.testing.assert_close(trained[name], value, rtol=0, atol=0, msg=f"{who}: {name}")
     assert len(facts["norms"]) == len(anchor_facts["norms"]) == 4
-    if strategy in ("ddp", "zero2"):  # the same autocast as the anchor's torch DDP: the same numbers
+    if strategy == "ddp":  # the same autocast as the anchor's torch DDP: the same numbers
         rtol, atol = 1e-5, 1e-6
+    elif strategy == "zero2":  # the same autocast, but the clipping norm adds the shards' squares in another order
+        # than torch's clip_grad_norm_ (last bits); bf16 activations grow that over the steps (measured: norms 6.4e-5
+        # relative on an AMD EPYC with avx512_bf16, under 1e-5 on an Intel Xeon)
+        rtol, atol = 2e-4, 1e-4
     else:  # accelerate's FSDP plugins' bf16: parameters and reductions cast to bf16 (MixedPrecisionPolicy /
         # MixedPrecision) besides or instead of the autocast, so bf16's rounding apart from the anchor's (measured:
         # norms 6e-4, weights 5e-3 at most)
