@@ -22,7 +22,7 @@ backend, besides the collectives of ``collectives.py``:
 "Size" is the per-rank buffer in bytes (f32): the message for p2p, the ``all_to_all_single`` input (and output).
 
 Where each runs on shardkit (csrc/comm/backend.cpp): ``ProcessGroupShardkit::send`` / ``recv`` of at least
-SHARDKIT_P2P_DIRECT_BYTES (256 KiB) between two ranks of one host take the direct route (csrc/comm/local_p2p.h):
+SHARDKIT_P2P_DIRECT_BYTES (2 MiB) between two ranks of one host take the direct route (csrc/comm/local_p2p.h):
 the sender copies the tensor into a staging buffer and sends a descriptor over gloo, the receiver reads the bytes
 from the sender's memory with process_vm_readv and sends a receipt back; smaller messages go to the inner gloo
 backend (``inner_->all_ranks(...)->send(...)``), so below the threshold the ratio should be about 1. Neither backend
@@ -359,7 +359,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "machine": machine,
         "config": {"worlds": args.worlds, "sizes": list(sizes), "ops": list(cfg.ops),
                    "timing": dataclasses.asdict(cfg.timing), "quick": quick, "omp_num_threads": 1, "dtype": "f32",
-                   "shardkit_p2p": "direct route from 256 KiB (local_p2p.h: staged copy + process_vm_readv), "
+                   "shardkit_p2p": "direct route from 2 MiB (local_p2p.h: staged copy + process_vm_readv), "
                                    "inner gloo backend below",
                    "shardkit_all_to_all": "shared-memory engine (ShmGroup::alltoall)"},
         "rows": rows,

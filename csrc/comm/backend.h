@@ -71,7 +71,7 @@ class ProcessGroupShardkit : public c10d::Backend {
     // Point-to-point messages of at least this many bytes between ranks of one host take the direct route
     // (local_p2p.h; SHARDKIT_P2P_DIRECT_BYTES), which reads the sender's memory unless `p2p_direct_read` is false
     // (SHARDKIT_P2P_DIRECT_READ=0: the bytes then come over gloo after the descriptor).
-    size_t p2p_direct_bytes = size_t{256} << 10;
+    size_t p2p_direct_bytes = size_t{2} << 20;
     bool p2p_direct_read = true;
   };
 

@@ -1,9 +1,11 @@
 #include "comm/local_p2p.h"
 
+#include <sys/mman.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <iostream>
 #include <system_error>
@@ -43,6 +45,20 @@ int read_from(int32_t pid, uint64_t address, void* out, size_t bytes) {
     done += static_cast<size_t>(n);  // a read may stop at a page boundary: go on from there
   }
   return 0;
+}
+
+// A staging buffer of `bytes`, backed by transparent huge pages where the kernel has them: process_vm_readv pins
+// the sender's pages one by one, and with 4 KiB pages (what torch's allocator gives) a 64 MiB read ran at a third
+// of memcpy's speed here (9-13 ms against 3.7 ms with 2 MiB pages).
+at::Tensor huge_page_buffer(size_t bytes) {
+  constexpr size_t kHuge = size_t{2} << 20;
+  const size_t rounded = (bytes + kHuge - 1) / kHuge * kHuge;
+  void* data = nullptr;
+  TORCH_CHECK(posix_memalign(&data, kHuge, rounded) == 0, "shardkit: could not allocate a point-to-point staging "
+              "buffer of ", rounded, " bytes");
+  madvise(data, rounded, MADV_HUGEPAGE);  // advice: where THP is off, the buffer simply has small pages
+  return at::from_blob(data, {static_cast<int64_t>(bytes)}, [](void* p) { std::free(p); },
+                       at::TensorOptions().dtype(at::kByte));
 }
 
 // Staging buffers given up on (their receipt never came back): a receiver may still read them, so they are kept for
@@ -111,7 +127,7 @@ struct LocalPointToPoint::Shared {
         }
       }
     }
-    return at::empty({static_cast<int64_t>(bytes)}, at::TensorOptions().dtype(at::kByte));
+    return huge_page_buffer(bytes);
   }
 
   void give_back(at::Tensor staged) {

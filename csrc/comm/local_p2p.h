@@ -71,7 +71,7 @@ class LocalPointToPoint {
     int rank = 0;                    // this rank's place in the group
     core::PeerNames names;           // how messages name the group's ranks, and their pids (0 / unwatched: unknown)
     std::vector<bool> on_this_host;  // on_this_host[r]: group rank r shares this host
-    size_t direct_bytes = size_t{256} << 10;  // smallest message on this route
+    size_t direct_bytes = size_t{2} << 20;  // smallest message on this route
     bool direct_read = true;  // false: the receipt always asks for the bytes over gloo (SHARDKIT_P2P_DIRECT_READ=0)
     std::chrono::milliseconds timeout{std::chrono::minutes(30)};
   };

@@ -45,7 +45,7 @@ Environment:
   SHARDKIT_SHM_TAG          a label put into the shared-memory segment names (letters, digits, '_'), so
                             that a job's segments can be told apart in /dev/shm (the test suite uses it).
   SHARDKIT_P2P_DIRECT_BYTES the smallest send/recv between two ranks of one host that the receiver reads from
-                            the sender's memory (default 256 KiB; csrc/comm/local_p2p.h); the same on every rank.
+                            the sender's memory (default 2 MiB; csrc/comm/local_p2p.h); the same on every rank.
   SHARDKIT_P2P_DIRECT_READ  0: those messages' bytes come over gloo after the descriptor (default 1).
   (SHARDKIT_HOST_ID and SHARDKIT_INTER_HOST: see _topology.py.)
 """
@@ -297,7 +297,7 @@ class WatchedStore(dist.Store):
 # --- the creator: what init_process_group runs for each shardkit group -------------------------------------------
 _DEFAULT_SLOT_BYTES = 1 << 20
 # The smallest point-to-point message between ranks of one host that takes the direct route (local_p2p.h).
-_DEFAULT_P2P_DIRECT_BYTES = 256 << 10
+_DEFAULT_P2P_DIRECT_BYTES = 2 << 20
 # How many earlier start-ups on a group's Store a host's first rank looks at for segments left in /dev/shm
 # (_remove_stale_segments): a run of attempts each killed before it got that far would need more.
 _SWEPT_GENERATIONS = 8

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from support.collective_cases import TOPOLOGIES, run_on
 
-THRESHOLD = 256 << 10  # SHARDKIT_P2P_DIRECT_BYTES's default
+THRESHOLD = 2 << 20  # SHARDKIT_P2P_DIRECT_BYTES's default
 
 
 def _direct_bytes() -> int:
