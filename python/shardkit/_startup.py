@@ -307,28 +307,26 @@ _SWEPT_GENERATIONS = 8
 _GLOO_STORES: dict[str, list[dist.Store]] = {}
 
 
-def _slot_bytes() -> int:
-    raw = os.environ.get("SHARDKIT_SHM_SLOT_BYTES", str(_DEFAULT_SLOT_BYTES))
+def _positive_env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name, str(default))
     try:
         value = int(raw)
     except ValueError:
         value = 0
     if value <= 0:
-        raise ValueError(f"SHARDKIT_SHM_SLOT_BYTES must be a positive integer, got {raw!r}")
+        raise ValueError(f"{name} must be a positive integer, got {raw!r}")
     return value
+
+
+def _slot_bytes() -> int:
+    return _positive_env_int("SHARDKIT_SHM_SLOT_BYTES", _DEFAULT_SLOT_BYTES)
 
 
 def _p2p_settings() -> tuple[int, bool]:
     """SHARDKIT_P2P_DIRECT_BYTES (the smallest send/recv between ranks of one host that the receiver reads from the
     sender's memory; every rank must use the same) and SHARDKIT_P2P_DIRECT_READ (0: such messages' bytes come
     over gloo instead), see csrc/comm/local_p2p.h."""
-    raw = os.environ.get("SHARDKIT_P2P_DIRECT_BYTES", str(_DEFAULT_P2P_DIRECT_BYTES))
-    try:
-        threshold = int(raw)
-    except ValueError:
-        threshold = 0
-    if threshold <= 0:
-        raise ValueError(f"SHARDKIT_P2P_DIRECT_BYTES must be a positive integer, got {raw!r}")
+    threshold = _positive_env_int("SHARDKIT_P2P_DIRECT_BYTES", _DEFAULT_P2P_DIRECT_BYTES)
     read = os.environ.get("SHARDKIT_P2P_DIRECT_READ", "1").strip()
     if read not in ("0", "1"):
         raise ValueError(f"SHARDKIT_P2P_DIRECT_READ must be 0 or 1, got {read!r}")

@@ -49,6 +49,11 @@ def _direct_bytes(group: dist.ProcessGroup | None = None) -> int:
     return (group or dist.group.WORLD)._get_backend(torch.device("cpu")).direct_p2p_bytes()
 
 
+def _full(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+            for n, p in module.named_parameters()}
+
+
 def _params(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
@@ -71,6 +76,33 @@ class Stage(nn.Module):
         return x + self.down(torch.tanh(self.up(x)))
 
 
+def _train_pipelines(runs: list, stage: int, stages: int, x: torch.Tensor, y: torch.Tensor, what: str) -> list[float]:
+    """The (module, schedule, optimizer) runs take turns for STEPS steps on one batch: the first stage feeds ``x``,
+    the last computes the loss against ``y``; after every step the runs' losses and parameters must be bitwise
+    equal. Returns the last stage's losses (empty elsewhere)."""
+    last = stage == stages - 1
+    losses = []
+    for step in range(STEPS):
+        pair = []
+        for module, schedule, optimizer in runs:
+            step_losses: list[torch.Tensor] = []
+            if stage == 0:
+                schedule.step(x)
+            elif last:
+                schedule.step(target=y, losses=step_losses)
+            else:
+                schedule.step()
+            optimizer.step()
+            optimizer.zero_grad()
+            pair.append((torch.stack(step_losses) if last else None, _full(module)))
+        (ref_losses, ref_params), (losses_now, params_now) = pair
+        if last:
+            assert torch.equal(ref_losses, losses_now), f"{what} step {step}: {losses_now} vs {ref_losses}"
+            losses.append(losses_now.sum().item())
+        _assert_bitwise(params_now, ref_params, f"{what} step {step}")
+    return losses
+
+
 def _pipeline_rank(rank: int, world: int, schedule_name: str) -> dict:
     """One stage per rank (world stages), ``schedule_name`` over 4 microbatches, SGD; the stage on the shardkit
     group against the same stage on a gloo group, step by step."""
@@ -87,28 +119,9 @@ def _pipeline_rank(rank: int, world: int, schedule_name: str) -> dict:
         runs.append((module, schedule_class(stage, n_microbatches=4, loss_fn=loss_fn),
                      torch.optim.SGD(module.parameters(), lr=0.05)))
     assert dist.get_backend(dist.group.WORLD) == "shardkit" and dist.get_backend(gloo_world()) == "gloo"
-    last = rank == world - 1
-    losses = []
     g = torch.Generator().manual_seed(101)
     x, y = torch.randn(8, D, generator=g), torch.randn(8, D, generator=g)  # one batch, so the loss must fall
-    for step in range(STEPS):
-        pair = []
-        for module, schedule, optimizer in runs:
-            step_losses: list[torch.Tensor] = []
-            if rank == 0:
-                schedule.step(x)
-            elif last:
-                schedule.step(target=y, losses=step_losses)
-            else:
-                schedule.step()
-            optimizer.step()
-            optimizer.zero_grad()
-            pair.append((torch.stack(step_losses) if last else None, _params(module)))
-        (ref_losses, ref_params), (losses_now, params_now) = pair
-        if last:
-            assert torch.equal(ref_losses, losses_now), f"rank {rank} step {step}: {losses_now} vs {ref_losses}"
-            losses.append(losses_now.sum().item())
-        _assert_bitwise(params_now, ref_params, f"{schedule_name} rank {rank} step {step}")
+    losses = _train_pipelines(runs, rank, world, x, y, f"{schedule_name} rank {rank}")
     return {"losses": losses, "direct": _direct_bytes()}
 
 
@@ -223,11 +236,6 @@ def _meshes(rank: int, names: tuple[str, str]):
     return gloo_mesh, mesh
 
 
-def _full(module: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-            for n, p in module.named_parameters()}
-
-
 def _pipeline_fsdp_rank(rank: int, world: int) -> dict:
     """GPipe over "pp" (2 stages, a column each) with each stage's module fully_shard over "dp" (a row); each
     "dp" coordinate trains on its own batch. torch's fully_shard on the gloo mesh against shardkit's on the
@@ -249,23 +257,7 @@ def _pipeline_fsdp_rank(rank: int, world: int) -> dict:
                      torch.optim.SGD(module.parameters(), lr=0.05)))
     g = torch.Generator().manual_seed(200 + data_rank)
     x, y = torch.randn(4, D, generator=g), torch.randn(4, D, generator=g)
-    losses = []
-    for step in range(STEPS):
-        pair = []
-        for module, schedule, optimizer in runs:
-            step_losses: list[torch.Tensor] = []
-            if stage_index == 0:
-                schedule.step(x)
-            else:
-                schedule.step(target=y, losses=step_losses)
-            optimizer.step()
-            optimizer.zero_grad()
-            pair.append((torch.stack(step_losses) if stage_index else None, _full(module)))
-        (ref_losses, ref_params), (losses_now, params_now) = pair
-        if stage_index:
-            assert torch.equal(ref_losses, losses_now), f"rank {rank} step {step}: {losses_now} vs {ref_losses}"
-            losses.append(losses_now.sum().item())
-        _assert_bitwise(params_now, ref_params, f"pipeline + fully_shard rank {rank} step {step}")
+    losses = _train_pipelines(runs, stage_index, 2, x, y, f"pipeline + fully_shard rank {rank}")
     return {"losses": losses, "direct": _direct_bytes(mesh["pp"].get_group())}
 
 
