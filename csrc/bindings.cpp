@@ -19,6 +19,7 @@
 #include "core/quantize.h"
 #include "core/reduce.h"
 #include "core/shm_segment.h"
+#include "core/state_file.h"
 #include "core/rename_exchange.h"
 #include "ddp/reducer.h"
 #include "fsdp/flat_param.h"
@@ -376,6 +377,48 @@ PYBIND11_MODULE(_C, m) {
       [](const std::string& a, const std::string& b) { return shardkit::core::rename_exchange(a.c_str(), b.c_str()); },
       py::arg("a"), py::arg("b"), py::call_guard<py::gil_scoped_release>(),
       "Swaps two existing paths atomically (Linux renameat2 RENAME_EXCHANGE): 0, or the errno, nothing changed.");
+  using shardkit::core::IoEngine;
+  using shardkit::core::StateFile;
+  py::class_<StateFile>(m, "StateFile")
+      .def(py::init<std::string, size_t, bool>(), py::arg("path"), py::arg("nbytes"), py::arg("direct") = true,
+           "Creates `path` (it must not exist) with `nbytes` reserved (rounded up to 4096); direct I/O where the "
+           "filesystem takes it. The name is removed when the object is collected (or close()).")
+      .def_property_readonly("path", &StateFile::path)
+      .def_property_readonly("nbytes", &StateFile::size)
+      .def_property_readonly("direct", &StateFile::direct)
+      .def_property_readonly("direct_refused", &StateFile::direct_refused)
+      .def("check", &StateFile::check, "Raises, naming the path, where the file was removed or truncated.");
+  py::class_<IoEngine>(m, "IoEngine")
+      .def(py::init<int>(), py::arg("threads"))
+      .def(
+          "submit",
+          [](IoEngine& engine, bool write, const StateFile& file, size_t offset, const at::Tensor& buffer,
+             size_t nbytes) {
+            TORCH_CHECK(buffer.device().is_cpu() && buffer.is_contiguous() && nbytes <= buffer.nbytes(),
+                        "IoEngine.submit: the buffer must be a contiguous CPU tensor of at least ", nbytes, " bytes");
+            return engine.submit(write ? IoEngine::Kind::kWrite : IoEngine::Kind::kRead, file, offset,
+                                 buffer.data_ptr(), nbytes);
+          },
+          py::arg("write"), py::arg("file"), py::arg("offset"), py::arg("buffer"), py::arg("nbytes"),
+          "Queues a read (write=False) or write of nbytes of `buffer` at `offset`; returns its ticket. The file and "
+          "the buffer must stay alive until wait() has returned for it.")
+      .def(
+          "wait",
+          [](IoEngine& engine, uint64_t ticket, double timeout_s) {
+            engine.wait(ticket, std::chrono::steady_clock::now() +
+                                    std::chrono::microseconds(static_cast<int64_t>(timeout_s * 1e6)));
+          },
+          py::arg("ticket"), py::arg("timeout_s"), py::call_guard<py::gil_scoped_release>(),
+          "Waits for a request: returns, raises its error, or raises at the deadline naming it.");
+  m.def(
+      "aligned_bytes",
+      [](size_t nbytes) {
+        auto buffer = std::make_shared<shardkit::core::AlignedBuffer>(nbytes);
+        uint8_t* data = buffer->data();
+        return torch::from_blob(data, {static_cast<int64_t>(nbytes)}, [buffer](void*) mutable { buffer.reset(); },
+                                torch::TensorOptions().dtype(torch::kUInt8));
+      },
+      py::arg("nbytes"), "A zeroed uint8 tensor whose memory is aligned for direct I/O (4096 bytes).");
   m.def("release_shared_pages", &shardkit::comm::release_memory_pages, py::arg("memory"), py::arg("offset"),
         py::arg("nbytes"),
         "Gives the whole pages inside the byte range of a shared buffer back to /dev/shm (they read as zeros after); "

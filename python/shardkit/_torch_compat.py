@@ -521,3 +521,11 @@ def track_steps_for_lr_scheduler(optimizer: torch.optim.Optimizer) -> None:
     tracked.__dict__["_wrapped_by_lr_sched"] = True
     wrapped: Any = optimizer
     wrapped.step = tracked
+
+
+def fused_adam_kernel(decoupled_weight_decay: bool) -> Callable[..., None]:
+    """torch's fused Adam / AdamW update (``torch._fused_adam_`` / ``torch._fused_adamw_``, what
+    ``torch.optim.Adam(W)(fused=True)`` runs; torch 2.11-2.14 take the same keywords: ``amsgrad, lr, beta1, beta2,
+    weight_decay, eps, maximize, grad_scale, found_inf``). shardkit.optim's offloaded optimizers run it on each chunk of
+    state streamed from disk, so their update is torch's, bit for bit."""
+    return torch._fused_adamw_ if decoupled_weight_decay else torch._fused_adam_

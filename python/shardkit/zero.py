@@ -75,6 +75,7 @@ from torch.optim import Optimizer
 from . import _exchange, _flat, _profiling, _torch_compat
 from . import _zero_state_dict as zero_state_dict
 from ._zero_state_dict import LOCAL_PIECES_KEY
+from .optim import OffloadedAdam, OffloadedAdamW
 
 __all__ = ["ELEMENTWISE_OPTIMIZERS", "ZeroRedundancyOptimizer"]
 
@@ -84,7 +85,7 @@ __all__ = ["ELEMENTWISE_OPTIMIZERS", "ZeroRedundancyOptimizer"]
 ELEMENTWISE_OPTIMIZERS: tuple[type[Optimizer], ...] = tuple(
     getattr(torch.optim, name) for name in ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop",
                                             "Adagrad", "Adadelta", "ASGD", "Rprop")
-    if hasattr(torch.optim, name))
+    if hasattr(torch.optim, name)) + (OffloadedAdam, OffloadedAdamW)
 
 _warned_classes: set[type] = set()
 _GROUP_ONLY_KEYS = ("params", "param_names")
