@@ -48,6 +48,8 @@ ABOUT = {
                               "asynchronous against synchronous saves and torch's dcp.async_save"),
     "autoload.json": ("`benchmarks/autoload.py`", "what backend=\"shardkit\" without an import (torch's extension "
                       "autoloading) adds to `import torch`"),
+    "offload.json": ("`benchmarks/offload.py`", "shardkit.optim.OffloadedAdamW's step with the moments on disk "
+                     "against the disk bound and torch's AdamW in memory (103M parameters)"),
     "identity_check.json": ("`benchmarks/identity_check.py`", "the cost of comparing collective identities"),
     "trace.json": ("`benchmarks/trace.py`", "the cost of the flight recorder (recording vs SHARDKIT_TRACE_BUFFER=0)"),
     "powersgd.json": ("`benchmarks/powersgd.py`", "the C++ PowerSGD hook against torch's"),

@@ -6,8 +6,8 @@ torch's ``AdamW`` / ``Adam`` with their arguments and defaults, but the two mome
 ``amsgrad``) of every parameter live in one file per optimizer under ``path`` (made fresh, its room reserved at
 construction, removed when the optimizer is collected): in memory stay the chunk buffers, not the state.
 
-``step()`` streams the state through ``buffers`` buffer sets of ``chunk_bytes`` each (double-buffered by default):
-while one chunk is updated the next one is read and the previous one written (``shardkit._C.IoEngine``: a pool of
+``step()`` streams the state through ``buffers`` buffer sets of ``chunk_bytes`` each (3 by default): while one chunk
+is updated the next one is read and the previous one written (``shardkit._C.IoEngine``: a pool of
 pread/pwrite workers, direct I/O where the filesystem takes it). Each chunk is updated by torch's own fused CPU
 kernel (``torch._fused_adamw_`` / ``torch._fused_adam_``) on views of the parameter, its gradient and the chunk's
 state, with the parameter's one ``step`` tensor. The update is element by element and chunks hold whole multiples of
@@ -71,7 +71,7 @@ class OffloadedAdam(torch.optim.Optimizer):
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, amsgrad: bool = False, *, maximize: bool = False,
                  decoupled_weight_decay: bool = False, path: str | os.PathLike[str],
-                 chunk_bytes: int = 8 << 20, buffers: int = 2, io_threads: int = 2, direct_io: bool = True) -> None:
+                 chunk_bytes: int = 8 << 20, buffers: int = 3, io_threads: int = 2, direct_io: bool = True) -> None:
         name = type(self).__name__
         if not 0.0 <= lr:
             raise ValueError(f"{name}: invalid learning rate {lr}")
@@ -179,12 +179,16 @@ class OffloadedAdam(torch.optim.Optimizer):
         kernel = _torch_compat.fused_adam_kernel(group["decoupled_weight_decay"])
         beta1, beta2 = group["betas"]
         sets = len(self._buffers)
+        # Read `lookahead` chunks ahead. The buffer set a read lands in was last written from sets - lookahead
+        # chunks ago: with one set to spare (3 sets, 1 ahead) that write has had a whole chunk's time to finish, so
+        # reads and writes overlap; with 2 sets the read waits for the write just issued, and they take turns.
+        lookahead = max(1, sets - 2)
         reads: list[list[int] | None] = [None] * len(chunks)
         writes: list[list[int]] = [[] for _ in range(sets)]  # the write in flight from each buffer set
-        for i in range(min(sets - 1, len(chunks))):  # read ahead
+        for i in range(min(lookahead, len(chunks))):
             reads[i] = self._submit(False, chunks[i], self._buffers[i % sets])
         for i, (p, start, n) in enumerate(chunks):
-            ahead = i + sets - 1
+            ahead = i + lookahead
             if ahead < len(chunks):  # its buffer set's last write must be done before the read lands there
                 self._wait(writes[ahead % sets])
                 writes[ahead % sets] = []
@@ -249,7 +253,7 @@ class OffloadedAdamW(OffloadedAdam):
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, *, maximize: bool = False,
-                 path: str | os.PathLike[str], chunk_bytes: int = 8 << 20, buffers: int = 2, io_threads: int = 2,
+                 path: str | os.PathLike[str], chunk_bytes: int = 8 << 20, buffers: int = 3, io_threads: int = 2,
                  direct_io: bool = True) -> None:
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize,
                          decoupled_weight_decay=True, path=path, chunk_bytes=chunk_bytes, buffers=buffers,
