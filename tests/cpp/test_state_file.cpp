@@ -188,13 +188,14 @@ TEST(StateFile, AFullDiskFailsAtCreationNamingThePathAndTheBytes) {
 TEST(IoEngine, AWaitPastItsDeadlineNamesTheRequest) {
   const TempDir dir;
   const std::string path = dir / "state";
-  StateFile file(path, 16 * kChunk);
-  AlignedBuffer buffer(16 * kChunk);
+  StateFile file(path, 256 * kChunk);  // 64 MiB
+  AlignedBuffer buffer(256 * kChunk);
   IoEngine engine(1);
-  // Queued behind 4 reads of 4 MiB on one worker: not done at the moment it is asked for.
+  // Queued behind 128 reads of 64 MiB on one worker (a quarter of a second even where the reads only zero-fill, as
+  // of blocks never written): not done a moment after it is queued, however the threads are scheduled.
   std::vector<IoEngine::Ticket> ahead;
-  for (int i = 0; i < 4; ++i) {
-    ahead.push_back(engine.submit(IoEngine::Kind::kRead, file, 0, buffer.data(), 16 * kChunk));
+  for (int i = 0; i < 128; ++i) {
+    ahead.push_back(engine.submit(IoEngine::Kind::kRead, file, 0, buffer.data(), 256 * kChunk));
   }
   const auto last = engine.submit(IoEngine::Kind::kRead, file, 0, buffer.data(), kChunk);
   EXPECT_EQ(error_of([&] { engine.wait(last, std::chrono::steady_clock::now()); }),
