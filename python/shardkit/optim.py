@@ -87,9 +87,12 @@ class OffloadedAdam(torch.optim.Optimizer):
             raise ValueError(f"{name}: buffers must be at least 2 (one updated, one read ahead), got {buffers}")
         # torch's keys, as torch.optim.Adam(W)(fused=True) has them: a state dict of this optimizer loaded into torch's
         # runs torch's fused update, the one this optimizer runs (torch takes these keys from the saved groups).
+        # The file's settings are group keys too, as torch keeps every constructor argument (ZeRO's consolidated
+        # state dict rebuilds the groups from the arguments it was given).
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
                         foreach=None, capturable=False, differentiable=False, fused=True,
-                        decoupled_weight_decay=decoupled_weight_decay)
+                        decoupled_weight_decay=decoupled_weight_decay, path=os.fspath(path), chunk_bytes=chunk_bytes,
+                        buffers=buffers, io_threads=io_threads, direct_io=direct_io)
         super().__init__(params, defaults)
         self._name = name
         self._keys: tuple[str, ...] = _MOMENTS + (_AMSGRAD if amsgrad else ())
@@ -225,6 +228,12 @@ class OffloadedAdam(torch.optim.Optimizer):
             for k, key in enumerate(self._keys):
                 buffers[k][: n * 4].view(torch.float32).copy_(_local(values[key]).reshape(-1)[start:start + n])
             self._wait(self._submit(True, (p_, start, n), buffers))
+
+    def parameter_state(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``p``'s whole state as torch's optimizer holds it (``step`` and the moments, read from the file); empty
+        before its first step. What ZeroRedundancyOptimizer gathers for a consolidated state dict."""
+        state = self.state[p]
+        return {**state, **self._read_state(p)} if "step" in state else {}
 
     def state_dict(self) -> dict[str, Any]:
         saved = super().state_dict()

@@ -376,8 +376,11 @@ class ZeroRedundancyOptimizer(Optimizer):
         if not (isinstance(to, int) and 0 <= to < self.world_size):
             raise ValueError(f"consolidate_state_dict: to must be a rank of the process group "
                              f"(0..{self.world_size - 1}), got {to!r}")
+        # parameter_state(): the whole state of an optimizer that keeps part of it outside `state` (shardkit.optim's
+        # offloaded optimizers: the moments are in a file)
+        state_of = getattr(self.optim, "parameter_state", lambda leaf: self.optim.state[leaf])
         mine = [(piece.index, piece.start, piece.numel,
-                 {key: _detached_cpu_copy(value) for key, value in self.optim.state[piece.leaf].items()})
+                 {key: _detached_cpu_copy(value) for key, value in state_of(piece.leaf).items()})
                 for piece in self._pieces if piece.leaf in self.optim.state]
         everyone = _exchange.gather_object(mine, to, self.process_group)
         self._consolidated_to = to

@@ -35,6 +35,7 @@ from __future__ import annotations
 import copy
 import gc
 import math
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -44,6 +45,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
+from shardkit.optim import OffloadedAdam, OffloadedAdamW
 from support.ddp_cases import IN, OUT, assert_close, assert_modules_match, batch, gloo_world, loss_fn, mlp, shardkit_ddp
 from support.ddp_cases import error_of as error_of_rank
 
@@ -161,7 +163,8 @@ def assert_ranks_identical(flats: list[list[float]]) -> None:
 
 def assert_state_dicts_match(got: dict, want: dict, where: str, exact: bool = False) -> None:
     """``got`` has exactly ``want``'s structure, indices, options, shapes and dtypes; tensors allclose (or equal)."""
-    assert got["param_groups"] == want["param_groups"], f"{where}: param_groups differ"
+    assert got["param_groups"] == want["param_groups"], f"{where}: param_groups differ: {got['param_groups']} vs " \
+                                                        f"{want['param_groups']}"
     assert sorted(got["state"]) == sorted(want["state"]), (
         f"{where}: state for parameters {sorted(got['state'])}, expected {sorted(want['state'])}")
     for index, want_state in want["state"].items():
@@ -271,6 +274,9 @@ ELEMENTWISE_CASES = [
     (torch.optim.Adadelta, {"lr": 1.0}),
     (torch.optim.ASGD, {"lr": 1e-2, "t0": 2}),
     (torch.optim.Rprop, {"lr": 1e-2}),
+    # shardkit's, their moments in a file under the temp dir (one per optimizer, removed with it)
+    (OffloadedAdamW, {"lr": 1e-2, "amsgrad": True, "path": tempfile.gettempdir(), "chunk_bytes": 4096}),
+    (OffloadedAdam, {"lr": 1e-2, "weight_decay": 0.01, "path": tempfile.gettempdir()}),
 ]
 
 

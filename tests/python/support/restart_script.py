@@ -155,6 +155,11 @@ def train(args: argparse.Namespace, fronts: list[str], attempt: int, rank: int, 
                 time.sleep(0.01)  # until this rank, a peer or torchrun ends the process
         losses.append(f"{front} {loss.item()!r}")
     (args.markers / f"attempt{attempt}.rank{rank}.done").write_text("\n".join(losses))
+    # torch's gloo worker completes a Work's future before it drops its own reference, and dropping the last one
+    # needs the GIL (the Work's captured thread-local state holds a Python object): a worker still there when the
+    # interpreter finalizes ends the process in std::terminate (seen: torch's DDP on gloo, 1 run in 4 on a 2-core
+    # VM). Sleeping releases the GIL and lets it finish first.
+    time.sleep(0.05)
     dist.destroy_process_group()
 
 
